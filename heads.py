@@ -1,0 +1,77 @@
+"""
+Blockwise Parallel Decoding's k-offset heads (Stern, Shazeer & Uszkoreit 2018, §4 / p.5).
+
+From the target's final hidden state h at position t (after ln_f) the heads propose the tokens at
+t+2 .. t+k. The token at t+1 (the bonus) is the target's own LM head: the paper's head "1" is the
+identity here, so a frozen target keeps exact greedy equivalence.
+
+    a   = relu(W1 h + c1)               width (k-1) * d_hidden, one layer shared by all heads
+    o   = W2 a + c2                     width (k-1) * C, reshaped into k-1 groups o_1 .. o_{k-1}
+    z_i = h + o_i                       residual from h
+    logits_i = lm_head(ln(z_i))         the target's own (tied) unembedding
+
+W2 and c2 start at zero, so every head starts as a copy of the next-token head (up to the heads'
+own LayerNorm, which re-normalises h): training only has to learn the offsets.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from decode import upcast
+from model import LayerNorm
+
+
+class BlockHeads(nn.Module):
+
+    def __init__(self, config, k, d_hidden=None):
+        super().__init__()
+        if k < 2:
+            raise ValueError(f"k={k}: block heads need k >= 2 (1 bonus + at least one draft)")
+        self.k = k
+        self.d_hidden = d_hidden or config.n_embd
+        C = config.n_embd
+        self.n_embd = C
+        self.c_fc = nn.Linear(C, (k - 1) * self.d_hidden, bias=True)
+        self.c_proj = nn.Linear((k - 1) * self.d_hidden, (k - 1) * C, bias=True)
+        self.ln = LayerNorm(C, bias=config.bias)
+        nn.init.normal_(self.c_fc.weight, std=0.02)
+        nn.init.zeros_(self.c_fc.bias)
+        nn.init.zeros_(self.c_proj.weight)  # every head starts as the next-token head
+        nn.init.zeros_(self.c_proj.bias)
+
+    def hidden(self, h, n_heads=None):
+        """h (..., C) -> z (..., n_heads, C), the first n_heads of the k-1 offset heads."""
+        n = self.k - 1 if n_heads is None else n_heads
+        a = F.relu(self.c_fc(h))
+        # only the first n groups of W2's output are needed: slice the rows, not the result
+        o = F.linear(a, self.c_proj.weight[:n * self.n_embd], self.c_proj.bias[:n * self.n_embd])
+        return h.unsqueeze(-2) + o.view(*h.shape[:-1], n, self.n_embd)
+
+    def forward(self, h, lm_head, n_heads=None):
+        """Logits (..., n_heads, vocab): entry i predicts the token i+1 positions after the bonus."""
+        return lm_head(self.ln(self.hidden(h, n_heads)))
+
+    def head_logits(self, h, lm_head, i):
+        """One head's logits (..., vocab): the random-offset loss materialises only these."""
+        return lm_head(self.ln(self.hidden(h, i + 1)[..., i, :]))
+
+    def loss(self, h, lm_head, idx, offset=None):
+        """Cross-entropy of the heads on a sequence (BPD §4.2).
+
+        h (B, T, C) are the target's hidden states over idx[:, :T]; idx (B, T + k) holds the tokens,
+        -1 where a position carries no target. Head i (0-based) at position t predicts idx[t+i+2].
+        offset=None: the full loss, the mean over the k-1 heads. offset=i: only head i's loss; drawn
+        uniformly per minibatch, its expectation (and its gradient's) is the full loss.
+        """
+        T = h.size(1)
+        heads = range(self.k - 1) if offset is None else [offset]
+        losses = [F.cross_entropy(upcast(self.head_logits(h, lm_head, i)).flatten(0, 1),
+                                  idx[:, i + 2:i + 2 + T].flatten(), ignore_index=-1)
+                  for i in heads]
+        return torch.stack(losses).mean()
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        """Drafter interface: h (N, C) at the bonus's position -> k-1 argmax drafts (N, k-1).
+        BPD heads draft by argmax under sampling too, so their q is a point mass (None)."""
+        return self(h, target.lm_head, k - 1).argmax(-1), None
