@@ -23,6 +23,12 @@ from model import BadInput, load_checkpoint, load_target
 
 # ------------------------------------------------------------------------- sampling helpers
 
+def span(name):
+    """A named region for torch.profiler (bench.py splits a step's time by these); near free
+    when no profiler is running."""
+    return torch.profiler.record_function('step.' + name)
+
+
 def upcast(t):
     """At least float32 (bf16 logits are upcast; float64 stays float64 for exactness tests)."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -75,41 +81,45 @@ def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
     Static shapes, no Python loop over positions, no host sync.
     """
     B, k = block.shape
-    h = model.forward_cached(block, cache)                      # (B, k, C)  BPD §3: one call
-    logits = upcast(model.lm_head(h))
-    drafts = block[:, 1:]                                       # (B, k-1)
-    if temperature == 0.0:
-        # BPD §3 verify: draft j+1 must be the target's argmax after position j
-        target = logits.argmax(-1)                              # (B, k)
-        mode, n = accept
-        if mode == 'topk':       # BPD §5: accept any draft inside the target's top-n
-            ok = (logits[:, :-1].topk(n, dim=-1).indices == drafts.unsqueeze(-1)).any(-1)
+    with span('target_forward'):
+        h = model.forward_cached(block, cache)                  # (B, k, C)  BPD §3: one call
+        logits = upcast(model.lm_head(h))
+    with span('verify'):
+        drafts = block[:, 1:]                                   # (B, k-1)
+        if temperature == 0.0:
+            # BPD §3 verify: draft j+1 must be the target's argmax after position j
+            target = logits.argmax(-1)                          # (B, k)
+            mode, n = accept
+            if mode == 'topk':       # BPD §5: accept any draft inside the target's top-n
+                ok = (logits[:, :-1].topk(n, dim=-1).indices == drafts.unsqueeze(-1)).any(-1)
+            else:
+                ok = drafts == target[:, :-1]
+                if mode == 'minblock':  # BPD §5: the first n-1 drafts are taken whatever they are
+                    ok = ok | (torch.arange(1, k, device=block.device) < n)
+            candidates = target                                 # bonus after each position
         else:
-            ok = drafts == target[:, :-1]
-            if mode == 'minblock':  # BPD §5: the first n-1 drafts are taken whatever they are
-                ok = ok | (torch.arange(1, k, device=block.device) < n)
-        candidates = target                                     # bonus after each position
-    else:
-        # Lossless speculative sampling (DESIGN §2), the same temperature on p and q
-        p = F.softmax(logits / temperature, dim=-1)             # (B, k, V) p_target
-        p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-        q_d = 1.0 if q_block is None else q_block.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-        u = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
-        ok = u * q_d < p_d                                      # accept w.p. min(1, p/q)
-        # every position's candidate bonus is drawn now, so the step stays one call without a
-        # sync: residual after a rejection at j, a plain sample from p after the last position
-        weights = torch.cat([residual(p[:, :-1], q_block, drafts), p[:, -1:]], dim=1)
-        candidates = sample(weights, generator)                 # (B, k)
-    accepted = ok.long().cumprod(-1).bool()                     # nothing counts past a rejection
-    n_acc = accepted.sum(-1)                                    # (B,) accepted drafts
-    bonus = candidates.gather(1, n_acc[:, None]).squeeze(1)     # (B,)
-    cache.lengths += (n_acc + 1) * active                       # commit b, d_1 .. d_{n_acc}
+            # Lossless speculative sampling (DESIGN §2), the same temperature on p and q
+            p = F.softmax(logits / temperature, dim=-1)         # (B, k, V) p_target
+            p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+            q_d = 1.0 if q_block is None else q_block.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+            u = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
+            ok = u * q_d < p_d                                  # accept w.p. min(1, p/q)
+            # every position's candidate bonus is drawn now, so the step stays one call without
+            # a sync: residual after a rejection at j, a plain sample from p after the last one
+            weights = torch.cat([residual(p[:, :-1], q_block, drafts), p[:, -1:]], dim=1)
+            candidates = sample(weights, generator)             # (B, k)
+        accepted = ok.long().cumprod(-1).bool()                 # nothing counts past a rejection
+        n_acc = accepted.sum(-1)                                # (B,) accepted drafts
+        bonus = candidates.gather(1, n_acc[:, None]).squeeze(1)  # (B,)
+    with span('cache'):
+        cache.lengths += (n_acc + 1) * active                   # commit b, d_1 .. d_{n_acc}
     if drafter is None:
         return n_acc, accepted, bonus[:, None], None
-    # BPD §3 merged propose: draft from the hidden state of the last accepted position. Gathering
-    # that row first and drafting once is the same as drafting at every j and gathering after.
-    h_acc = h.gather(1, n_acc[:, None, None].expand(B, 1, h.size(-1))).squeeze(1)  # (B, C)
-    new_drafts, q = drafter.draft(h_acc, bonus, model, k, temperature, generator)
+    with span('draft'):
+        # BPD §3 merged propose: draft from the hidden state of the last accepted position.
+        # Gathering that row first and drafting once equals drafting at every j, then gathering.
+        h_acc = h.gather(1, n_acc[:, None, None].expand(B, 1, h.size(-1))).squeeze(1)  # (B, C)
+        new_drafts, q = drafter.draft(h_acc, bonus, model, k, temperature, generator)
     return n_acc, accepted, torch.cat([bonus[:, None], new_drafts], dim=1), q
 
 
@@ -126,6 +136,8 @@ def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept):
     if temperature < 0:
         raise BadInput(f"temperature={temperature}: must be >= 0 (0 = greedy)")
     mode, n = parse_accept(accept)
+    if mode == 'topk' and n > model.config.vocab_size:
+        raise BadInput(f"accept={accept!r}: N must be <= the vocabulary size {model.config.vocab_size}")
     if mode != 'exact' and temperature > 0:
         raise BadInput(f"accept={accept!r} is lossy and greedy-only; use accept='exact' "
                        f"with temperature > 0")
@@ -137,9 +149,21 @@ def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept):
     return mode, n
 
 
+_COMPILED = {}
+
+
+def compiled_step(device_type):
+    """merged_step under torch.compile with static shapes; on CUDA as CUDA graphs
+    ("reduce-overhead"), so a step is one graph replay with no host round trip."""
+    if device_type not in _COMPILED:
+        mode = 'reduce-overhead' if device_type == 'cuda' else None
+        _COMPILED[device_type] = torch.compile(merged_step, mode=mode, dynamic=False)
+    return _COMPILED[device_type]
+
+
 @torch.no_grad()
 def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0,
-             accept="exact", generator=None):
+             accept="exact", generator=None, compile=False):
     """Generate max_new_tokens after prompt (B, T0) -> (out (B, T0 + max_new_tokens), stats).
 
     drafter=None: plain decoding, one target call per token. With a drafter (BlockHeads or
@@ -148,16 +172,23 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     target's distribution.
     stats: calls (prefill included), accept_lengths (tau of every step of every row, bonus
     included), accept_rate (per draft position, share of steps it was accepted).
+    compile=True runs the step compiled (the first calls pay the compilation: warm up first).
     """
-    k = 1 if drafter is None else (k or drafter.k)
+    k = 1 if drafter is None else (drafter.k if k is None else k)
     accept = check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept)
     B, T0 = prompt.shape
     total = T0 + max_new_tokens
     dev = prompt.device
     # spare room past the end: a row may overshoot `total` by k-1 tokens, and a finished row still
     # runs (and writes) one block per step until every row is done; none of it is kept
-    cache = model.new_cache(B, total + 2 * k)
+    # compiled: size the cache by the context, not the request, so every call has the same shapes
+    cache = model.new_cache(B, (model.config.block_size if compile else total) + 2 * k)
     out = torch.zeros(B, total + 2 * k, dtype=torch.long, device=dev)
+    step = merged_step
+    if compile:
+        step = compiled_step(dev.type)
+        for buf in (cache.k, cache.v, cache.lengths):  # fixed addresses, as module buffers have
+            torch._dynamo.mark_static_address(buf)
     out[:, :T0] = prompt
 
     # prefill (call 1): the prompt's last hidden state gives the first bonus and drafts
@@ -178,13 +209,20 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     taus, accs, actives = [], [], []
     calls = 1
     while True:
-        active = n_out < total
-        if not bool(active.any()):      # the one host sync per step: are all rows done?
-            break
-        # write the whole pending block; what is not accepted gets overwritten by the next one
-        out.scatter_(1, n_out[:, None] + offs, block)
-        n_acc, accepted, block, q = merged_step(model, drafter, cache, block, q, active,
-                                                temperature, accept, generator)
+        with span('host_sync'):
+            active = n_out < total
+            if not bool(active.any()):  # the one host sync per step: are all rows done?
+                break
+        with span('cache'):
+            # write the whole pending block; what is not accepted is overwritten by the next one
+            out.scatter_(1, n_out[:, None] + offs, block)
+        if compile:
+            torch.compiler.cudagraph_mark_step_begin()
+        n_acc, accepted, block, q = step(model, drafter, cache, block, q, active,
+                                         temperature, accept, generator)
+        if compile:  # a CUDA graph's outputs are overwritten by its next replay: keep copies
+            n_acc, accepted, block = n_acc.clone(), accepted.clone(), block.clone()
+            q = None if q is None else q.clone()
         calls += 1
         n_out += (n_acc + 1) * active
         taus.append(n_acc + 1)
@@ -214,12 +252,16 @@ def load_drafter(path, target):
         raise BadInput(f"{path} was trained for another base model (fingerprint "
                        f"{ckpt['base_fingerprint']} != {target.fingerprint()}); retrain it")
     from model import GPTConfig
-    cfg = GPTConfig.from_dict(ckpt['model_args'])
-    if kind == 'heads':
-        drafter = BlockHeads(cfg, ckpt['k'], ckpt['d_hidden'])
-    else:
-        drafter = DBlastDrafter(cfg, ckpt['k'], ckpt['K'], ckpt['d_hidden'])
-    drafter.load_state_dict(ckpt['drafter'])
+    try:
+        cfg = GPTConfig.from_dict(ckpt['model_args'])
+        if kind == 'heads':
+            drafter = BlockHeads(cfg, ckpt['k'], ckpt['d_hidden'])
+        else:
+            drafter = DBlastDrafter(cfg, ckpt['k'], ckpt['K'], ckpt['d_hidden'])
+        drafter.load_state_dict(ckpt['drafter'])
+    except Exception as e:  # missing fields, wrong shapes
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise BadInput(f"drafter checkpoint {path} is malformed ({first})")
     p = target.lm_head.weight
     return drafter.to(p.device, p.dtype).eval()
 
@@ -275,6 +317,8 @@ def main(argv=None):
     ap.add_argument('--sample-drafts', action='store_true', help='DBlast: sample the branch instead of argmax')
     ap.add_argument('--no-color', action='store_true', help='plain text even on a terminal')
     ap.add_argument('--device', default=None, help='cpu | cuda | mps (default: best available)')
+    ap.add_argument('--compile', action='store_true',
+                    help='torch.compile the step (CUDA graphs on GPU); warm-up excluded from timing')
     args = ap.parse_args(argv)
     try:
         run_cli(args)
@@ -308,11 +352,11 @@ def run_cli(args):
             if args.zt < 0:
                 raise BadInput(f"--zt {args.zt}: must be >= 0 (0 = argmax branch)")
             drafter.zt, drafter.sample_drafts = args.zt, args.sample_drafts
-    kw = dict(temperature=args.temperature, generator=None)
+    kw = dict(temperature=args.temperature, compile=args.compile)
 
     def gen(**extra):
         g = torch.Generator(device=device).manual_seed(args.seed)
-        return timed_generate(model, prompt, args.max_new_tokens, **kw, **{**extra, 'generator': g})
+        return timed_generate(model, prompt, args.max_new_tokens, **kw, **extra, generator=g)
 
     if drafter is None:
         check_args(model, prompt, args.max_new_tokens, None, 1, args.temperature, args.accept)

@@ -270,7 +270,7 @@ def load_target(path, device='cpu'):
         raise BadInput(f"checkpoint {path} has no 'model'/'model_args': not a GPT checkpoint")
     try:
         model = GPT.from_checkpoint(ckpt)
-    except (RuntimeError, TypeError, AssertionError) as e:
-        first = str(e).strip().splitlines()[0][:200]
+    except Exception as e:  # any malformed content: shapes, types, impossible sizes
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise BadInput(f"checkpoint {path}: weights do not fit its config ({first})")
     return model.to(device).eval()

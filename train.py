@@ -14,7 +14,7 @@ Each stage writes its own checkpoint atomically; --resume continues an interrupt
 skips finished ones.
 """
 import argparse
-import json
+import hashlib
 import math
 import os
 import random
@@ -35,9 +35,9 @@ from model import GPT, BadInput, GPTConfig, load_checkpoint, load_target, save_c
 
 # Presets, picked by device. CPU: the whole `python train.py` in about 10 minutes on 2 cores.
 PRESETS = {
-    'cpu': dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16, max_iters=1000,
+    'cpu': dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16, max_iters=1300,
                 lr=2e-3, warmup_iters=100, eval_interval=250, eval_iters=20,
-                heads_iters=400, distill_samples=256, dblast_iters=300, dblast_samples=256),
+                heads_iters=400, distill_samples=256, dblast_iters=1500, dblast_samples=512),
     'gpu': dict(n_layer=6, n_head=6, n_embd=384, block_size=512, batch_size=64, max_iters=3000,
                 lr=1e-3, warmup_iters=200, eval_interval=500, eval_iters=50,
                 heads_iters=1500, distill_samples=4096, dblast_iters=1500, dblast_samples=2048),
@@ -68,12 +68,17 @@ def corpus_files(path=None):
 def load_corpus(data, out_dir):
     """(train, val) uint8 arrays of bytes, cached under out_dir/data. Held-out split by file: every
     20th file (a single file: its last 10%)."""
-    key = 'stdlib' if data is None else 'data-' + str(abs(hash(os.path.abspath(data))) % 10**8)
+    files = corpus_files(data)
+    # the cache key names the files and their sizes and dates: edit the corpus, get a new cache
+    h = hashlib.sha1()
+    for f in files:
+        st = os.stat(f)
+        h.update(f'{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}\n'.encode())
+    key = ('stdlib' if data is None else 'data') + '-' + h.hexdigest()[:12]
     cache = os.path.join(out_dir, 'data')
     paths = [os.path.join(cache, f'{key}_{s}.bin') for s in ('train', 'val')]
     if all(os.path.exists(p) for p in paths):
         return tuple(np.fromfile(p, dtype=np.uint8) for p in paths)
-    files = corpus_files(data)
     texts = []
     for f in files:
         with open(f, 'rb') as fh:
@@ -106,6 +111,8 @@ def windows(data, n, length, gen):
 def heldout_prompts(val, n, length, seed=1234):
     """n held-out prompts that start at a line start: the same ones for every comparison."""
     starts = np.flatnonzero(val[:-length - 1] == ord('\n')) + 1
+    if len(starts) < n:  # text with few lines: any position will do
+        starts = np.arange(len(val) - length)
     rng = np.random.default_rng(seed)
     ix = rng.choice(starts, size=n, replace=False)
     return torch.from_numpy(np.stack([val[i:i + length] for i in ix]).astype(np.int64))
@@ -140,6 +147,17 @@ class Runtime:
         self.autocast = torch.autocast('cuda', dtype=torch.bfloat16) if bf16 else nullcontext()
         torch.manual_seed(seed + self.rank)
         self.gen = torch.Generator().manual_seed(seed + self.rank)  # batch sampling, per rank
+
+    def rng_states(self):
+        """Every rank's RNG states (batch sampler and torch), so a resumed DDP run gives each
+        rank its own stream back."""
+        mine = (self.gen.get_state(), torch.get_rng_state())
+        states = [mine]
+        if self.ddp:
+            import torch.distributed as dist
+            states = [None] * self.world
+            dist.all_gather_object(states, mine)
+        return dict(gen=[s[0] for s in states], torch=[s[1] for s in states])
 
     def print(self, *a):
         if self.master:
@@ -176,8 +194,10 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
     if resume is not None:
         opt.load_state_dict(resume['optimizer'])
         start = resume['iter_num']
-        rt.gen.set_state(resume['rng']['gen'])
-        torch.set_rng_state(resume['rng']['torch'])
+        gens = resume['rng']['gen']      # one batch-sampling state per rank
+        if len(gens) == rt.world:
+            rt.gen.set_state(gens[rt.rank])
+            torch.set_rng_state(resume['rng']['torch'][rt.rank])
     step = torch.compile(model) if args.compile else model
     bar = tqdm(range(start, iters), desc=name, disable=not rt.master, dynamic_ncols=True,
                initial=start, total=iters)
@@ -203,9 +223,10 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
         done = it + 1 == iters
         if evaluate is not None and ((it + 1) % args.eval_interval == 0 or done):
             rt.print(f"{name} step {it + 1}: train loss {loss_val:.4f}, held-out loss {evaluate():.4f}")
-        if rt.master and ((it + 1) % args.ckpt_interval == 0 or done):
-            rng = dict(gen=rt.gen.get_state(), torch=torch.get_rng_state())
-            save(opt.state_dict(), it + 1, rng)
+        if (it + 1) % args.ckpt_interval == 0 or done:
+            rng = rt.rng_states()   # collective under DDP: every rank takes part
+            if rt.master:
+                save(opt.state_dict(), it + 1, rng)
     bar.close()
     return loss_val
 
@@ -234,16 +255,18 @@ class LMObjective(nn.Module):
 
 
 @torch.no_grad()
-def heldout_loss(rt, model, val, args, n_batches):
-    """Mean next-byte cross-entropy (nats per byte) on fixed held-out windows."""
+def heldout_loss(model, val, batch_size, n_batches, autocast=nullcontext()):
+    """Mean next-byte cross-entropy (nats per byte) on fixed held-out windows of full context."""
+    was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(0)
+    device = model.lm_head.weight.device
     losses = []
     for _ in range(n_batches):
-        w = windows(val, args.batch_size, args.block_size + 1, gen).to(rt.device)
-        with rt.autocast:
+        w = windows(val, batch_size, model.config.block_size + 1, gen).to(device)
+        with autocast:
             losses.append(model(w[:, :-1], w[:, 1:])[1].float().item())
-    model.train()
+    model.train(was_training)
     return float(np.mean(losses))
 
 
@@ -271,7 +294,7 @@ def stage_base(rt, args, train, val):
 
     t0 = time.perf_counter()
     train_loop(rt, args, 'base', LMObjective(model), batch, args.max_iters, args.lr, save, resume,
-               evaluate=lambda: heldout_loss(rt, model, val, args, args.eval_iters), tokens_per_step=B * T)
+               evaluate=lambda: heldout_loss(model, val, B, args.eval_iters, rt.autocast), tokens_per_step=B * T)
     rt.print(f"base: done in {time.perf_counter() - t0:.0f}s -> {path}")
     if rt.ddp:  # proof that data parallelism kept the replicas identical
         print(f"rank {rt.rank} weights {model.fingerprint()}", flush=True)
@@ -321,7 +344,7 @@ class HeadsObjective(nn.Module):
 
 
 def stage_heads(rt, args, model, train):
-    path = os.path.join(args.out_dir, 'heads.pt')
+    path = os.path.join(args.out_dir, f'heads{args.tag}.pt')
     fp = model.fingerprint()
     resume = resume_state(args, path, dict(k=args.k, trained_from=fp, joint=args.joint))
     if resume is not None and resume['iter_num'] >= args.heads_iters:
@@ -364,7 +387,7 @@ def stage_heads(rt, args, model, train):
     train_loop(rt, args, 'heads', HeadsObjective(model, heads, args.joint, args.loss), batch,
                args.heads_iters, args.heads_lr, save, resume, tokens_per_step=B * (S - args.k))
     if args.joint and rt.master:  # the fine-tuned target is a model of its own: save it beside
-        jpath = os.path.join(args.out_dir, 'ckpt_joint.pt')
+        jpath = os.path.join(args.out_dir, f'ckpt_joint{args.tag}.pt')
         save_checkpoint(dict(model=model.state_dict(), model_args=vars(model.config)), jpath)
         rt.print(f"heads: joint target -> {jpath} (decode with --ckpt {jpath} --heads {path})")
     for p in model.parameters():
@@ -391,6 +414,10 @@ def dblast_data(rt, args, model, train):
     return seqs, torch.cat(hs), torch.cat(lps)
 
 
+def dblast_path(args, K):
+    return os.path.join(args.out_dir, f'dblast_K{K}{args.tag}.pt')
+
+
 class DBlastObjective(nn.Module):
     def __init__(self, model, drafter, args):
         super().__init__()
@@ -402,14 +429,15 @@ class DBlastObjective(nn.Module):
                                  a.tau_threshold, a.nll_weight)
 
 
-def stage_dblast(rt, args, model, train, data, K, path):
+def stage_dblast(rt, args, model, get_data, K, path):
     fp = model.fingerprint()
     k = args.dblast_k
-    resume = resume_state(args, path, dict(K=K, k=k, base_fingerprint=fp))
+    resume = resume_state(args, path, dict(K=K, k=k, base_fingerprint=fp, loss=args.dblast_loss,
+                                           temperature=args.temperature))
     if resume is not None and resume['iter_num'] >= args.dblast_iters:
         rt.print(f"dblast: {path} already trained; skipping")
         return
-    seqs, H, LP = data
+    seqs, H, LP = get_data()
     drafter = DBlastDrafter(model.config, k, K, args.d_hidden)
     if resume is not None:
         drafter.load_state_dict(resume['drafter'])
@@ -466,7 +494,7 @@ def run_demos(rt, args, model, heads, val):
         out, stats = demo(rt, args, model, prompts, heads, args.k, 0.0, f"BPD heads")
         text = bytes(out[0].tolist()).decode('utf-8', errors='replace')
         rt.print(f"--- sample ---\n{text}\n--------------")
-    drafters = [(K, os.path.join(args.out_dir, f'dblast_K{K}.pt')) for K in sorted({1, args.K})]
+    drafters = [(K, dblast_path(args, K)) for K in sorted({1, args.K})]
     if all(os.path.exists(p) for _, p in drafters) and 'dblast' in args.stages:
         from decode import load_drafter
         rt.print(f"\n=== speculative sampling at T={args.temperature}, held-out prompts")
@@ -488,6 +516,7 @@ def parse_args(argv=None):
     a('--compile', action='store_true', help='torch.compile the training step')
     a('--resume', action='store_true', help='continue interrupted stages, skip finished ones')
     a('--seed', type=int, default=1337)
+    a('--tag', default='', help='suffix of the drafter checkpoint names (heads{tag}.pt, dblast_K4{tag}.pt)')
     g = ap.add_argument_group('model (default: preset)')
     for name in ('n_layer', 'n_head', 'n_embd', 'block_size'):
         g.add_argument('--' + name.replace('_', '-'), type=int, default=None)
@@ -506,6 +535,7 @@ def parse_args(argv=None):
     mode = g.add_mutually_exclusive_group()
     mode.add_argument('--frozen', dest='joint', action='store_false', help='train only the heads (default)')
     mode.add_argument('--joint', dest='joint', action='store_true', help='fine-tune the target too')
+    g.set_defaults(joint=False)
     g.add_argument('--loss', default='random-offset', choices=['random-offset', 'full'])
     g.add_argument('--distill', action=argparse.BooleanOptionalAction, default=True,
                    help="train on the target's own greedy continuations (default on)")
@@ -567,9 +597,14 @@ def main(argv=None):
     if 'heads' in args.stages:
         heads = stage_heads(rt, args, model, train)
     if 'dblast' in args.stages:
-        data = dblast_data(rt, args, model, train)
+        data = []  # generated on first need: a resumed run may have nothing left to train
+
+        def get_data():
+            if not data:
+                data.append(dblast_data(rt, args, model, train))
+            return data[0]
         for K in sorted({1, args.K}):
-            stage_dblast(rt, args, model, train, data, K, os.path.join(args.out_dir, f'dblast_K{K}.pt'))
+            stage_dblast(rt, args, model, get_data, K, dblast_path(args, K))
     rt.print(f"\ntraining done in {time.perf_counter() - t_start:.0f}s")
     if rt.master and not args.no_demo:
         run_demos(rt, args, model, heads, val)

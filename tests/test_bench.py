@@ -1,0 +1,26 @@
+"""bench.py --quick on a tiny configuration runs end to end and writes valid JSON."""
+import json
+
+import bench
+
+
+def test_bench_quick_tiny(tmp_path, corpus_file):
+    out = tmp_path / 'bench'
+    bench.main(['--quick', '--out', str(out), '--data', str(corpus_file), '--device', 'cpu',
+                '--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64',
+                '--batch-size', '4', '--max-iters', '20', '--heads-iters', '4', '--dblast-iters', '4',
+                '--distill-samples', '4', '--dblast-samples', '4', '--n-prompts', '2', '--max-new', '16'])
+    res = json.loads((out / 'results.json').read_text())
+    assert res['meta']['torch'] and res['meta']['device'] == 'cpu'
+    bpd = res['bpd']
+    assert len(bpd) == 5 * 4 and {r['k'] for r in bpd} == set(bench.BPD_KS)
+    for r in bpd:
+        assert 1 <= r['tau'] <= r['k'] and r['speedup'] > 0 and len(r['accept_rate']) == r['k'] - 1
+        assert r['identical_to_greedy'] == 1.0   # exact acceptance = its target's greedy, always
+    assert [r['accept'] for r in res['lossy']['rows']][0] == 'exact'
+    assert len(res['dblast']) == 3 * 5 and all(1 <= r['tau'] <= 4 for r in res['dblast'])
+    assert [a['K'] for a in res['dblast_K_ablation']] == [1, 2, 4, 8]
+    assert all(r['t_k_over_t_1'] > 0 for r in res['time']['rows'])
+    split = res['time']['split_k8']
+    assert {'target_forward', 'verify', 'draft', 'cache', 'host_sync'} <= set(split)
+    assert split['target_forward'] > 0

@@ -1,0 +1,553 @@
+"""
+Blockwise Parallel Decoding: the drafted fast path against the plain / naive reference.
+
+Tiny seeded models, float64 wherever a test claims exactness. The module fixtures train one tiny
+target on a periodic token stream and BPD heads on it (a few seconds), so "trained heads" accept
+long blocks while "randomised heads" are mostly wrong: both must reproduce plain greedy exactly.
+"""
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from decode import generate, load_drafter, merged_step  # noqa: E402
+from heads import BlockHeads  # noqa: E402
+from model import GPT, BadInput, GPTConfig, save_checkpoint  # noqa: E402
+
+V = 32           # vocabulary of the tiny target
+K_MAX = 8        # block size the heads are built / trained for
+T0 = 12          # prompt length
+M = 40           # new tokens in the batch tests
+CFG = dict(block_size=96, vocab_size=V, n_layer=2, n_head=2, n_embd=32)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def naive_greedy(model, prompt, m):
+    """The reference of references: full causal recompute of every prefix, argmax, append."""
+    x = prompt
+    for _ in range(m):
+        logits, _ = model(x)
+        x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return x
+
+
+def randomise(heads, seed, std=1.0):
+    """Heads whose drafts depend on h but are mostly wrong: random c_fc and c_proj, large std."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in (heads.c_fc.weight, heads.c_fc.bias, heads.c_proj.weight, heads.c_proj.bias):
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
+    return heads
+
+
+class Oracle:
+    """A drafter that knows the target's greedy future `ref` (B, L) and drafts it.
+
+    It tracks each row's bonus position itself: prefill puts the bonus at T0; after each step an
+    active row moves on by `adv[b]` tokens (k for a row drafted correctly, which accepts the whole
+    block; 1 for a row whose first draft is deliberately wrong). `draft` asserts that the bonus it
+    is handed is the one it expects, so a desynchronised pointer (or a wrong commit) fails loudly.
+    """
+
+    def __init__(self, ref, t0, total, k_max, bad_rows=()):
+        B = ref.size(0)
+        self.k = k_max
+        self.ref = torch.cat([ref, torch.zeros(B, 4 * k_max, dtype=torch.long)], dim=1)
+        self.total = total
+        self.bad = torch.zeros(B, dtype=torch.bool)
+        self.bad[list(bad_rows)] = True
+        self.pos = None
+        self.t0 = t0
+        self.n_calls = 0
+
+    def draft(self, h, bonus, target, k, temperature, generator):
+        assert h.shape == (bonus.size(0), target.config.n_embd)
+        if self.pos is None:
+            self.pos = torch.full((bonus.size(0),), self.t0, dtype=torch.long)
+        else:
+            adv = torch.where(self.bad, torch.ones_like(self.pos), torch.full_like(self.pos, k))
+            self.pos = torch.where(self.pos < self.total, self.pos + adv, self.pos)
+        self.n_calls += 1
+        rows = torch.arange(bonus.size(0))
+        live = self.pos < self.total
+        assert torch.equal(bonus[live], self.ref[rows, self.pos][live]), "oracle desynchronised"
+        idx = self.pos[:, None] + torch.arange(1, k)                   # (B, k-1)
+        drafts = self.ref.gather(1, idx).clone()
+        drafts[self.bad, 0] = (drafts[self.bad, 0] + 1) % target.config.vocab_size  # always wrong
+        return drafts, None
+
+
+def replay(model, heads, out, taus, t0, k, mode, n):
+    """Re-derive every step of a single-row run (out (1, total), taus its accept lengths) from a
+    full causal forward over the output and check it against the DESIGN §2 rules:
+    each step's bonus is the target's argmax, the committed tokens are the heads' drafts from the
+    hidden state before the bonus, every committed draft passes the mode's acceptance predicate
+    and the first uncommitted draft (if any, and visible) fails it."""
+    total = out.size(1)
+    with torch.no_grad():
+        H = model.hidden(out)                                          # (1, total, C)
+        logits = model.lm_head(H)[0]                                   # (total, V)
+        drafts_at = heads(H[0], model.lm_head, k - 1).argmax(-1)       # (total, k-1)
+    greedy_next = logits.argmax(-1)                                    # token after position t
+
+    def ok(j, p, d):  # draft j (0-based) of the block whose bonus sits at p, token d
+        if mode == 'topk':
+            return bool((logits[p + j].topk(n).indices == d).any())
+        if mode == 'minblock' and j < n - 1:
+            return True
+        return int(d) == int(greedy_next[p + j])
+
+    p = t0
+    for s, tau in enumerate(taus):
+        assert 1 <= tau <= k
+        assert p < total, f"step {s} starts past the end"
+        assert out[0, p] == greedy_next[p - 1], f"step {s}: bonus at {p} is not the target's argmax"
+        d = drafts_at[p - 1]
+        for j in range(tau - 1):                                       # committed drafts
+            if p + 1 + j < total:
+                assert out[0, p + 1 + j] == d[j], f"step {s}: committed token {j} is not the draft"
+                assert ok(j, p, d[j]), f"step {s}: draft {j} committed but fails {mode}"
+        j = tau - 1                                                    # first rejected draft
+        if tau < k and p + 1 + j < total:
+            assert not ok(j, p, d[j]), f"step {s}: draft {j} passes {mode} but was rejected"
+        p += tau
+    assert p >= total and p - taus[-1] < total, "accept lengths do not tile the output"
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope='module', autouse=True)
+def one_thread():
+    """These models are tiny: intra-op threads only add contention on a busy machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope='module')
+def data():
+    """A periodic token stream (period 23 over a 32-token vocabulary), learnable in 100 steps."""
+    rng = np.random.default_rng(0)
+    period = rng.integers(0, V, size=23)
+    return np.tile(period, 200).astype(np.uint8)
+
+
+@pytest.fixture(scope='module')
+def trained(data):
+    """(model, heads): a tiny target trained on `data`, then k=8 heads with the target frozen.
+    Trained in float32, returned in float64 (both in eval mode)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    stream = torch.from_numpy(data.astype(np.int64))
+
+    def batch(B, L):
+        ix = torch.randint(len(stream) - L, (B,), generator=g)
+        return torch.stack([stream[i:i + L] for i in ix.tolist()])
+
+    model = GPT(GPTConfig(**CFG))
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(100):
+        x = batch(16, 65)
+        _, loss = model(x[:, :-1], x[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval().requires_grad_(False)
+
+    heads = BlockHeads(model.config, K_MAX)
+    opt = torch.optim.Adam(heads.parameters(), lr=3e-3)
+    T = 48
+    for _ in range(60):
+        x = batch(8, T + K_MAX)
+        with torch.no_grad():
+            h = model.hidden(x[:, :T])
+        loss = heads.loss(h, model.lm_head, x)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    heads.eval().requires_grad_(False)
+    return model.double(), heads.double()
+
+
+@pytest.fixture(scope='module')
+def model(trained):
+    return trained[0]
+
+
+@pytest.fixture(scope='module')
+def prompts(data):
+    """Three rows: two corpus windows at different phases and one random prompt."""
+    g = torch.Generator().manual_seed(1)
+    stream = torch.from_numpy(data.astype(np.int64))
+    return torch.stack([stream[5:5 + T0], stream[40:40 + T0], torch.randint(0, V, (T0,), generator=g)])
+
+
+@pytest.fixture(scope='module')
+def greedy_ref(model, prompts):
+    """Plain greedy for `prompts`, M + 2*K_MAX tokens (the oracle needs the future past M)."""
+    out, stats = generate(model, prompts, M + 2 * K_MAX)
+    assert stats['calls'] == M + 2 * K_MAX + 1
+    return out
+
+
+def make_heads(kind, model, trained_heads, seed=0):
+    if kind == 'trained':
+        return trained_heads
+    torch.manual_seed(seed)
+    heads = BlockHeads(model.config, K_MAX).double().eval()
+    return randomise(heads, seed) if kind == 'randomised' else heads
+
+
+# ----------------------------------------------------------------------------- sanity of fixtures
+
+def test_plain_generate_matches_naive_full_recompute(model, prompts, greedy_ref):
+    """The reference the other tests compare to: static-cache plain greedy == full recompute."""
+    assert torch.equal(greedy_ref, naive_greedy(model, prompts, M + 2 * K_MAX))
+
+
+def test_fixture_heads_span_acceptance_range(model, trained, prompts):
+    """Trained heads accept long blocks, randomised ones mostly nothing: the exactness tests
+    below therefore cover both full and partial acceptance."""
+    _, st_tr = generate(model, prompts, M, drafter=trained[1], k=K_MAX)
+    _, st_rnd = generate(model, prompts, M, drafter=make_heads('randomised', model, None), k=K_MAX)
+    mean = lambda st: sum(st['accept_lengths']) / len(st['accept_lengths'])  # noqa: E731
+    assert mean(st_tr) > 3.0, st_tr
+    assert st_tr['calls'] < M // 2
+    assert mean(st_rnd) < 2.0, st_rnd
+    # trained heads also see partial blocks (the random-prompt row): both branches get exercised
+    assert K_MAX in st_tr['accept_lengths'] and min(st_tr['accept_lengths']) < K_MAX
+
+
+# ----------------------------------------------------------------------------- 1. exactness
+
+@pytest.mark.parametrize('kind', ['untrained', 'randomised', 'trained'])
+@pytest.mark.parametrize('k', range(2, K_MAX + 1))
+def test_exact_mode_equals_plain_greedy(model, trained, prompts, greedy_ref, kind, k):
+    heads = make_heads(kind, model, trained[1], seed=k)
+    out, stats = generate(model, prompts, M, drafter=heads, k=k, accept='exact')
+    assert out.shape == (prompts.size(0), T0 + M)
+    assert torch.equal(out, greedy_ref[:, :T0 + M])
+    taus = stats['accept_lengths']
+    assert all(1 <= t <= k for t in taus)
+    # every row's steps tile its M new tokens: the last step may overshoot by at most k-1
+    assert prompts.size(0) * M <= sum(taus) <= prompts.size(0) * (M + k - 1)
+    assert len(stats['accept_rate']) == k - 1
+    # acceptance is prefix-closed: position j+1 is never accepted more often than position j
+    rates = stats['accept_rate']
+    assert all(a >= b - 1e-12 for a, b in zip(rates, rates[1:]))
+
+
+@pytest.mark.parametrize('kind', ['randomised', 'trained'])
+def test_exact_mode_at_full_context(model, trained, kind):
+    """T0 + m == block_size: the last blocks' drafts overrun the position table (clamped)."""
+    heads = make_heads(kind, model, trained[1], seed=3)
+    g = torch.Generator().manual_seed(7)
+    bs = model.config.block_size
+    prompt = torch.randint(0, V, (2, 20), generator=g)
+    out, stats = generate(model, prompt, bs - 20, drafter=heads, k=K_MAX)
+    assert torch.equal(out, naive_greedy(model, prompt, bs - 20))
+
+
+# ----------------------------------------------------------------------------- 2. oracle drafter
+
+@pytest.mark.parametrize('k,m', [(2, 12), (4, 24), (4, 27), (5, 23), (8, 32), (8, 35), (3, 1)])
+def test_oracle_drafter_accepts_every_block(model, prompts, greedy_ref, k, m):
+    oracle = Oracle(greedy_ref, T0, T0 + m, K_MAX)
+    out, stats = generate(model, prompts, m, drafter=oracle, k=k)
+    assert torch.equal(out, greedy_ref[:, :T0 + m])
+    steps = math.ceil(m / k)
+    assert stats['calls'] == steps + 1
+    assert stats['accept_lengths'] == [k] * (steps * prompts.size(0))
+    assert stats['accept_rate'] == [1.0] * (k - 1)
+    assert oracle.n_calls == steps + 1          # prefill + one merged propose per step
+
+
+# ----------------------------------------------------------------------------- 3/4. lossy modes
+
+def test_topk_full_vocabulary_accepts_every_draft(model, prompts):
+    k, m = 5, 23
+    heads = make_heads('randomised', model, None, seed=11)
+    _, st_exact = generate(model, prompts, m, drafter=heads, k=k)
+    assert min(st_exact['accept_lengths']) == 1     # the drafts really are (often) wrong
+    out, stats = generate(model, prompts, m, drafter=heads, k=k, accept=f'topk:{V}')
+    steps = math.ceil(m / k)
+    assert stats['accept_lengths'] == [k] * (steps * prompts.size(0))
+    assert stats['calls'] == steps + 1
+    assert stats['accept_rate'] == [1.0] * (k - 1)
+    for b in range(prompts.size(0)):
+        replay(model, heads, out[b:b + 1], stats['accept_lengths'][b::prompts.size(0)], T0, k, 'topk', V)
+
+
+@pytest.mark.parametrize('k,l', [(4, 2), (6, 3), (6, 6), (4, 7)])
+def test_minblock_commits_at_least_l_tokens(model, prompts, k, l):
+    m = 31
+    heads = make_heads('randomised', model, None, seed=20 + l)
+    for b in range(prompts.size(0)):
+        row = prompts[b:b + 1]
+        out, stats = generate(model, row, m, drafter=heads, k=k, accept=f'minblock:{l}')
+        taus = stats['accept_lengths']
+        left = m
+        for tau in taus:
+            if left >= l:
+                assert tau >= min(l, k), (taus, l)
+            left -= tau
+        assert left <= 0 and left + taus[-1] > 0
+        assert stats['calls'] == len(taus) + 1
+        # everything that is not one of the first l-1 drafts of a step is exact greedy
+        replay(model, heads, out, taus, T0, k, 'minblock', l)
+
+
+@pytest.mark.parametrize('n', [1, 3])
+def test_topk_small_commits_only_topk_tokens(model, prompts, n):
+    """topk:1 is exact greedy; topk:3 commits only tokens in the target's top 3."""
+    k, m = 6, 30
+    heads = make_heads('randomised', model, None, seed=30 + n)
+    row = prompts[2:3]
+    out, stats = generate(model, row, m, drafter=heads, k=k, accept=f'topk:{n}')
+    replay(model, heads, out, stats['accept_lengths'], T0, k, 'topk', n)
+    if n == 1:
+        ref, st_exact = generate(model, row, m, drafter=heads, k=k)
+        assert torch.equal(out, ref)
+        assert stats['accept_lengths'] == st_exact['accept_lengths']
+
+
+@pytest.mark.parametrize('kind', ['randomised', 'trained'])
+def test_exact_mode_replays_design_rules(model, trained, prompts, kind):
+    """Single row, exact mode: every step follows DESIGN §2 (merged propose from H_{n_acc})."""
+    k = 6
+    heads = make_heads(kind, model, trained[1], seed=41)
+    for b in range(prompts.size(0)):
+        out, stats = generate(model, prompts[b:b + 1], M, drafter=heads, k=k)
+        replay(model, heads, out, stats['accept_lengths'], T0, k, 'exact', 0)
+
+
+# ----------------------------------------------------------------------------- 5. random-offset loss
+
+def test_random_offset_loss_expectation_equals_full_loss():
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=16)
+    model = GPT(cfg).double().eval()
+    k, B, T = 5, 3, 20
+    heads = randomise(BlockHeads(cfg, k, d_hidden=24).double(), seed=5, std=0.5)
+    g = torch.Generator().manual_seed(2)
+    idx = torch.randint(0, V, (B, T + k), generator=g)
+    idx[0, 3:9] = -1               # positions without a target (as the distillation prompts)
+    idx[2, -4:] = -1
+    with torch.no_grad():
+        h = model.hidden(idx[:, :T].clamp(min=0))
+    params = list(heads.parameters())
+
+    full = heads.loss(h, model.lm_head, idx)
+    g_full = torch.autograd.grad(full, params)
+    per = [heads.loss(h, model.lm_head, idx, offset=i) for i in range(k - 1)]
+    g_per = [torch.autograd.grad(l, params) for l in per]
+
+    # the offsets really differ, and the gradients are non-trivial
+    vals = torch.stack([l.detach() for l in per])
+    assert vals.std() > 1e-3
+    assert all(gr.abs().max() > 1e-6 for gr in g_full)
+    # expectation over a uniform offset == full loss, and the same for every gradient (float64
+    # end to end: the loss must not be computed in float32)
+    assert full.dtype == torch.float64
+    torch.testing.assert_close(vals.mean(), full.detach(), rtol=1e-12, atol=1e-12)
+    for j, p in enumerate(params):
+        avg = torch.stack([gp[j] for gp in g_per]).mean(0)
+        torch.testing.assert_close(avg, g_full[j], rtol=1e-10, atol=1e-13)
+    # head i's loss touches only head i's slice of the output layer
+    C = cfg.n_embd
+    for i in range(k - 1):
+        gw = g_per[i][[j for j, p in enumerate(params) if p is heads.c_proj.weight][0]]
+        assert gw[i * C:(i + 1) * C].abs().max() > 0
+        mask = torch.ones(gw.size(0), dtype=torch.bool)
+        mask[i * C:(i + 1) * C] = False
+        assert gw[mask].abs().max() == 0
+    # a head's loss is its own cross-entropy, targets `offset + 2` positions ahead
+    i = 1
+    logits = heads(h, model.lm_head)[:, :, i]                      # (B, T, V)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, i + 2:i + 2 + T].flatten(),
+                                           ignore_index=-1)
+    torch.testing.assert_close(per[i].detach(), ce.detach(), rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- 6. distillation data
+
+def test_distillation_data_is_target_greedy(model, data):
+    import train
+    rt = train.Runtime('cpu')
+    n, gen_len, seed = 70, 16, 3            # n > 64: two of self_generated's CPU batches
+    rows = train.self_generated(rt, model, data, n, gen_len, 0.0, seed, 'test')
+    P = train.PROMPT_LEN
+    assert rows.shape == (n, P + gen_len)
+    # the prompts are corpus windows drawn with the seed
+    want = train.windows(data, n, P, torch.Generator().manual_seed(seed))
+    assert torch.equal(rows[:, :P], want)
+    # the continuation is the target's greedy output
+    out, _ = generate(model, rows[:, :P], gen_len)
+    assert torch.equal(rows, out)
+    assert torch.equal(rows[:5], naive_greedy(model, rows[:5, :P], gen_len))
+
+
+# ----------------------------------------------------------------------------- 7. bad input
+
+@pytest.mark.parametrize('kw,match', [
+    (dict(k=K_MAX + 1), r'k=9.*k <= 8'),
+    (dict(k=1), r'k >= 2'),
+    (dict(k=-3), r'k >= 2'),
+    (dict(accept='topk:3', temperature=0.7), r'lossy'),
+    (dict(accept='minblock:2', temperature=1.0), r'lossy'),
+    (dict(accept='topk'), r"topk:N"),
+    (dict(accept='topk:0'), r"N >= 1"),
+    (dict(accept='topk:x'), r"accept="),
+    (dict(accept='minblock:'), r"accept="),
+    (dict(accept='exact:2'), r"accept="),
+    (dict(accept='greedy'), r"accept="),
+    (dict(temperature=-0.5), r'temperature'),
+    (dict(max_new_tokens=0), r'max_new_tokens'),
+    (dict(max_new_tokens=200), r'context'),
+])
+def test_bad_input_raises(model, trained, kw, match):
+    kw = dict(kw)
+    m = kw.pop('max_new_tokens', 8)
+    prompt = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(BadInput, match=match):
+        generate(model, prompt, m, drafter=trained[1], **kw)
+
+
+def test_bad_input_k_zero_with_drafter(model, trained):
+    with pytest.raises(BadInput, match=r'k >= 2'):
+        generate(model, torch.zeros(1, 4, dtype=torch.long), 8, drafter=trained[1], k=0)
+
+
+def test_bad_input_topk_larger_than_vocab(model, trained):
+    with pytest.raises(BadInput, match=r'topk'):
+        generate(model, torch.zeros(1, 4, dtype=torch.long), 8, drafter=trained[1], k=4,
+                 accept=f'topk:{V + 1}')
+
+
+def test_bad_prompt_raises(model):
+    with pytest.raises(BadInput, match='empty'):
+        generate(model, torch.zeros(1, 0, dtype=torch.long), 4)
+    with pytest.raises(BadInput, match='empty'):
+        generate(model, torch.zeros(4, dtype=torch.long), 4)
+
+
+def heads_ckpt(heads, model_for_fp, config):
+    return dict(kind='heads', drafter=heads.state_dict(), k=heads.k, d_hidden=heads.d_hidden,
+                model_args=vars(config), base_fingerprint=model_for_fp.fingerprint())
+
+
+def test_load_drafter_checks_fingerprint(model, trained, prompts, tmp_path):
+    heads = trained[1]
+    torch.manual_seed(123)
+    other = GPT(GPTConfig(**CFG)).double()
+    assert other.fingerprint() != model.fingerprint()
+    path = str(tmp_path / 'heads_other.pt')
+    save_checkpoint(heads_ckpt(heads, other, model.config), path)
+    with pytest.raises(BadInput, match='fingerprint'):
+        load_drafter(path, model)
+
+    path = str(tmp_path / 'heads.pt')
+    save_checkpoint(heads_ckpt(heads, model, model.config), path)
+    loaded = load_drafter(path, model)
+    assert isinstance(loaded, BlockHeads) and loaded.k == K_MAX
+    assert loaded.c_fc.weight.dtype == torch.float64 and not loaded.training
+    with torch.no_grad():
+        h = model.hidden(prompts)[:, -1]
+    bonus = model.lm_head(h).argmax(-1)
+    for k in (2, 5, K_MAX):
+        d0, q0 = heads.draft(h, bonus, model, k)
+        d1, q1 = loaded.draft(h, bonus, model, k)
+        assert q0 is None and q1 is None
+        assert d0.shape == (prompts.size(0), k - 1)
+        assert torch.equal(d0, d1)
+    a, sa = generate(model, prompts, M, drafter=heads, k=6)
+    b, sb = generate(model, prompts, M, drafter=loaded, k=6)
+    assert torch.equal(a, b) and sa == sb
+
+
+def test_load_drafter_rejects_non_drafter_and_missing(model, tmp_path):
+    path = str(tmp_path / 'ckpt.pt')
+    save_checkpoint(dict(model=model.state_dict(), model_args=vars(model.config)), path)
+    with pytest.raises(BadInput, match='not a drafter'):
+        load_drafter(path, model)
+    with pytest.raises(BadInput, match='not found'):
+        load_drafter(str(tmp_path / 'nope.pt'), model)
+
+
+# ----------------------------------------------------------------------------- 8. per-row advance
+
+def per_row_taus(taus, B, m):
+    """Split stats['accept_lengths'] (step-major, active rows only) into each row's sequence: a row
+    is active while it has committed fewer than m new tokens. Checks the list is consumed exactly."""
+    rows, done, it = [[] for _ in range(B)], [0] * B, iter(taus)
+    while any(d < m for d in done):
+        for b in range(B):
+            if done[b] < m:
+                t = next(it)
+                rows[b].append(t)
+                done[b] += t
+    assert next(it, None) is None, "accept_lengths has entries for finished rows"
+    return rows
+
+
+@pytest.mark.parametrize('kind', ['randomised', 'trained'])
+def test_rows_advance_independently(model, trained, data, kind):
+    heads = make_heads(kind, model, trained[1], seed=50)
+    g = torch.Generator().manual_seed(4)
+    stream = torch.from_numpy(data.astype(np.int64))
+    prompts = torch.stack([stream[0:T0], torch.randint(0, V, (T0,), generator=g),
+                           stream[77:77 + T0], torch.randint(0, V, (T0,), generator=g)])
+    k, m = 5, 30
+    out, stats = generate(model, prompts, m, drafter=heads, k=k)
+    rows = per_row_taus(stats['accept_lengths'], 4, m)
+    assert len({tuple(r) for r in rows}) > 1, "rows advanced in lockstep: the test proves nothing"
+    assert stats['calls'] == 1 + max(len(r) for r in rows)
+    for b in range(4):
+        alone, st_alone = generate(model, prompts[b:b + 1], m)
+        assert torch.equal(out[b:b + 1], alone), f"row {b}"
+        # the row's own run with the same heads takes the same steps as inside the batch
+        _, st_b = generate(model, prompts[b:b + 1], m, drafter=heads, k=k)
+        assert st_b['accept_lengths'] == rows[b], f"row {b}"
+
+
+def test_rows_advance_independently_mixed_oracle(model, prompts, greedy_ref):
+    """Row 1 gets a wrong first draft every step (tau = 1), rows 0 and 2 the oracle (tau = k):
+    they finish at very different steps and each still produces its own greedy output."""
+    k, m = 4, 18
+    oracle = Oracle(greedy_ref, T0, T0 + m, K_MAX, bad_rows=[1])
+    out, stats = generate(model, prompts, m, drafter=oracle, k=k)
+    assert torch.equal(out, greedy_ref[:, :T0 + m])
+    fast = math.ceil(m / k)
+    assert stats['calls'] == m + 1                       # the slow row sets the pace
+    taus = stats['accept_lengths']
+    # step-major, active rows only: [k, 1, k] for the first `fast` steps, then row 1 alone
+    assert taus == [k, 1, k] * fast + [1] * (m - fast)
+    rates = stats['accept_rate']
+    assert rates[0] == pytest.approx(2 * fast / len(taus))
+
+
+def test_merged_step_inactive_rows_do_not_advance(model, prompts):
+    """merged_step: a row marked inactive keeps its cache length; active rows advance by tau."""
+    heads = BlockHeads(model.config, 4).double()
+    B = prompts.size(0)
+    cache = model.new_cache(B, T0 + 16)
+    h = model.forward_cached(prompts, cache)[:, -1]
+    cache.lengths += T0
+    bonus = model.lm_head(h).argmax(-1)
+    drafts, _ = heads.draft(h, bonus, model, 4)
+    block = torch.cat([bonus[:, None], drafts], 1)
+    active = torch.tensor([True, False, True])
+    n_acc, accepted, nxt, q = merged_step(model, heads, cache, block, None, active)
+    assert q is None and nxt.shape == (B, 4) and accepted.shape == (B, 3)
+    assert torch.equal(n_acc, accepted.sum(-1))
+    want = torch.full((B,), T0) + (n_acc + 1) * active
+    assert torch.equal(cache.lengths, want)
