@@ -95,9 +95,9 @@ def output_nll(model, out, T0):
 
 
 @torch.no_grad()
-def forward_ratio(model, k, device, ctx=128, repeats=50):
-    """t(k-token cached forward) / t(1-token cached forward) at a context of `ctx` tokens."""
-    B = 1
+def forward_ratio(model, k, device, B, ctx=96, repeats=50):
+    """t(k-token cached forward) / t(1-token cached forward), B rows at a context of ctx tokens
+    (about the middle of a bench decode)."""
     cache = model.new_cache(B, ctx + k)
     cache.lengths.fill_(ctx)
 
@@ -261,7 +261,7 @@ def time_table(b, base, args, results):
     by_k = {r['k']: r for r in results['bpd'] if r['variant'] == 'frozen' and r['data'] == 'distilled'}
     rows, table = [], []
     for k in BPD_KS:
-        ratio = forward_ratio(base, k, b.device)
+        ratio = forward_ratio(base, k, b.device, len(b.prompts))
         r = by_k[k]
         ceiling = r['tau'] / ratio
         rows.append(dict(k=k, t_k_over_t_1=ratio, tau=r['tau'], ceiling_speedup=ceiling, speedup=r['speedup']))
