@@ -12,9 +12,10 @@ Trains what it needs when checkpoints are missing (through train.py, under --ckp
   4. where a step's time goes (BPD §6.3), t(k-token forward) / t(1-token forward), ceiling speedup
 Prints markdown tables, writes bench/results.json and (with matplotlib) bench/*.png.
 
-Method: the same held-out prompts for every row; a warm-up run excluded; the median of --repeats
-timed runs, prefill included; tau counts the bonus token; speedup is against plain decoding of the
-same target, same prompts, same run.
+Method: the same held-out prompts for every row, decoded one request at a time by default (--batch
+1, the papers' latency setting; a batch advances at the pace of its slowest row); a warm-up run
+excluded; the median of --repeats timed runs, prefill included; tau counts the bonus token;
+speedup is against plain decoding of the same target, same prompts, same run.
 """
 import argparse
 import json
@@ -62,13 +63,26 @@ class Bench:
         self.args, self.device, self.prompts, self.val = args, device, prompts, val
         self.plain = {}   # (target id, temperature) -> seconds of plain decoding
 
+    def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact'):
+        """Every prompt, --batch rows per generate() call (default 1: per-request latency, as the
+        papers measure). Returns outputs and the calls' stats merged."""
+        g = torch.Generator(device=self.device).manual_seed(0)
+        outs, calls, taus, acc = [], 0, [], 0.0
+        for chunk in self.prompts.split(self.args.batch):
+            out, s = generate(model, chunk, self.args.max_new, drafter=drafter, k=k,
+                              temperature=temperature, accept=accept, generator=g)
+            outs.append(out)
+            calls += s['calls']
+            taus += s['accept_lengths']
+            acc = acc + np.asarray(s['accept_rate']) * len(s['accept_lengths'])  # weight by steps
+        return torch.cat(outs), dict(calls=calls, accept_lengths=taus,
+                                     accept_rate=(np.atleast_1d(acc) / len(taus)).tolist())
+
     def gen(self, model, drafter=None, k=None, temperature=0.0, accept='exact', zt=None):
         if zt is not None:
             drafter.zt = zt
-        g = lambda: generate(model, self.prompts, self.args.max_new, drafter=drafter, k=k,
-                             temperature=temperature, accept=accept,
-                             generator=torch.Generator(device=self.device).manual_seed(0))
-        return timed(g, self.args.repeats, self.device)
+        return timed(lambda: self.decode_all(model, drafter, k, temperature, accept),
+                     self.args.repeats, self.device)
 
     def plain_time(self, model, temperature):
         key = (id(model), temperature)
@@ -108,20 +122,21 @@ def forward_ratio(model, k, device, B, ctx=96, repeats=50):
     return tk / t1
 
 
-def time_split(model, drafter, k, prompts, max_new, temperature):
-    """Share of a decode's time in each named region of the step (decode.span) via the profiler."""
+def time_split(run, device):
+    """Share of run()'s time in each named region of the step (decode.span), by the profiler."""
     from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if prompts.is_cuda else [])
-    generate(model, prompts, max_new, drafter=drafter, k=k, temperature=temperature)  # warm-up
+    cuda = str(device).startswith('cuda')
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    run()  # warm-up
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        generate(model, prompts, max_new, drafter=drafter, k=k, temperature=temperature)
-        sync(prompts.device)
+        run()
+        sync(device)
         total = (time.perf_counter() - t0) * 1e6
     split = {}
     for ev in prof.key_averages():
         if ev.key.startswith('step.'):
-            us = ev.device_time_total if prompts.is_cuda and ev.key != 'step.host_sync' else ev.cpu_time_total
+            us = ev.device_time_total if cuda and ev.key != 'step.host_sync' else ev.cpu_time_total
             split[ev.key[5:]] = us / total
     split['other (python, prefill)'] = max(0.0, 1 - sum(split.values()))
     return split
@@ -261,12 +276,12 @@ def time_table(b, base, args, results):
     by_k = {r['k']: r for r in results['bpd'] if r['variant'] == 'frozen' and r['data'] == 'distilled'}
     rows, table = [], []
     for k in BPD_KS:
-        ratio = forward_ratio(base, k, b.device, len(b.prompts))
+        ratio = forward_ratio(base, k, b.device, args.batch)
         r = by_k[k]
         ceiling = r['tau'] / ratio
         rows.append(dict(k=k, t_k_over_t_1=ratio, tau=r['tau'], ceiling_speedup=ceiling, speedup=r['speedup']))
         table.append([k, f'{ratio:.2f}', f"{r['tau']:.2f}", f'{ceiling:.2f}x', f"{r['speedup']:.2f}x"])
-    split = time_split(base, heads, 8, b.prompts, args.max_new, 0.0)
+    split = time_split(lambda: b.decode_all(base, heads, 8), b.device)
     results['time'] = dict(rows=rows, split_k8=split)
     print("\n### 4. Where the time goes (frozen distilled heads)\n")
     print(md_table(['k', 't(k)/t(1)', 'tau', 'ceiling tau*t(1)/t(k)', 'measured speedup'], table))
@@ -309,7 +324,7 @@ def plots(results, out_dir):
 
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=160, max_iters=300, heads_iters=150,
              dblast_iters=100, distill_samples=64, dblast_samples=64, n_prompts=4, max_new=64, repeats=1)
-DEFAULT = dict(n_prompts=8, max_new=128, repeats=3)
+DEFAULT = dict(n_prompts=16, max_new=128, repeats=3)
 FULL = dict(n_prompts=32, max_new=256, repeats=5)
 
 
@@ -324,6 +339,8 @@ def main(argv=None):
     ap.add_argument('--ckpt-dir', default=None, help='checkpoints (default: OUT/ckpt)')
     ap.add_argument('--seed', type=int, default=1337)
     ap.add_argument('--dblast-k', type=int, default=4)
+    ap.add_argument('--batch', type=int, default=1,
+                    help='prompts per generate() call (1: per-request latency, as in the papers)')
     for name in ('n_prompts', 'max_new', 'repeats', 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size',
                  'max_iters', 'heads_iters', 'dblast_iters', 'distill_samples', 'dblast_samples'):
         ap.add_argument('--' + name.replace('_', '-'), type=int, default=None)

@@ -91,9 +91,10 @@ class DBlastDrafter(nn.Module):
             return nll.mean()
         a = self.prefix_log_accept(log_pi, log_qx, log_px)                  # (N, k-1)
         t = torch.logcumsumexp(a.flip(-1), dim=-1).flip(-1)                 # tail sums
-        keep = (a.detach() >= math.log(tau_threshold)) if tau_threshold > 0 else torch.ones_like(a, dtype=torch.bool)
+        log_tau = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+        keep = a.detach() >= log_tau                                        # S, no gradient
         n_keep = keep.sum(-1)
-        al = -(t * keep).sum(-1) / n_keep.clamp(min=1)
+        al = -torch.where(keep, t, 0.0).sum(-1) / n_keep.clamp(min=1)
         per_row = torch.where(n_keep > 0, al, nll)
         return per_row.mean() + nll_weight * nll.mean()
 

@@ -161,6 +161,23 @@ def compiled_step(device_type):
     return _COMPILED[device_type]
 
 
+def static_cache(model, B, k):
+    """For the compiled step, as gpt-fast does: one cache per model, sized by the context rather
+    than the request and reused across calls, so shapes and buffer addresses never change and
+    the compiled graphs (CUDA graphs on GPU) are recorded once."""
+    max_len = model.config.block_size + 2 * k
+    cache = getattr(model, '_static_cache', None)
+    w = model.lm_head.weight
+    if (cache is None or cache.k.shape[1] != B or cache.max_len != max_len
+            or cache.k.dtype != w.dtype or cache.k.device != w.device):
+        cache = model.new_cache(B, max_len)
+        for buf in (cache.k, cache.v, cache.lengths):
+            torch._dynamo.mark_static_address(buf)
+        model._static_cache = cache
+    cache.lengths.zero_()
+    return cache
+
+
 @torch.no_grad()
 def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0,
              accept="exact", generator=None, compile=False):
@@ -181,15 +198,12 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     dev = prompt.device
     # spare room past the end: a row may overshoot `total` by k-1 tokens, and a finished row still
     # runs (and writes) one block per step until every row is done; none of it is kept
-    # compiled: size the cache by the context, not the request, so every call has the same shapes
-    cache = model.new_cache(B, (model.config.block_size if compile else total) + 2 * k)
     out = torch.zeros(B, total + 2 * k, dtype=torch.long, device=dev)
-    step = merged_step
-    if compile:
-        step = compiled_step(dev.type)
-        for buf in (cache.k, cache.v, cache.lengths):  # fixed addresses, as module buffers have
-            torch._dynamo.mark_static_address(buf)
     out[:, :T0] = prompt
+    if compile:
+        step, cache = compiled_step(dev.type), static_cache(model, B, k)
+    else:
+        step, cache = merged_step, model.new_cache(B, total + 2 * k)
 
     # prefill (call 1): the prompt's last hidden state gives the first bonus and drafts
     h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
@@ -247,10 +261,10 @@ def load_drafter(path, target):
     kind = ckpt.get('kind')
     if kind not in ('heads', 'dblast'):
         raise BadInput(f"{path} is not a drafter checkpoint (kind={kind!r}); "
-                       f"use out/heads.pt or out/dblast.pt")
-    if ckpt['base_fingerprint'] != target.fingerprint():
+                       f"use out/heads.pt or out/dblast_K4.pt")
+    if ckpt.get('base_fingerprint') != target.fingerprint():
         raise BadInput(f"{path} was trained for another base model (fingerprint "
-                       f"{ckpt['base_fingerprint']} != {target.fingerprint()}); retrain it")
+                       f"{ckpt.get('base_fingerprint')} != {target.fingerprint()}); retrain it")
     from model import GPTConfig
     try:
         cfg = GPTConfig.from_dict(ckpt['model_args'])

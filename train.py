@@ -184,7 +184,7 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
                tokens_per_step=0):
     """The loop every stage shares: AdamW, warmup + cosine, clipping, tqdm, periodic atomic
     checkpoints. objective(*batch) -> loss trains whatever parameters require grad.
-    save(optimizer_state, iter_num, extra) writes the stage's checkpoint (rank 0 only)."""
+    save(optimizer_state, iter_num, rng_states) writes the stage's checkpoint (rank 0 only)."""
     model = objective
     if rt.ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
