@@ -15,7 +15,8 @@ Prints markdown tables, writes bench/results.json and (with matplotlib) bench/*.
 Method: the same held-out prompts for every row, decoded one request at a time by default (--batch
 1, the papers' latency setting; a batch advances at the pace of its slowest row); a warm-up run
 excluded; the median of --repeats timed runs, prefill included; tau counts the bonus token;
-speedup is against plain decoding of the same target, same prompts, same run.
+speedup is against plain decoding of the same target and prompts, timed interleaved with it
+(round after round) so that load on a shared machine hits both alike.
 """
 import argparse
 import json
@@ -45,23 +46,26 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn, repeats, device):
-    """Median wall-clock seconds of fn() over `repeats` runs after one warm-up; fn's last result."""
-    fn()
-    times = []
+def timed(fns, repeats, device):
+    """Median wall-clock seconds of each fn over `repeats` rounds, after one warm-up round.
+    The fns run interleaved, round after round, so a busy spell on a shared machine hits them
+    alike and their ratio stays fair. Returns (medians, each fn's last result)."""
+    results = [fn() for fn in fns]
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        result = fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
+        for i, fn in enumerate(fns):
+            sync(device)
+            t0 = time.perf_counter()
+            results[i] = fn()
+            sync(device)
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times], results
 
 
 class Bench:
     def __init__(self, args, device, prompts, val):
         self.args, self.device, self.prompts, self.val = args, device, prompts, val
-        self.plain = {}   # (target id, temperature) -> seconds of plain decoding
+        self.plain_runs = {}   # (target id, temperature) -> plain decoding's (out, stats)
 
     def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact'):
         """Every prompt, --batch rows per generate() call (default 1: per-request latency, as the
@@ -78,22 +82,20 @@ class Bench:
         return torch.cat(outs), dict(calls=calls, accept_lengths=taus,
                                      accept_rate=(np.atleast_1d(acc) / len(taus)).tolist())
 
-    def gen(self, model, drafter=None, k=None, temperature=0.0, accept='exact', zt=None):
-        if zt is not None:
-            drafter.zt = zt
-        return timed(lambda: self.decode_all(model, drafter, k, temperature, accept),
-                     self.args.repeats, self.device)
-
-    def plain_time(self, model, temperature):
+    def plain(self, model, temperature):
+        """Plain decoding's output and stats (the reference each row is compared with)."""
         key = (id(model), temperature)
-        if key not in self.plain:
-            self.plain[key] = self.gen(model, temperature=temperature)
-        return self.plain[key]
+        if key not in self.plain_runs:
+            self.plain_runs[key] = self.decode_all(model, temperature=temperature)
+        return self.plain_runs[key]
 
     def row(self, model, drafter, k, temperature=0.0, accept='exact', zt=None):
-        """tau, acceptance per position, calls and speedup of one configuration."""
-        dt, (out, stats) = self.gen(model, drafter, k, temperature, accept, zt)
-        dt0, (base_out, base_stats) = self.plain_time(model, temperature)
+        """tau, acceptance per position, calls and speedup over plain decoding, timed together."""
+        if zt is not None:
+            drafter.zt = zt
+        (dt, dt0), ((out, stats), (base_out, base_stats)) = timed(
+            [lambda: self.decode_all(model, drafter, k, temperature, accept),
+             lambda: self.decode_all(model, temperature=temperature)], self.args.repeats, self.device)
         taus = stats['accept_lengths']
         return dict(k=k, tau=float(np.mean(taus)), accept_rate=[round(a, 4) for a in stats['accept_rate']],
                     calls=stats['calls'], plain_calls=base_stats['calls'], seconds=dt, plain_seconds=dt0,
@@ -109,16 +111,15 @@ def output_nll(model, out, T0):
 
 
 @torch.no_grad()
-def forward_ratio(model, k, device, B, ctx=96, repeats=50):
+def forward_ratio(model, k, device, B, ctx=96, repeats=200):
     """t(k-token cached forward) / t(1-token cached forward), B rows at a context of ctx tokens
     (about the middle of a bench decode)."""
     cache = model.new_cache(B, ctx + k)
     cache.lengths.fill_(ctx)
 
-    def t(n):
-        block = torch.zeros(B, n, dtype=torch.long, device=device)
-        return timed(lambda: model.forward_cached(block, cache), repeats, device)[0]
-    t1, tk = t(1), t(k)
+    blocks = [torch.zeros(B, n, dtype=torch.long, device=device) for n in (1, k)]
+    (t1, tk), _ = timed([lambda: model.forward_cached(blocks[0], cache),
+                         lambda: model.forward_cached(blocks[1], cache)], repeats, device)
     return tk / t1
 
 
@@ -204,7 +205,7 @@ def bpd_tables(b, base, args, results):
             drift = train.heldout_loss(target, b.val, 8, 8) - val_loss0
             for k in BPD_KS:
                 r, out, plain_out = b.row(target, heads, k)
-                ref = b.plain_time(base, 0.0)[1][0]     # the original model's greedy output
+                ref = b.plain(base, 0.0)[0]     # the original model's greedy output
                 gen_part = slice(b.prompts.size(1), None)
                 r.update(variant=('joint' if joint else 'frozen'), data=('distilled' if distill else 'corpus'),
                          identical_to_greedy=float((out == plain_out).all(-1).float().mean()),
@@ -224,7 +225,7 @@ def bpd_tables(b, base, args, results):
 def lossy_table(b, base, args, results):
     heads = load_drafter(os.path.join(args.ckpt_dir, f"heads{heads_tag(False, True)}.pt"), base)
     k = 8
-    ref = b.plain_time(base, 0.0)[1][0]
+    ref = b.plain(base, 0.0)[0]
     T0 = b.prompts.size(1)
     rows, table = [], []
     for accept in ['exact', 'topk:2', 'topk:3', 'topk:5', 'minblock:2', 'minblock:3']:
