@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import train
 from decode import generate, load_drafter, pick_device
-from model import BadInput, load_target
+from model import BadInput, load_target, run_script
 
 BPD_KS = [2, 4, 6, 8, 10]
 TEMPS = [0.7, 1.0, 1.5]
@@ -392,8 +392,4 @@ def meta(args, device):
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main)

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from model import BadInput, load_checkpoint, load_target
+from model import BadInput, GPTConfig, load_checkpoint, load_target, run_script
 
 
 # ------------------------------------------------------------------------- sampling helpers
@@ -265,7 +265,6 @@ def load_drafter(path, target):
     if ckpt.get('base_fingerprint') != target.fingerprint():
         raise BadInput(f"{path} was trained for another base model (fingerprint "
                        f"{ckpt.get('base_fingerprint')} != {target.fingerprint()}); retrain it")
-    from model import GPTConfig
     try:
         cfg = GPTConfig.from_dict(ckpt['model_args'])
         if kind == 'heads':
@@ -333,12 +332,7 @@ def main(argv=None):
     ap.add_argument('--device', default=None, help='cpu | cuda | mps (default: best available)')
     ap.add_argument('--compile', action='store_true',
                     help='torch.compile the step (CUDA graphs on GPU); warm-up excluded from timing')
-    args = ap.parse_args(argv)
-    try:
-        run_cli(args)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli(ap.parse_args(argv))
 
 
 def pick_device(name=None):
@@ -398,4 +392,4 @@ def run_cli(args):
 
 
 if __name__ == '__main__':
-    main()
+    run_script(main)

@@ -237,6 +237,16 @@ class BadInput(ValueError):
     one line and exit non-zero instead of showing a traceback."""
 
 
+def run_script(main):
+    """Run a script's main(): a BadInput ends it with one `error: ...` line and exit code 2."""
+    import sys
+    try:
+        main()
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def save_checkpoint(obj, path):
     """Write atomically: a temporary file beside the target, then a rename. An interrupted write
     leaves the previous checkpoint intact."""

@@ -18,7 +18,6 @@ import hashlib
 import math
 import os
 import random
-import sys
 import sysconfig
 import time
 from contextlib import nullcontext
@@ -29,9 +28,9 @@ import torch.nn as nn
 from tqdm import tqdm
 
 from dblast import DBlastDrafter
-from decode import generate, pick_device, sample
+from decode import generate, pick_device
 from heads import BlockHeads
-from model import GPT, BadInput, GPTConfig, load_checkpoint, load_target, save_checkpoint
+from model import GPT, BadInput, GPTConfig, load_checkpoint, load_target, run_script, save_checkpoint
 
 # Presets, picked by device. CPU: the whole `python train.py` in about 10 minutes on 2 cores.
 PRESETS = {
@@ -619,8 +618,4 @@ def main(argv=None):
 
 
 if __name__ == '__main__':
-    try:
-        main()
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_script(main)
