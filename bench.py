@@ -4,8 +4,10 @@ The papers' findings at small scale, measured on this machine.
     python bench.py            # CPU-sized default (about half an hour on 2 cores)
     python bench.py --quick    # a few minutes: smaller models, fewer prompts and repeats
     python bench.py --full --device cuda   # the one-GPU sweep
+    python bench.py --gpu-check --device cuda --compile   # minutes: the speed table only
 
 Trains what it needs when checkpoints are missing (through train.py, under --ckpt-dir), then:
+  0. speed at a glance (--tables speed): tokens/s, tau and speedup, greedy k = 2..10 and sampling
   1. BPD table (paper Table 1, p.9): k x {frozen, joint} x {corpus, distilled}
   2. lossy acceptance (BPD §5): top-N and minimum-block
   3. DBlast table: T x drafter, the K ablation and the Z_T sweep
@@ -14,9 +16,10 @@ Prints markdown tables, writes bench/results.json and (with matplotlib) bench/*.
 
 Method: the same held-out prompts for every row, decoded one request at a time by default (--batch
 1, the papers' latency setting; a batch advances at the pace of its slowest row); a warm-up run
-excluded; the median of --repeats timed runs, prefill included; tau counts the bonus token;
-speedup is against plain decoding of the same target and prompts, timed interleaved with it
-(round after round) so that load on a shared machine hits both alike.
+excluded (with --compile, it compiles the graphs); the median of --repeats timed runs, prefill
+included; tau counts the bonus token; speedup is against plain decoding of the same target and
+prompts (compiled too under --compile), timed interleaved with it (round after round) so that load
+on a shared machine hits both alike.
 """
 import argparse
 import json
@@ -73,8 +76,8 @@ class Bench:
         g = torch.Generator(device=self.device).manual_seed(0)
         outs, calls, taus, acc = [], 0, [], 0.0
         for chunk in self.prompts.split(self.args.batch):
-            out, s = generate(model, chunk, self.args.max_new, drafter=drafter, k=k,
-                              temperature=temperature, accept=accept, generator=g)
+            out, s = generate(model, chunk, self.args.max_new, drafter=drafter, k=k, temperature=temperature,
+                              accept=accept, generator=g, compile=self.args.compile)
             outs.append(out)
             calls += s['calls']
             taus += s['accept_lengths']
@@ -161,20 +164,20 @@ def train_args(args, *extra):
 
 
 def ensure_checkpoints(args):
-    """Train the target and every drafter the tables need (skipped when already there)."""
+    """Train the target and every drafter the chosen tables need (skipped when already there)."""
     train.main(train_args(args, '--stages', 'base'))
-    for joint in (False, True):
-        for distill in (False, True):
-            train.main(train_args(args, '--stages', 'heads', '--k', str(max(BPD_KS)),
-                                  '--joint' if joint else '--frozen', '--distill' if distill else '--no-distill',
-                                  '--tag', heads_tag(joint, distill)))
-    for T in TEMPS:
-        for loss in ('nll', 'al'):
-            Ks = [4] if T != 1.0 or loss != 'al' else [2, 4, 8]
-            for K in Ks:  # each call trains K and the K = 1 baseline (skipped once trained)
-                train.main(train_args(args, '--stages', 'dblast', '--K', str(K), '--temperature', str(T),
-                                      '--dblast-loss', loss, '--dblast-k', str(args.dblast_k),
-                                      '--tag', dblast_tag(T, loss)))
+    heads = [(False, True)] if 'bpd' not in args.tables else [(j, d) for j in (False, True) for d in (False, True)]
+    for joint, distill in heads:
+        train.main(train_args(args, '--stages', 'heads', '--k', str(max(BPD_KS)),
+                              '--joint' if joint else '--frozen', '--distill' if distill else '--no-distill',
+                              '--tag', heads_tag(joint, distill)))
+    dblast = [(T, loss, K) for T in TEMPS for loss in ('nll', 'al')
+              for K in ([4] if T != 1.0 or loss != 'al' else [2, 4, 8])] if 'dblast' in args.tables else []
+    if 'speed' in args.tables:
+        dblast.append((1.0, 'al', 4))
+    for T, loss, K in dblast:  # each call trains K and the K = 1 baseline (skipped once trained)
+        train.main(train_args(args, '--stages', 'dblast', '--K', str(K), '--temperature', str(T),
+                              '--dblast-loss', loss, '--dblast-k', str(args.dblast_k), '--tag', dblast_tag(T, loss)))
 
 
 def heads_tag(joint, distill):
@@ -187,10 +190,34 @@ def dblast_tag(T, loss):
 
 # ----------------------------------------------------------------------------- tables
 
+def md_row(cells):
+    return '| ' + ' | '.join(str(c) for c in cells) + ' |'
+
+
 def md_table(headers, rows):
-    lines = ['| ' + ' | '.join(headers) + ' |', '|' + '---|' * len(headers)]
-    lines += ['| ' + ' | '.join(str(c) for c in r) + ' |' for r in rows]
-    return '\n'.join(lines)
+    return '\n'.join([md_row(headers), '|' + '---|' * len(headers)] + [md_row(r) for r in rows])
+
+
+def speed_table(b, base, args, results):
+    """The figures at a glance, one row printed as soon as it is measured: tokens/s of plain and
+    blockwise decoding, greedy with the frozen distilled heads at k = 2..10, then sampling at T=1
+    with the DBlast drafters (AL loss, K = 1 and K = 4)."""
+    heads = load_drafter(os.path.join(args.ckpt_dir, f"heads{heads_tag(False, True)}.pt"), base)
+    dblast = lambda K: load_drafter(os.path.join(args.ckpt_dir, f"dblast_K{K}{dblast_tag(1.0, 'al')}.pt"), base)
+    configs = [('BPD heads', heads, k, 0.0) for k in BPD_KS]
+    configs += [(f'DBlast K={K} AL', dblast(K), args.dblast_k, 1.0) for K in (1, 4)]
+    n_tokens = args.n_prompts * args.max_new
+    mode = 'compiled' if args.compile else 'eager'
+    print(f"\n### 0. Speed ({mode}, {args.n_prompts} prompts x {args.max_new} tokens, batch {args.batch})\n")
+    print(md_table(['drafter', 'T', 'k', 'plain tok/s', 'blockwise tok/s', 'tau', 'calls', 'speedup'], []), flush=True)
+    rows = []
+    for name, drafter, k, T in configs:
+        r, _, _ = b.row(base, drafter, k, temperature=T)
+        r.update(drafter=name, T=T, plain_tok_s=n_tokens / r['plain_seconds'], tok_s=n_tokens / r['seconds'])
+        rows.append(r)
+        print(md_row([name, T, k, f"{r['plain_tok_s']:.0f}", f"{r['tok_s']:.0f}", f"{r['tau']:.2f}", r['calls'],
+                      f"{r['speedup']:.2f}x"]), flush=True)
+    results['speed'] = dict(mode=mode, rows=rows)
 
 
 def bpd_tables(b, base, args, results):
@@ -282,11 +309,13 @@ def time_table(b, base, args, results):
         ceiling = r['tau'] / ratio
         rows.append(dict(k=k, t_k_over_t_1=ratio, tau=r['tau'], ceiling_speedup=ceiling, speedup=r['speedup']))
         table.append([k, f'{ratio:.2f}', f"{r['tau']:.2f}", f'{ceiling:.2f}x', f"{r['speedup']:.2f}x"])
-    split = time_split(lambda: b.decode_all(base, heads, 8), b.device)
+    # the profiler's named regions do not exist inside a compiled step: split the eager one
+    split = None if args.compile else time_split(lambda: b.decode_all(base, heads, 8), b.device)
     results['time'] = dict(rows=rows, split_k8=split)
-    print("\n### 4. Where the time goes (frozen distilled heads)\n")
+    print("\n### 4. Where the time goes (frozen distilled heads; t(k)/t(1) of the eager forward)\n")
     print(md_table(['k', 't(k)/t(1)', 'tau', 'ceiling tau*t(1)/t(k)', 'measured speedup'], table))
-    print("\nshare of decode time at k=8: " + ', '.join(f'{n} {v:.0%}' for n, v in split.items()))
+    if split:
+        print("\nshare of decode time at k=8: " + ', '.join(f'{n} {v:.0%}' for n, v in split.items()))
 
 
 def plots(results, out_dir):
@@ -323,10 +352,14 @@ def plots(results, out_dir):
 
 # ----------------------------------------------------------------------------- main
 
+TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time']
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=160, max_iters=300, heads_iters=150,
              dblast_iters=100, distill_samples=64, dblast_samples=64, n_prompts=4, max_new=64, repeats=1)
 DEFAULT = dict(n_prompts=16, max_new=128, repeats=3)
 FULL = dict(n_prompts=32, max_new=256, repeats=5)
+# a few minutes on one GPU: the GPU preset's model, trained briefly, and the speed table only
+GPU_CHECK = dict(max_iters=600, heads_iters=300, dblast_iters=300, distill_samples=512, dblast_samples=512,
+                 n_prompts=8, max_new=192, repeats=2, tables='speed')
 
 
 def main(argv=None):
@@ -334,6 +367,12 @@ def main(argv=None):
     size = ap.add_mutually_exclusive_group()
     size.add_argument('--quick', action='store_true', help='a few minutes: small models, few prompts')
     size.add_argument('--full', action='store_true', help='the one-GPU sweep (GPU preset, more prompts)')
+    size.add_argument('--gpu-check', action='store_true',
+                      help='a few minutes on one GPU: the GPU preset trained briefly, the speed table only')
+    ap.add_argument('--tables', default=None,
+                    help=f"comma-separated, from {','.join(TABLES)} (default: all but speed; --gpu-check: speed)")
+    ap.add_argument('--compile', action='store_true',
+                    help='decode with the compiled step (CUDA graphs on GPU); compiling happens in the warm-up round')
     ap.add_argument('--device', default=None)
     ap.add_argument('--data', default=None, help='corpus (default: the stdlib .py files)')
     ap.add_argument('--out', default='bench', help='folder for results.json and plots')
@@ -346,9 +385,11 @@ def main(argv=None):
                  'max_iters', 'heads_iters', 'dblast_iters', 'distill_samples', 'dblast_samples'):
         ap.add_argument('--' + name.replace('_', '-'), type=int, default=None)
     args = ap.parse_args(argv)
-    for key, v in (QUICK if args.quick else FULL if args.full else DEFAULT).items():
+    preset = QUICK if args.quick else FULL if args.full else GPU_CHECK if args.gpu_check else DEFAULT
+    for key, v in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, v)
+    args.tables = parse_tables(args.tables or 'bpd,lossy,dblast,time')
     args.ckpt_dir = args.ckpt_dir or os.path.join(args.out, 'ckpt')
     device = pick_device(args.device)
     if args.full and device != 'cuda':
@@ -365,10 +406,10 @@ def main(argv=None):
     b = Bench(args, device, prompts, val)
     torch.manual_seed(args.seed)
     results = dict(meta=meta(args, device), method=__doc__.split('Method: ')[1].strip())
-    bpd_tables(b, base, args, results)
-    lossy_table(b, base, args, results)
-    dblast_tables(b, base, args, results)
-    time_table(b, base, args, results)
+    for name, table in [('speed', speed_table), ('bpd', bpd_tables), ('lossy', lossy_table),
+                        ('dblast', dblast_tables), ('time', time_table)]:
+        if name in args.tables:
+            table(b, base, args, results)
     results['meta']['seconds'] = time.perf_counter() - t_start
     path = os.path.join(args.out, 'results.json')
     tmp = path + '.tmp'
@@ -376,7 +417,18 @@ def main(argv=None):
         json.dump(results, f, indent=1)
     os.replace(tmp, path)
     print(f"\nresults -> {path} ({results['meta']['seconds']:.0f}s)")
-    plots(results, args.out)
+    if {'bpd', 'dblast', 'time'} <= set(args.tables):
+        plots(results, args.out)
+
+
+def parse_tables(text):
+    tables = text.split(',')
+    bad = [t for t in tables if t not in TABLES]
+    if bad:
+        raise BadInput(f"--tables: unknown {','.join(bad)}; choose from {','.join(TABLES)}")
+    if 'time' in tables and 'bpd' not in tables:
+        raise BadInput("--tables: 'time' reads the BPD rows, so it needs 'bpd' too")
+    return tables
 
 
 def meta(args, device):

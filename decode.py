@@ -14,6 +14,7 @@ Plain decoding is the same step with k = 1 and no drafter.
 import argparse
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,9 @@ from model import BadInput, GPTConfig, load_checkpoint, load_target, run_script
 
 def span(name):
     """A named region for torch.profiler (bench.py splits a step's time by these); near free
-    when no profiler is running."""
+    when no profiler is running, and left out of a compiled step (the compiler ignores it)."""
+    if torch.compiler.is_compiling():
+        return nullcontext()
     return torch.profiler.record_function('step.' + name)
 
 
@@ -154,18 +157,44 @@ _COMPILED = {}
 
 def compiled_step(device_type):
     """merged_step under torch.compile with static shapes; on CUDA as CUDA graphs
-    ("reduce-overhead"), so a step is one graph replay with no host round trip."""
+    ("reduce-overhead"), so a step is one graph replay with no host round trip.
+    Each k, temperature, acceptance rule and drafter class is its own graph; a sweep such as
+    bench.py's needs a few dozen, past dynamo's default limit of 8, after which it would fall
+    back to eager without a word."""
     if device_type not in _COMPILED:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         mode = 'reduce-overhead' if device_type == 'cuda' else None
         _COMPILED[device_type] = torch.compile(merged_step, mode=mode, dynamic=False)
     return _COMPILED[device_type]
 
 
+@contextmanager
+def global_rng_from(generator, device):
+    """The compiled step draws its random numbers from the global RNG: a torch.Generator passed
+    into a compiled function splits the graph at every draw. So for the length of one generate()
+    the global RNG of `device` is forked, seeded from `generator`, and restored afterwards: the
+    caller's global state is untouched and the same generator seed gives the same output."""
+    if generator is None:
+        yield
+        return
+    seed = int(torch.randint(2 ** 62, (), generator=generator, device=generator.device))
+    cuda = device.type == 'cuda'
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+        yield
+
+
 def static_cache(model, B, k):
     """For the compiled step, as gpt-fast does: one cache per model, sized by the context rather
     than the request and reused across calls, so shapes and buffer addresses never change and
-    the compiled graphs (CUDA graphs on GPU) are recorded once."""
-    max_len = model.config.block_size + 2 * k
+    the compiled graphs (CUDA graphs on GPU) are recorded once. The spare room (2k, see
+    generate) is rounded up to a multiple of 64, so plain decoding and every k up to 32 share
+    the same buffers, as bench.py's interleaved timing needs."""
+    max_len = -(-(model.config.block_size + 2 * k) // 64) * 64
     cache = getattr(model, '_static_cache', None)
     w = model.lm_head.weight
     if (cache is None or cache.k.shape[1] != B or cache.max_len != max_len
@@ -222,26 +251,29 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     offs = torch.arange(k, device=dev)
     taus, accs, actives = [], [], []
     calls = 1
-    while True:
-        with span('host_sync'):
-            active = n_out < total
-            if not bool(active.any()):  # the one host sync per step: are all rows done?
-                break
-        with span('cache'):
-            # write the whole pending block; what is not accepted is overwritten by the next one
-            out.scatter_(1, n_out[:, None] + offs, block)
-        if compile:
-            torch.compiler.cudagraph_mark_step_begin()
-        n_acc, accepted, block, q = step(model, drafter, cache, block, q, active,
-                                         temperature, accept, generator)
-        if compile:  # a CUDA graph's outputs are overwritten by its next replay: keep copies
-            n_acc, accepted, block = n_acc.clone(), accepted.clone(), block.clone()
-            q = None if q is None else q.clone()
-        calls += 1
-        n_out += (n_acc + 1) * active
-        taus.append(n_acc + 1)
-        accs.append(accepted)
-        actives.append(active)
+    rng = global_rng_from(generator, dev) if compile else nullcontext()
+    step_generator = None if compile else generator
+    with rng:
+        while True:
+            with span('host_sync'):
+                active = n_out < total
+                if not bool(active.any()):  # the one host sync per step: are all rows done?
+                    break
+            with span('cache'):
+                # write the whole pending block; what is not accepted is overwritten by the next
+                out.scatter_(1, n_out[:, None] + offs, block)
+            if compile:
+                torch.compiler.cudagraph_mark_step_begin()
+            n_acc, accepted, block, q = step(model, drafter, cache, block, q, active,
+                                             temperature, accept, step_generator)
+            if compile:  # a CUDA graph's outputs are overwritten by its next replay: keep copies
+                n_acc, accepted, block = n_acc.clone(), accepted.clone(), block.clone()
+                q = None if q is None else q.clone()
+            calls += 1
+            n_out += (n_acc + 1) * active
+            taus.append(n_acc + 1)
+            accs.append(accepted)
+            actives.append(active)
 
     act = torch.stack(actives).cpu()                            # (steps, B)
     tau = torch.stack(taus).cpu()[act]

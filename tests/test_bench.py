@@ -1,15 +1,17 @@
-"""bench.py --quick on a tiny configuration runs end to end and writes valid JSON."""
+"""bench.py --quick and --gpu-check on a tiny configuration run end to end and write valid JSON."""
 import json
 
 import bench
 
 
+TINY = ['--device', 'cpu', '--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64',
+        '--batch-size', '4', '--max-iters', '20', '--heads-iters', '4', '--dblast-iters', '4',
+        '--distill-samples', '4', '--dblast-samples', '4', '--n-prompts', '2', '--max-new', '16']
+
+
 def test_bench_quick_tiny(tmp_path, corpus_file):
     out = tmp_path / 'bench'
-    bench.main(['--quick', '--out', str(out), '--data', str(corpus_file), '--device', 'cpu',
-                '--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64',
-                '--batch-size', '4', '--max-iters', '20', '--heads-iters', '4', '--dblast-iters', '4',
-                '--distill-samples', '4', '--dblast-samples', '4', '--n-prompts', '2', '--max-new', '16'])
+    bench.main(['--quick', '--out', str(out), '--data', str(corpus_file)] + TINY)
     res = json.loads((out / 'results.json').read_text())
     assert res['meta']['torch'] and res['meta']['device'] == 'cpu'
     bpd = res['bpd']
@@ -24,3 +26,19 @@ def test_bench_quick_tiny(tmp_path, corpus_file):
     split = res['time']['split_k8']
     assert {'target_forward', 'verify', 'draft', 'cache', 'host_sync'} <= set(split)
     assert split['target_forward'] > 0
+
+
+def test_bench_gpu_check_tiny(tmp_path, corpus_file):
+    """--gpu-check trains only what the speed table needs and fills it: k = 2..10, then sampling."""
+    out = tmp_path / 'gpu'
+    bench.main(['--gpu-check', '--out', str(out), '--data', str(corpus_file)] + TINY)
+    res = json.loads((out / 'results.json').read_text())
+    assert set(res) == {'meta', 'method', 'speed'} and res['speed']['mode'] == 'eager'
+    rows = res['speed']['rows']
+    assert [(r['drafter'], r['k']) for r in rows] == [('BPD heads', k) for k in bench.BPD_KS] + [
+        ('DBlast K=1 AL', 4), ('DBlast K=4 AL', 4)]
+    for r in rows:
+        assert r['tok_s'] > 0 and r['plain_tok_s'] > 0 and 1 <= r['tau'] <= r['k']
+        assert abs(r['tok_s'] / r['plain_tok_s'] - r['speedup']) < 1e-9 * r['speedup']
+    ckpts = sorted(p.name for p in (out / 'ckpt').glob('*.pt'))
+    assert ckpts == ['ckpt.pt', 'dblast_K1_T1.0_al.pt', 'dblast_K4_T1.0_al.pt', 'heads_frozen_distill.pt']

@@ -1,7 +1,15 @@
-"""The compiled merged step equals the eager one (on CUDA when present, else on the CPU), and
-on CUDA a step makes no host sync (skipped without a GPU: CI has none)."""
+"""The merged step is fit for CUDA graphs: it makes no host sync, traces as one graph, and the
+compiled step gives the eager step's output (greedy and sampled).
+
+What needs no GPU runs on the CPU: a dispatch-level detector of host syncs, a full-graph trace, and
+compiled-vs-eager equality. On CUDA the sync test also runs under
+torch.cuda.set_sync_debug_mode("error") (skipped without a GPU: CI has none).
+"""
+from contextlib import nullcontext
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dblast import DBlastDrafter
 from decode import generate, merged_step, sample
@@ -10,14 +18,39 @@ from model import GPT, GPTConfig
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
+aten = torch.ops.aten
+
+# ops that make the host wait for the device: reading a value (.item(), bool(), int()), or an
+# output whose shape depends on the data (the host must read the count before allocating)
+SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+            aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_consecutive.default,
+            aten.unique_dim.default}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records every op inside the block that would stall the host on a GPU. It works on the CPU
+    too, so CI checks what set_sync_debug_mode checks on CUDA (for these ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
+        if func in SYNC_OPS or bool_index:
+            self.seen.append(str(func))
+        return func(*args, **kwargs)
 
 
 def setup(kind, temperature):
     torch.manual_seed(0)
     cfg = GPTConfig(block_size=128, vocab_size=64, n_layer=2, n_head=2, n_embd=32)
     model = GPT(cfg).to(DEV).eval()
+    if kind is None:
+        return model, None
     if kind == 'heads':
         drafter = BlockHeads(cfg, 4)
         torch.nn.init.normal_(drafter.c_proj.weight, std=0.2)
@@ -27,31 +60,82 @@ def setup(kind, temperature):
     return model, drafter.to(DEV).eval()
 
 
-@cuda
-@pytest.mark.parametrize('temperature', [0.0, 1.0])
-@pytest.mark.parametrize('kind', ['heads', 'dblast'])
-def test_merged_step_does_not_sync(kind, temperature):
-    model, drafter = setup(kind, temperature)
-    g = torch.Generator(device='cuda').manual_seed(0)
-    B, k = 4, 4
-    prompt = torch.randint(64, (B, 8), device='cuda')
+@torch.no_grad()
+def first_block(model, drafter, B, k, temperature, g):
+    """A prefilled cache and the first pending block, as generate() leaves them before step 1."""
+    prompt = torch.randint(64, (B, 8), device=DEV, generator=g)
     cache = model.new_cache(B, 64)
-    with torch.no_grad():
-        h = model.forward_cached(prompt, cache)[:, -1]
-        cache.lengths += 8
-        bonus = sample(torch.softmax(model.lm_head(h), -1), g)
-        drafts, q = drafter.draft(h, bonus, model, k, temperature, g)
-        block = torch.cat([bonus[:, None], drafts], 1)
-        active = torch.ones(B, dtype=torch.bool, device='cuda')
+    h = model.forward_cached(prompt, cache)[:, -1]
+    cache.lengths += 8
+    bonus = sample(torch.softmax(model.lm_head(h), -1), g)
+    if drafter is None:
+        return cache, bonus[:, None], None
+    drafts, q = drafter.draft(h, bonus, model, k, temperature, g)
+    return cache, torch.cat([bonus[:, None], drafts], 1), q
+
+
+STEP_CASES = [(None, 0.0, 'exact'), ('heads', 0.0, 'exact'), ('heads', 0.0, 'topk:2'), ('heads', 0.0, 'minblock:2'),
+              ('heads', 1.0, 'exact'), ('dblast', 0.0, 'exact'), ('dblast', 1.0, 'exact')]
+
+
+@torch.no_grad()
+def run_steps(kind, temperature, accept, context=nullcontext, step=merged_step, n_steps=5, generator=True):
+    """n_steps merged steps on 3 rows (the last one inactive), inside `context`."""
+    model, drafter = setup(kind, temperature)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    k = 1 if drafter is None else 4
+    cache, block, q = first_block(model, drafter, 3, k, temperature, g)
+    active = torch.tensor([True, True, False], device=DEV)
+    mode, _, n = accept.partition(':')
+    with context():
+        for _ in range(n_steps):
+            n_acc, accepted, block, q = step(model, drafter, cache, block, q, active, temperature,
+                                             (mode, int(n or 0)), g if generator else None)
+    return cache
+
+
+@pytest.mark.parametrize('kind,temperature,accept', STEP_CASES)
+def test_merged_step_makes_no_host_sync(kind, temperature, accept):
+    detector = HostSyncs()
+    cache = run_steps(kind, temperature, accept, context=lambda: detector)
+    assert detector.seen == []
+    assert cache.lengths.tolist()[2] == 8 and min(cache.lengths.tolist()[:2]) >= 8 + 5  # inactive row stays
+
+
+def test_host_sync_detector_catches_syncs():
+    x = torch.tensor([0.5, 0.0, 2.0])
+    for bad in (lambda: x.sum().item(), lambda: bool((x > 1).any()), lambda: x[x > 0],
+                lambda: x.nonzero(), lambda: int(x.argmax())):
+        with HostSyncs() as detector:
+            bad()
+        assert detector.seen, bad
+
+
+@pytest.mark.parametrize('kind,temperature,accept', STEP_CASES)
+def test_merged_step_traces_as_one_graph(kind, temperature, accept):
+    """fullgraph=True raises at any graph break: a .item(), a data-dependent branch or shape, or
+    a torch.Generator argument (why the compiled step draws from the global RNG)."""
+    torch._dynamo.reset()
+    step = torch.compile(merged_step, fullgraph=True, backend='eager', dynamic=False)
+    run_steps(kind, temperature, accept, n_steps=2, step=step, generator=False)
+
+
+class SyncDebug:
+    """Any host sync inside raises (CUDA only)."""
+
+    def __enter__(self):
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode('error')   # any host sync inside raises
-        try:
-            for _ in range(5):
-                n_acc, accepted, block, q = merged_step(model, drafter, cache, block, q, active,
-                                                        temperature, ('exact', 0), g)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    assert int(cache.lengths.min()) >= 8 + 5
+        torch.cuda.set_sync_debug_mode('error')
+
+    def __exit__(self, *exc):
+        torch.cuda.set_sync_debug_mode(0)
+
+
+@cuda
+@pytest.mark.parametrize('kind,temperature,accept', STEP_CASES)
+def test_merged_step_does_not_sync_on_cuda(kind, temperature, accept):
+    cache = run_steps(kind, temperature, accept, context=SyncDebug)
+    assert min(cache.lengths.tolist()[:2]) >= 8 + 5
 
 
 def test_compiled_generate_matches_eager():
@@ -61,3 +145,41 @@ def test_compiled_generate_matches_eager():
     for _ in range(2):  # the first call compiles and records the graphs
         compiled, s2 = generate(model, prompt, 40, drafter=drafter, k=4, compile=True)
     assert torch.equal(eager, compiled) and s1['accept_lengths'] == s2['accept_lengths']
+
+
+def test_compiled_sampling_matches_eager():
+    """The same random numbers in the same order give the same tokens: with fallback_random the
+    compiled graph draws them through the eager kernels, from the global RNG."""
+    model, drafter = setup('dblast', 1.0)
+    prompt = torch.randint(64, (3, 8), device=DEV)
+    torch.manual_seed(7)
+    eager, s1 = generate(model, prompt, 40, drafter=drafter, k=4, temperature=1.0)
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.manual_seed(7)
+        compiled, s2 = generate(model, prompt, 40, drafter=drafter, k=4, temperature=1.0, compile=True)
+    assert torch.equal(eager, compiled) and s1['accept_lengths'] == s2['accept_lengths']
+
+
+def test_compiled_sampling_seeded_by_generator():
+    """compile=True with a generator: the same seed gives the same output, another seed another,
+    and the caller's global RNG is left as it was."""
+    model, drafter = setup('dblast', 1.0)
+    prompt = torch.randint(64, (2, 8), device=DEV)
+    state = torch.get_rng_state()
+    outs = [generate(model, prompt, 40, drafter=drafter, k=4, temperature=1.0, compile=True,
+                     generator=torch.Generator(device=DEV).manual_seed(s))[0] for s in (1, 1, 2)]
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_generate_keeps_the_generator_out_of_the_compiled_step(monkeypatch):
+    """generate(compile=True, generator=g) must not hand g to the compiled step: every draw from
+    it would split the graph (a full-graph compile raises)."""
+    import decode
+    torch._dynamo.reset()
+    strict = torch.compile(merged_step, fullgraph=True, backend='eager', dynamic=False)
+    monkeypatch.setitem(decode._COMPILED, torch.device(DEV).type, strict)
+    model, drafter = setup('dblast', 1.0)
+    prompt = torch.randint(64, (2, 8), device=DEV)
+    generate(model, prompt, 20, drafter=drafter, k=4, temperature=1.0, compile=True,
+             generator=torch.Generator(device=DEV).manual_seed(0))
