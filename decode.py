@@ -189,20 +189,22 @@ def global_rng_from(generator, device):
 
 
 def static_cache(model, B, k):
-    """For the compiled step, as gpt-fast does: one cache per model, sized by the context rather
-    than the request and reused across calls, so shapes and buffer addresses never change and
-    the compiled graphs (CUDA graphs on GPU) are recorded once. The spare room (2k, see
-    generate) is rounded up to a multiple of 64, so plain decoding and every k up to 32 share
-    the same buffers, as bench.py's interleaved timing needs."""
+    """For the compiled step, as gpt-fast does: a cache sized by the context rather than the
+    request, kept on the model and reused across calls, so shapes and buffer addresses never
+    change and the compiled graphs (CUDA graphs on GPU) are recorded once. The spare room (2k,
+    see generate) is rounded up to a multiple of 64, so plain decoding and every k up to 32
+    share the same buffers, as bench.py's interleaved timing needs. One cache per batch size."""
     max_len = -(-(model.config.block_size + 2 * k) // 64) * 64
-    cache = getattr(model, '_static_cache', None)
     w = model.lm_head.weight
-    if (cache is None or cache.k.shape[1] != B or cache.max_len != max_len
-            or cache.k.dtype != w.dtype or cache.k.device != w.device):
+    key = (B, max_len, w.dtype, w.device)
+    if getattr(model, '_static_caches', None) is None:
+        model._static_caches = {}
+    if key not in model._static_caches:
         cache = model.new_cache(B, max_len)
         for buf in (cache.k, cache.v, cache.lengths):
             torch._dynamo.mark_static_address(buf)
-        model._static_cache = cache
+        model._static_caches[key] = cache
+    cache = model._static_caches[key]
     cache.lengths.zero_()
     return cache
 
