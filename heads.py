@@ -52,22 +52,32 @@ class BlockHeads(nn.Module):
         return lm_head(self.ln(self.hidden(h, n_heads)))
 
     def head_logits(self, h, lm_head, i):
-        """One head's logits (..., vocab): the random-offset loss materialises only these."""
-        return lm_head(self.ln(self.hidden(h, i + 1)[..., i, :]))
+        """Head i's logits (..., vocab); the random-offset loss materialises only these. Only head
+        i's rows of W2 are used. i is an int or a 0-dim LongTensor: with a tensor the shapes do not
+        depend on i, so a compiled training step is one graph for every offset."""
+        sel = torch.as_tensor(i, device=h.device).view(1)   # index_select: no host read of i
+        a = F.relu(self.c_fc(h))
+        w = self.c_proj.weight.view(self.k - 1, self.n_embd, -1).index_select(0, sel)[0]  # (C, (k-1)*d_hidden)
+        b = self.c_proj.bias.view(self.k - 1, self.n_embd).index_select(0, sel)[0]        # (C,)
+        return lm_head(self.ln(h + F.linear(a, w, b)))
 
     def loss(self, h, lm_head, idx, offset=None):
         """Cross-entropy of the heads on a sequence (BPD §4.2).
 
         h (B, T, C) are the target's hidden states over idx[:, :T]; idx (B, T + k) holds the tokens,
         -1 where a position carries no target. Head i (0-based) at position t predicts idx[t+i+2].
-        offset=None: the full loss, the mean over the k-1 heads. offset=i: only head i's loss; drawn
-        uniformly per minibatch, its expectation (and its gradient's) is the full loss.
+        offset=None: the full loss, the mean over the k-1 heads. offset=i (int or 0-dim tensor):
+        only head i's loss; drawn uniformly per minibatch, its expectation (and its gradient's) is
+        the full loss.
         """
         T = h.size(1)
+        shifted = idx.unfold(1, T, 1)                        # (B, k+1, T): row j is idx[:, j:j+T]
         heads = range(self.k - 1) if offset is None else [offset]
-        losses = [F.cross_entropy(upcast(self.head_logits(h, lm_head, i)).flatten(0, 1),
-                                  idx[:, i + 2:i + 2 + T].flatten(), ignore_index=-1)
-                  for i in heads]
+        losses = []
+        for i in heads:
+            target = shifted.index_select(1, torch.as_tensor(i, device=idx.device).view(1) + 2)
+            logits = upcast(self.head_logits(h, lm_head, i))
+            losses.append(F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-1))
         return torch.stack(losses).mean()
 
     @torch.no_grad()

@@ -323,17 +323,18 @@ class HeadsObjective(nn.Module):
     """BPD heads loss on token sequences; frozen target (only heads learn) or joint fine-tuning
     (target's own next-token loss plus the heads' loss)."""
 
-    def __init__(self, model, heads, joint, loss_kind):
+    def __init__(self, model, heads, joint):
         super().__init__()
-        self.model, self.heads, self.joint, self.loss_kind = model, heads, joint, loss_kind
+        self.model, self.heads, self.joint = model, heads, joint
         for p in model.parameters():
             p.requires_grad_(joint)
 
-    def forward(self, tokens, targets):
+    def forward(self, tokens, targets, offset=None):
+        """offset: the random-offset loss's head, a 0-dim tensor drawn with the batch (outside a
+        compiled step: as a Python int each value would compile a graph of its own)."""
         T = tokens.size(1) - self.heads.k            # positions with a target for every head
         with nullcontext() if self.joint else torch.no_grad():
             h = self.model.hidden(tokens[:, :T])
-        offset = None if self.loss_kind == 'full' else random.randrange(self.heads.k - 1)
         loss = self.heads.loss(h, self.model.lm_head, targets, offset)
         if self.joint:
             lm = self.model.lm_head(h).float()
@@ -367,11 +368,14 @@ def stage_heads(rt, args, model, train):
     B, S = args.batch_size, args.block_size
 
     def batch():
+        offset = None
+        if args.loss == 'random-offset':
+            offset = torch.tensor(random.randrange(args.k - 1), device=rt.device)
         if args.distill:
             ix = torch.randint(len(seqs), (B,), generator=rt.gen)
-            return seqs[ix], targets[ix]
+            return seqs[ix], targets[ix], offset
         w = windows(train, B, S, rt.gen).to(rt.device)
-        return w, w
+        return w, w, offset
 
     def save(opt_state, it, rng):
         # base_fingerprint: the target these heads run on (the fine-tuned one when joint)
@@ -383,7 +387,7 @@ def stage_heads(rt, args, model, train):
 
     rt.print(f"heads: k={args.k}, {'joint' if args.joint else 'frozen'} target, {args.loss} loss, "
              f"{'distilled' if args.distill else 'corpus'} data")
-    train_loop(rt, args, 'heads', HeadsObjective(model, heads, args.joint, args.loss), batch,
+    train_loop(rt, args, 'heads', HeadsObjective(model, heads, args.joint), batch,
                args.heads_iters, args.heads_lr, save, resume, tokens_per_step=B * (S - args.k))
     if args.joint and rt.master:  # the fine-tuned target is a model of its own: save it beside
         jpath = os.path.join(args.out_dir, f'ckpt_joint{args.tag}.pt')

@@ -183,3 +183,24 @@ def test_generate_keeps_the_generator_out_of_the_compiled_step(monkeypatch):
     prompt = torch.randint(64, (2, 8), device=DEV)
     generate(model, prompt, 20, drafter=drafter, k=4, temperature=1.0, compile=True,
              generator=torch.Generator(device=DEV).manual_seed(0))
+
+
+def test_random_offset_loss_compiles_once():
+    """train.py --compile: the heads' random-offset loss takes its head as a 0-dim tensor, so the
+    compiled training step is one graph for every offset. As a Python int each offset would
+    compile a graph of its own, and past dynamo's limit of 8 it would run eager."""
+    from train import HeadsObjective
+    torch._dynamo.reset()
+    model, heads = setup('heads', 0.0)
+    objective = HeadsObjective(model, heads, joint=False)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    step = torch.compile(objective, backend=backend, fullgraph=True)
+    tokens = torch.randint(64, (2, 24), device=DEV)
+    for i in range(heads.k - 1):
+        compiled = step(tokens, tokens, torch.tensor(i, device=DEV))
+        assert torch.allclose(compiled, objective(tokens, tokens, i))
+    assert len(graphs) == 1
