@@ -157,10 +157,11 @@ _COMPILED = {}
 
 def compiled_step(device_type):
     """merged_step under torch.compile with static shapes; on CUDA as CUDA graphs
-    ("reduce-overhead"), so a step is one graph replay with no host round trip.
+    ("reduce-overhead"), so the step is one graph replay with no host round trip (generate's loop
+    around it keeps a few small ops and its one sync per step).
     Each k, temperature, acceptance rule and drafter class is its own graph; a sweep such as
-    bench.py's needs a few dozen, past dynamo's default limit of 8, after which it would fall
-    back to eager without a word."""
+    bench.py's needs a few dozen, past dynamo's default limit of 8, after which it would run
+    eager with no more than a logged warning."""
     if device_type not in _COMPILED:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         mode = 'reduce-overhead' if device_type == 'cuda' else None
