@@ -206,3 +206,26 @@ def test_random_offset_loss_compiles_once():
         compiled = step(tokens, tokens, torch.tensor(i, device=DEV))
         assert torch.allclose(compiled, objective(tokens, tokens, i))
     assert len(graphs) == 1
+
+
+def test_a_sweep_stays_compiled(monkeypatch):
+    """bench.py's sweep needs more graphs than dynamo's default limit of 8; past the limit the step
+    would quietly run eager. Traced with the eager backend (no code generation: fast), with the
+    limit made a hard failure."""
+    import decode
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, 'compile', lambda fn, **kw: real_compile(fn, backend='eager', dynamic=False))
+    monkeypatch.setattr(decode, '_COMPILED', {})
+    monkeypatch.setattr(torch._dynamo.config, 'fail_on_recompile_limit_hit', True)
+    torch._dynamo.reset()
+    model, _ = setup(None, 0.0)
+    heads = BlockHeads(model.config, 10).to(DEV, torch.float64).eval()
+    dblast = {K: DBlastDrafter(model.config, 4, K).to(DEV, torch.float64).eval() for K in (1, 4)}
+    prompt = torch.randint(64, (1, 8), device=DEV)
+    configs = [dict(drafter=heads, k=k) for k in (2, 4, 6, 8, 10)]
+    configs += [dict(drafter=heads, k=8, accept=a) for a in ('topk:2', 'topk:3', 'minblock:2')]
+    configs += [dict(drafter=d, k=4 if d else None, temperature=T)
+                for T in (0.7, 1.0, 1.5) for d in (None, dblast[1], dblast[4])]
+    for kw in configs:
+        generate(model, prompt, 12, compile=True, **kw)
+    assert len(configs) > 8
