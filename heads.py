@@ -53,8 +53,8 @@ class BlockHeads(nn.Module):
 
     def head_logits(self, h, lm_head, i):
         """Head i's logits (..., vocab); the random-offset loss materialises only these. Only head
-        i's rows of W2 are used. i is an int or a 0-dim LongTensor: with a tensor the shapes do not
-        depend on i, so a compiled training step is one graph for every offset."""
+        i's rows of W2 are used. i is an int or a LongTensor of one element: with a tensor the shapes
+        do not depend on i, so a compiled training step is one graph for every offset."""
         sel = torch.as_tensor(i, device=h.device).view(1)   # index_select: no host read of i
         a = F.relu(self.c_fc(h))
         w = self.c_proj.weight.view(self.k - 1, self.n_embd, -1).index_select(0, sel)[0]  # (C, (k-1)*d_hidden)
@@ -75,8 +75,9 @@ class BlockHeads(nn.Module):
         heads = range(self.k - 1) if offset is None else [offset]
         losses = []
         for i in heads:
-            target = shifted.index_select(1, torch.as_tensor(i, device=idx.device).view(1) + 2)
-            logits = upcast(self.head_logits(h, lm_head, i))
+            sel = torch.as_tensor(i, device=idx.device).view(1)
+            target = shifted.index_select(1, sel + 2)
+            logits = upcast(self.head_logits(h, lm_head, sel))
             losses.append(F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-1))
         return torch.stack(losses).mean()
 
