@@ -198,14 +198,12 @@ def static_cache(model, B, k):
     max_len = -(-(model.config.block_size + 2 * k) // 64) * 64
     w = model.lm_head.weight
     key = (B, max_len, w.dtype, w.device)
-    if getattr(model, '_static_caches', None) is None:
-        model._static_caches = {}
-    if key not in model._static_caches:
-        cache = model.new_cache(B, max_len)
-        for buf in (cache.k, cache.v, cache.lengths):
+    caches = model.__dict__.setdefault('_static_caches', {})   # a plain attribute, not a buffer
+    if key not in caches:
+        caches[key] = model.new_cache(B, max_len)
+        for buf in (caches[key].k, caches[key].v, caches[key].lengths):
             torch._dynamo.mark_static_address(buf)
-        model._static_caches[key] = cache
-    cache = model._static_caches[key]
+    cache = caches[key]
     cache.lengths.zero_()
     return cache
 
@@ -232,10 +230,10 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     # runs (and writes) one block per step until every row is done; none of it is kept
     out = torch.zeros(B, total + 2 * k, dtype=torch.long, device=dev)
     out[:, :T0] = prompt
-    if compile:
-        step, cache = compiled_step(dev.type), static_cache(model, B, k)
+    if compile:  # the compiled step draws from the global RNG, seeded below (global_rng_from)
+        step, cache, step_generator = compiled_step(dev.type), static_cache(model, B, k), None
     else:
-        step, cache = merged_step, model.new_cache(B, total + 2 * k)
+        step, cache, step_generator = merged_step, model.new_cache(B, total + 2 * k), generator
 
     # prefill (call 1): the prompt's last hidden state gives the first bonus and drafts
     h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
@@ -254,9 +252,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     offs = torch.arange(k, device=dev)
     taus, accs, actives = [], [], []
     calls = 1
-    rng = global_rng_from(generator, dev) if compile else nullcontext()
-    step_generator = None if compile else generator
-    with rng:
+    with global_rng_from(generator if compile else None, dev):
         while True:
             with span('host_sync'):
                 active = n_out < total
