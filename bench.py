@@ -29,17 +29,23 @@ import statistics
 import subprocess
 import sys
 import time
+import types
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 import train
-from decode import generate, load_drafter, pick_device
-from model import BadInput, load_target, run_script
+from decode import generate, load_drafter, pick_device, set_drafting
+from model import BadInput, load_checkpoint, load_target, run_script
 
 BPD_KS = [2, 4, 6, 8, 10]
 TEMPS = [0.7, 1.0, 1.5]
+T_ABLATION = 1.5            # the high-entropy setting DBlast headlines (+12.1% tau at T = 1.5)
+ABLATION_KS = [1, 2, 4, 8, 16]
+ZTS = [0.0, 0.5, 1.0, 2.0]
+PAPER_GAIN = {1.5: 12.1}    # DBlast vs independent drafting, % tau, Qwen3-8B (macro average)
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -69,6 +75,7 @@ class Bench:
     def __init__(self, args, device, prompts, val):
         self.args, self.device, self.prompts, self.val = args, device, prompts, val
         self.plain_runs = {}   # (target id, temperature) -> plain decoding's (out, stats)
+        self.heldout = {}      # temperature -> held-out target samples for the evaluator
 
     def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact'):
         """Every prompt, --batch rows per generate() call (default 1: per-request latency, as the
@@ -85,6 +92,17 @@ class Bench:
         return torch.cat(outs), dict(calls=calls, accept_lengths=taus,
                                      accept_rate=(np.atleast_1d(acc) / len(taus)).tolist())
 
+    def expected_tau(self, model, drafter, T, way, zt=1.0):
+        """Expected tau of `drafter` drafting `way` (a DRAFTING key) at temperature T, exactly,
+        on held-out target samples (made once per T and cached on disk)."""
+        if T not in self.heldout:
+            rt = types.SimpleNamespace(device=self.device, kind=torch.device(self.device).type,
+                                       master=True, autocast=nullcontext())
+            self.heldout[T] = train.dblast_data(rt, model, self.val, self.args.eval_samples, T, self.args.seed + 2,
+                                                f'held-out samples at T={T}', os.path.join(self.args.ckpt_dir, 'data'))
+        branches, verify = DRAFTING[way]
+        return train.expected_tau(drafter, model, self.heldout[T], self.args.dblast_k, T, branches, verify, zt)
+
     def plain(self, model, temperature):
         """Plain decoding's output and stats (the reference each row is compared with)."""
         key = (id(model), temperature)
@@ -92,10 +110,8 @@ class Bench:
             self.plain_runs[key] = self.decode_all(model, temperature=temperature)
         return self.plain_runs[key]
 
-    def row(self, model, drafter, k, temperature=0.0, accept='exact', zt=None):
+    def row(self, model, drafter, k, temperature=0.0, accept='exact'):
         """tau, acceptance per position, calls and speedup over plain decoding, timed together."""
-        if zt is not None:
-            drafter.zt = zt
         (dt, dt0), ((out, stats), (base_out, base_stats)) = timed(
             [lambda: self.decode_all(model, drafter, k, temperature, accept),
              lambda: self.decode_all(model, temperature=temperature)], self.args.repeats, self.device)
@@ -156,7 +172,7 @@ def train_args(args, *extra):
     if args.data:
         a += ['--data', args.data]
     for flag in ('n_layer', 'n_head', 'n_embd', 'block_size', 'max_iters', 'heads_iters', 'dblast_iters',
-                 'distill_samples', 'dblast_samples', 'batch_size'):
+                 'distill_samples', 'dblast_samples', 'dblast_eval_samples', 'batch_size'):
         v = getattr(args, flag)
         if v is not None:
             a += ['--' + flag.replace('_', '-'), str(v)]
@@ -171,13 +187,28 @@ def ensure_checkpoints(args):
         train.main(train_args(args, '--stages', 'heads', '--k', str(max(BPD_KS)),
                               '--joint' if joint else '--frozen', '--distill' if distill else '--no-distill',
                               '--tag', heads_tag(joint, distill)))
-    dblast = [(T, loss, K) for T in TEMPS for loss in ('nll', 'al')
-              for K in ([4] if T != 1.0 or loss != 'al' else [2, 4, 8])] if 'dblast' in args.tables else []
-    if 'speed' in args.tables:
-        dblast.append((1.0, 'al', 4))
-    for T, loss, K in dblast:  # each call trains K and the K = 1 baseline (skipped once trained)
-        train.main(train_args(args, '--stages', 'dblast', '--K', str(K), '--temperature', str(T),
-                              '--dblast-loss', loss, '--dblast-k', str(args.dblast_k), '--tag', dblast_tag(T, loss)))
+    for extra in dblast_trainings(args):   # each skipped once trained
+        train.main(train_args(args, '--stages', 'dblast', '--dblast-k', str(args.dblast_k), *extra))
+
+
+def dblast_trainings(args):
+    """train.py flags of every DBlast drafter the chosen tables need. Table 3: at each T, K = 4 and
+    the K = 1 baseline with the same loss, NLL and AL; at T_ABLATION also K = 4 with the
+    branch-conditional AL, K = 2, 8, 16 (AL), and a K = 4 run of twice the preset's steps whose
+    held-out curve shows how far training has converged."""
+    def job(T, loss, K, baseline, tag_extra='', *more):
+        return ('--temperature', str(T), '--dblast-loss', loss, '--K', str(K), '--baseline-loss', baseline,
+                '--tag', dblast_tag(T, loss) + tag_extra) + more
+    jobs = []
+    if 'dblast' in args.tables:
+        jobs += [job(T, loss, 4, loss) for T in TEMPS for loss in ('nll', 'al')]
+        jobs += [job(T_ABLATION, 'al-branch', 4, 'none')]
+        jobs += [job(T_ABLATION, 'al', K, 'none') for K in ABLATION_KS if K not in (1, 4)]
+        iters = train.parse_args(train_args(args)).dblast_iters
+        jobs += [job(T_ABLATION, 'al', 4, 'none', '_long', '--dblast-iters', str(2 * iters))]
+    elif 'speed' in args.tables:
+        jobs += [job(1.0, loss, 4, loss) for loss in ('nll', 'al')]
+    return jobs
 
 
 def heads_tag(joint, distill):
@@ -201,11 +232,12 @@ def md_table(headers, rows):
 def speed_table(b, base, args, results):
     """The figures at a glance, one row printed as soon as it is measured: tokens/s of plain and
     blockwise decoding, greedy with the frozen distilled heads at k = 2..10, then sampling at T=1
-    with the DBlast drafters (AL loss, K = 1 and K = 4)."""
+    with the independent K = 1 NLL drafter and DBlast K = 4 AL (sampled drafts, mixture verification)."""
     heads = load_drafter(os.path.join(args.ckpt_dir, f"heads{heads_tag(False, True)}.pt"), base)
-    dblast = lambda K: load_drafter(os.path.join(args.ckpt_dir, f"dblast_K{K}{dblast_tag(1.0, 'al')}.pt"), base)
+    dblast = lambda K, loss: load_drafter(os.path.join(args.ckpt_dir, f"dblast_K{K}{dblast_tag(1.0, loss)}.pt"), base)
     configs = [('BPD heads', heads, k, 0.0) for k in BPD_KS]
-    configs += [(f'DBlast K={K} AL', dblast(K), args.dblast_k, 1.0) for K in (1, 4)]
+    configs += [('independent K=1 NLL', dblast(1, 'nll'), args.dblast_k, 1.0),
+                ('DBlast K=4 AL', dblast(4, 'al'), args.dblast_k, 1.0)]
     n_tokens = args.n_prompts * args.max_new
     mode = 'compiled' if args.compile else 'eager'
     print(f"\n### 0. Speed ({mode}, {args.n_prompts} prompts x {args.max_new} tokens, batch {args.batch})\n")
@@ -268,35 +300,89 @@ def lossy_table(b, base, args, results):
     print(md_table(['accept', 'tau', 'agreement with greedy', 'output NLL (original model)', 'speedup'], table))
 
 
-def dblast_tables(b, base, args, results):
-    ck, kd = args.ckpt_dir, args.dblast_k
-    bpd = load_drafter(os.path.join(ck, f"heads{heads_tag(False, True)}.pt"), base)
-    drafter = lambda T, loss, K: load_drafter(os.path.join(ck, f'dblast_K{K}{dblast_tag(T, loss)}.pt'), base)
-    rows, table = [], []
-    for T in TEMPS:
-        line = [T]
-        for name, d in [('BPD heads', bpd), ('K=1 NLL', drafter(T, 'nll', 1)), ('K=1 AL', drafter(T, 'al', 1)),
-                        ('K=4 NLL', drafter(T, 'nll', 4)), ('K=4 AL', drafter(T, 'al', 4))]:
-            r, _, _ = b.row(base, d, kd, temperature=T)
-            r.update(T=T, drafter=name)
-            rows.append(r)
-            line.append(f"{r['tau']:.2f} ({r['speedup']:.2f}x)")
-        table.append(line)
-    results['dblast'] = rows
-    print(f"\n### 3. Speculative sampling, k={kd}: tau (speedup over plain sampling)\n")
-    print(md_table(['T', 'BPD heads', 'K=1 NLL', 'K=1 AL', 'K=4 NLL', 'K=4 AL'], table))
+DRAFTING = {'sampled': ('sampled', 'mixture'), 'argmax': ('greedy', 'mixture'),
+            'sampled, branch-cond.': ('sampled', 'branch'), 'greedy, branch-cond.': ('greedy', 'branch'),
+            'greedy, mixture': ('greedy', 'mixture'), 'sampled, mixture': ('sampled', 'mixture')}
 
-    abl = []
-    for K in (1, 2, 4, 8):
-        r, _, _ = b.row(base, drafter(1.0, 'al', K), kd, temperature=1.0)
-        abl.append(dict(K=K, tau=r['tau'], speedup=r['speedup']))
-    zts = []
-    for zt in (0.0, 0.5, 1.0, 2.0):
-        r, _, _ = b.row(base, drafter(1.0, 'al', 4), kd, temperature=1.0, zt=zt)
-        zts.append(dict(zt=zt, tau=r['tau'], speedup=r['speedup']))
+
+def dblast_tables(b, base, args, results):
+    """Table 3: speculative sampling with every drafter and way of drafting, at each T. Expected tau
+    by the exact evaluator (train.expected_tau) on held-out target samples for the whole grid;
+    decoding, timed against plain sampling, for the headline rows. Then the K ablation, the Z_T
+    sweep and the training curve, by the evaluator."""
+    ck, kd = args.ckpt_dir, args.dblast_k
+    heads = load_drafter(os.path.join(ck, f"heads{heads_tag(False, True)}.pt"), base)
+
+    def drafter(T, loss, K, extra=''):
+        return load_drafter(os.path.join(ck, f'dblast_K{K}{dblast_tag(T, loss)}{extra}.pt'), base)
+
+    def grid(T):   # (name, drafter, ways of drafting) of table 3 at temperature T
+        one, four = ['argmax', 'sampled'], ['greedy, mixture', 'sampled, mixture', 'greedy, branch-cond.',
+                                            'sampled, branch-cond.']
+        rows = [('BPD heads (distilled)', heads, one), ('K=1 NLL', drafter(T, 'nll', 1), one),
+                ('K=1 AL', drafter(T, 'al', 1), one), ('K=4 NLL', drafter(T, 'nll', 4), four),
+                ('K=4 AL', drafter(T, 'al', 4), four)]
+        if T == T_ABLATION:
+            rows.append(('K=4 AL, branch-cond. form', drafter(T, 'al-branch', 4), four))
+        return rows
+
+    # 3a: the grid by the evaluator
+    grid_rows = []
+    for T in TEMPS:
+        for name, d, ways in grid(T):
+            for way in ways:
+                grid_rows.append(dict(T=T, drafter=name, drafts=way, expected_tau=b.expected_tau(base, d, T, way)))
+    results['dblast'] = grid_rows
+    keys = list(dict.fromkeys((r['drafter'], r['drafts']) for r in grid_rows))
+    by = {(r['drafter'], r['drafts'], r['T']): r['expected_tau'] for r in grid_rows}
+    print(f"\n### 3. Speculative sampling, k={kd}: expected tau on held-out target samples (exact evaluator)\n")
+    print(md_table(['drafter', 'drafts, verification'] + [f'T={T}' for T in TEMPS],
+                   [[n, w] + [f"{by[n, w, T]:.2f}" if (n, w, T) in by else '' for T in TEMPS] for n, w in keys]))
+
+    # 3b: decoded and timed, the paper's comparison: DBlast (K = 4, AL) against the independent
+    # sampled K = 1 NLL drafter; plus the paper's own inference (greedy branches)
+    decoded, table = [], []
+    for T in TEMPS:
+        for name, d, way in [('independent K=1 NLL', drafter(T, 'nll', 1), 'sampled'),
+                             ('DBlast K=4 AL', drafter(T, 'al', 4), 'sampled, mixture'),
+                             ('DBlast K=4 AL', drafter(T, 'al', 4), 'greedy, mixture')]:
+            set_drafting(d, *DRAFTING[way])
+            r, _, _ = b.row(base, d, kd, temperature=T)
+            r.update(T=T, drafter=name, drafts=way, expected_tau=b.expected_tau(base, d, T, way))
+            decoded.append(r)
+            table.append([T, name, way, f"{r['tau']:.2f}", f"{r['expected_tau']:.2f}", r['calls'],
+                          f"{r['speedup']:.2f}x"])
+    results['dblast_decoded'] = decoded
+    print(f"\nDecoded ({args.n_prompts} prompts x {args.max_new} tokens), against plain sampling:\n")
+    print(md_table(['T', 'drafter', 'drafts, verification', 'tau (decoded)', 'tau (evaluator)', 'calls',
+                    'speedup'], table))
+    gains = []
+    for T in TEMPS:
+        ind, dep = (next(r for r in decoded if r['T'] == T and r['drafter'] == n and r['drafts'] == w)
+                    for n, w in [('independent K=1 NLL', 'sampled'), ('DBlast K=4 AL', 'sampled, mixture')])
+        gains.append(dict(T=T, decoded=dep['tau'] / ind['tau'] - 1, evaluator=dep['expected_tau'] / ind['expected_tau'] - 1,
+                          speedup_ratio=dep['speedup'] / ind['speedup'], paper=PAPER_GAIN.get(T)))
+    results['dblast_gain'] = gains
+    print("\nDBlast K=4 AL vs independent K=1 NLL, tau gain: " + '; '.join(
+        f"T={g['T']}: {g['decoded']:+.1%} decoded, {g['evaluator']:+.1%} evaluator"
+        + (f" (paper: +{g['paper']}%)" if g['paper'] else '') for g in gains))
+
+    # 3c-e: K ablation, Z_T sweep, training curve (evaluator, T_ABLATION)
+    T = T_ABLATION
+    ways = ['sampled, mixture', 'greedy, mixture', 'sampled, branch-cond.']
+    abl = [dict(K=K, **{w: b.expected_tau(base, drafter(T, 'al', K), T, w) for w in ways}) for K in ABLATION_KS]
+    zts = [dict(zt=zt, **{w: b.expected_tau(base, drafter(T, 'al', 4), T, w, zt) for w in ways[:2]}) for zt in ZTS]
+    long = load_checkpoint(os.path.join(ck, f"dblast_K4{dblast_tag(T, 'al')}_long.pt"), 'dblast')
+    preset = load_checkpoint(os.path.join(ck, f"dblast_K4{dblast_tag(T, 'al')}.pt"), 'dblast')
     results['dblast_K_ablation'], results['dblast_zt_sweep'] = abl, zts
-    print("\nK ablation (AL loss, T=1.0): " + ', '.join(f"K={a['K']}: {a['tau']:.2f}" for a in abl))
-    print("Z_T sweep (K=4 AL, T=1.0): " + ', '.join(f"Z_T={z['zt']}: {z['tau']:.2f}" for z in zts))
+    results['dblast_curve'] = dict(long=long['history'], preset=preset['history'])
+    print(f"\nK ablation (AL loss, T={T}, expected tau):\n")
+    print(md_table(['K'] + ways, [[a['K']] + [f"{a[w]:.2f}" for w in ways] for a in abl]))
+    print(f"\nZ_T sweep (K=4 AL, T={T}, expected tau):\n")
+    print(md_table(['Z_T'] + ways[:2], [[z['zt']] + [f"{z[w]:.2f}" for w in ways[:2]] for z in zts]))
+    print(f"\nTraining curve (K=4 AL, T={T}, held-out expected tau, sampled branches, mixture): "
+          f"{long['iter_num']} steps: " + ', '.join(f"{it}: {v:.3f}" for it, v in long['history'])
+          + f"; the preset's {preset['iter_num']} steps end at {preset['history'][-1][1]:.3f}")
 
 
 def time_table(b, base, args, results):
@@ -338,11 +424,12 @@ def plots(results, out_dir):
     ax[1].plot([r['k'] for r in t], [r['ceiling_speedup'] for r in t], 's--', label='ceiling tau*t(1)/t(k)')
     ax[1].set(xlabel='k', ylabel='speedup over greedy', title='speedup vs k (frozen, distilled)')
     ax[1].legend(fontsize=7)
-    names = sorted({r['drafter'] for r in results['dblast']}, key=[r['drafter'] for r in results['dblast']].index)
-    for n in names:
-        rs = [r for r in results['dblast'] if r['drafter'] == n]
-        ax[2].plot([r['T'] for r in rs], [r['tau'] for r in rs], 'o-', label=n)
-    ax[2].set(xlabel='temperature', ylabel='mean tau', title='sampling: tau vs T')
+    for name in ['BPD heads (distilled)', 'K=1 NLL', 'K=1 AL', 'K=4 NLL', 'K=4 AL']:
+        for way in ('sampled', 'sampled, mixture'):
+            rs = [r for r in results['dblast'] if r['drafter'] == name and r['drafts'] == way]
+            if rs:
+                ax[2].plot([r['T'] for r in rs], [r['expected_tau'] for r in rs], 'o-', label=name)
+    ax[2].set(xlabel='temperature', ylabel='expected tau (sampled drafts)', title='sampling: tau vs T, k=4')
     ax[2].legend(fontsize=7)
     fig.tight_layout()
     path = os.path.join(out_dir, 'bench.png')
@@ -354,12 +441,13 @@ def plots(results, out_dir):
 
 TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time']
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=160, max_iters=300, heads_iters=150,
-             dblast_iters=100, distill_samples=64, dblast_samples=64, n_prompts=4, max_new=64, repeats=1)
-DEFAULT = dict(n_prompts=16, max_new=128, repeats=3)
-FULL = dict(n_prompts=32, max_new=256, repeats=5)
+             dblast_iters=100, distill_samples=64, dblast_samples=64, dblast_eval_samples=8, n_prompts=4,
+             max_new=64, repeats=1, eval_samples=8)
+DEFAULT = dict(n_prompts=16, max_new=128, repeats=3, eval_samples=64)
+FULL = dict(n_prompts=32, max_new=256, repeats=5, eval_samples=256)
 # a few minutes on one GPU: the GPU preset's model, trained briefly, and the speed table only
 GPU_CHECK = dict(max_iters=600, heads_iters=300, dblast_iters=300, distill_samples=512, dblast_samples=512,
-                 n_prompts=8, max_new=192, repeats=2, tables='speed')
+                 n_prompts=8, max_new=192, repeats=2, eval_samples=64, tables='speed')
 
 
 def main(argv=None):
@@ -381,7 +469,8 @@ def main(argv=None):
     ap.add_argument('--dblast-k', type=int, default=4)
     ap.add_argument('--batch', type=int, default=1,
                     help='prompts per generate() call (1: per-request latency, as in the papers)')
-    for name in ('n_prompts', 'max_new', 'repeats', 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size',
+    for name in ('n_prompts', 'max_new', 'repeats', 'eval_samples', 'n_layer', 'n_head', 'n_embd', 'block_size',
+                 'batch_size', 'dblast_eval_samples',
                  'max_iters', 'heads_iters', 'dblast_iters', 'distill_samples', 'dblast_samples'):
         ap.add_argument('--' + name.replace('_', '-'), type=int, default=None)
     args = ap.parse_args(argv)

@@ -78,7 +78,10 @@ def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
                 accept=('exact', 0), generator=None):
     """One target call: verify `block` (B, k) = [bonus, drafts], commit, propose the next block.
 
-    q_block (B, k-1, V): the drafts' q when they were sampled, None for point-mass drafts.
+    q_block (B, k-1, V): the proposal's conditionals Q_i(.) given the drafts before position i,
+    as the drafter returned them (for a mixture they depend on the drafted prefix; for independent
+    drafts they are the drafter's own q), or None for point-mass drafts. The step does not know
+    which drafter it has: any proposal verified against its own conditionals is lossless.
     active (B,) bool: rows still generating; the others do not advance.
     Returns (n_acc (B,), accepted (B, k-1) bool, next block (B, k), its q).
     Static shapes, no Python loop over positions, no host sync.
@@ -284,6 +287,19 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
 
 # ------------------------------------------------------------------------- loading drafters
 
+def set_drafting(drafter, branches='sampled', verify='mixture', zt=None):
+    """How a drafter drafts under sampling: 'sampled' from its q (DBlast: sampled branches) or
+    'greedy' by argmax (DBlast: greedy branches); for DBlast also what the drafts are verified
+    against ('mixture' or 'branch') and Z_T. Returns the drafter."""
+    if hasattr(drafter, 'branches'):
+        drafter.branches, drafter.verify = branches, verify
+        if zt is not None:
+            drafter.zt = zt
+    else:
+        drafter.sample_drafts = branches == 'sampled'
+    return drafter
+
+
 def load_drafter(path, target):
     """A BlockHeads or DBlastDrafter checkpoint, checked against the target it was trained for."""
     from heads import BlockHeads
@@ -358,7 +374,11 @@ def main(argv=None):
     ap.add_argument('--k', type=int, default=None, help='block size (default: what the drafter was trained for)')
     ap.add_argument('--accept', default='exact', help="exact | topk:N | minblock:N (greedy only)")
     ap.add_argument('--zt', type=float, default=1.0, help='DBlast category temperature Z_T (0 = argmax branch)')
-    ap.add_argument('--sample-drafts', action='store_true', help='DBlast: sample the branch instead of argmax')
+    ap.add_argument('--sample-drafts', action=argparse.BooleanOptionalAction, default=True,
+                    help='under sampling, draw each draft from the drafter\'s q instead of its argmax '
+                         '(DBlast: sampled branches)')
+    ap.add_argument('--verify', default='mixture', choices=['mixture', 'branch'],
+                    help="DBlast: verify against the mixture's conditionals, or the drawn branch's alone (ablation)")
     ap.add_argument('--no-color', action='store_true', help='plain text even on a terminal')
     ap.add_argument('--device', default=None, help='cpu | cuda | mps (default: best available)')
     ap.add_argument('--compile', action='store_true',
@@ -387,10 +407,9 @@ def run_cli(args):
     drafter = None
     if args.heads or args.drafter:
         drafter = load_drafter(args.heads or args.drafter, model)
-        if hasattr(drafter, 'zt'):
-            if args.zt < 0:
-                raise BadInput(f"--zt {args.zt}: must be >= 0 (0 = argmax branch)")
-            drafter.zt, drafter.sample_drafts = args.zt, args.sample_drafts
+        if args.zt < 0:
+            raise BadInput(f"--zt {args.zt}: must be >= 0 (0 = argmax branch)")
+        set_drafting(drafter, 'sampled' if args.sample_drafts else 'greedy', args.verify, args.zt)
     kw = dict(temperature=args.temperature, compile=args.compile)
 
     def gen(**extra):

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from decode import upcast
+from decode import sample, upcast
 from model import LayerNorm
 
 
@@ -38,6 +38,10 @@ class BlockHeads(nn.Module):
         nn.init.zeros_(self.c_fc.bias)
         nn.init.zeros_(self.c_proj.weight)  # every head starts as the next-token head
         nn.init.zeros_(self.c_proj.bias)
+        # under sampling: True samples each position from q = softmax(logits / T) (independent
+        # block sampling, the better of the two in bench.py's table 3); False drafts by argmax (a
+        # point mass, as greedy BPD does)
+        self.sample_drafts = True
 
     def hidden(self, h, n_heads=None):
         """h (..., C) -> z (..., n_heads, C), the first n_heads of the k-1 offset heads."""
@@ -81,8 +85,19 @@ class BlockHeads(nn.Module):
             losses.append(F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-1))
         return torch.stack(losses).mean()
 
+    def mixture_logits(self, h, bonus, target, n):
+        """The heads as a one-branch mixture (the view dblast.expected_accepted takes): log pi = 0
+        (N, 1) and logits (N, 1, n, V). The bonus is not an input of BPD heads."""
+        return h.new_zeros(h.size(0), 1), self(h, target.lm_head, n).unsqueeze(1)
+
     @torch.no_grad()
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
-        """Drafter interface: h (N, C) at the bonus's position -> k-1 argmax drafts (N, k-1).
-        BPD heads draft by argmax under sampling too, so their q is a point mass (None)."""
-        return self(h, target.lm_head, k - 1).argmax(-1), None
+        """Drafter interface: h (N, C) at the bonus's position -> drafts (N, k-1) and their q.
+        Argmax drafts are a point mass (q None); with sample_drafts under sampling, each position
+        is drawn from its own q = softmax(logits / T), and that q is the proposal's conditional
+        (the positions are independent given h)."""
+        logits = self(h, target.lm_head, k - 1)
+        if temperature == 0.0 or not self.sample_drafts:
+            return logits.argmax(-1), None
+        q = F.softmax(upcast(logits) / temperature, dim=-1)
+        return sample(q, generator), q

@@ -14,6 +14,7 @@ Each stage writes its own checkpoint atomically; --resume continues an interrupt
 skips finished ones.
 """
 import argparse
+import functools
 import hashlib
 import math
 import os
@@ -27,7 +28,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm
 
-from dblast import DBlastDrafter
+from dblast import DBlastDrafter, expected_accepted
 from decode import generate, pick_device
 from heads import BlockHeads
 from model import GPT, BadInput, GPTConfig, load_checkpoint, load_target, run_script, save_checkpoint
@@ -36,10 +37,12 @@ from model import GPT, BadInput, GPTConfig, load_checkpoint, load_target, run_sc
 PRESETS = {
     'cpu': dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16, max_iters=1300,
                 lr=2e-3, warmup_iters=100, eval_interval=250, eval_iters=20,
-                heads_iters=400, distill_samples=256, dblast_iters=1500, dblast_samples=512),
+                heads_iters=400, distill_samples=256, dblast_iters=3000, dblast_samples=1024,
+                dblast_eval_samples=32),
     'gpu': dict(n_layer=6, n_head=6, n_embd=384, block_size=512, batch_size=64, max_iters=3000,
                 lr=1e-3, warmup_iters=200, eval_interval=500, eval_iters=50,
-                heads_iters=1500, distill_samples=4096, dblast_iters=1500, dblast_samples=2048),
+                heads_iters=1500, distill_samples=4096, dblast_iters=3000, dblast_samples=4096,
+                dblast_eval_samples=64),
 }
 PROMPT_LEN = 32       # corpus prompt in front of each generated training sequence
 
@@ -180,9 +183,10 @@ def make_optimizer(module, lr, weight_decay, device_kind):
 
 
 def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None, evaluate=None,
-               tokens_per_step=0):
+               tokens_per_step=0, eval_name='held-out loss'):
     """The loop every stage shares: AdamW, warmup + cosine, clipping, tqdm, periodic atomic
     checkpoints. objective(*batch) -> loss trains whatever parameters require grad.
+    evaluate(step) -> a float, printed as `eval_name` every eval_interval steps and at the end.
     save(optimizer_state, iter_num, rng_states) writes the stage's checkpoint (rank 0 only)."""
     model = objective
     if rt.ddp:
@@ -221,7 +225,7 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
                             **({'tok/s': f'{tps:.0f}'} if tokens_per_step else {}))
         done = it + 1 == iters
         if evaluate is not None and ((it + 1) % args.eval_interval == 0 or done):
-            rt.print(f"{name} step {it + 1}: train loss {loss_val:.4f}, held-out loss {evaluate():.4f}")
+            rt.print(f"{name} step {it + 1}: train loss {loss_val:.4f}, {eval_name} {evaluate(it + 1):.4f}")
         if (it + 1) % args.ckpt_interval == 0 or done:
             rng = rt.rng_states()   # collective under DDP: every rank takes part
             if rt.master:
@@ -293,7 +297,7 @@ def stage_base(rt, args, train, val):
 
     t0 = time.perf_counter()
     train_loop(rt, args, 'base', LMObjective(model), batch, args.max_iters, args.lr, save, resume,
-               evaluate=lambda: heldout_loss(model, val, B, args.eval_iters, rt.autocast), tokens_per_step=B * T)
+               evaluate=lambda it: heldout_loss(model, val, B, args.eval_iters, rt.autocast), tokens_per_step=B * T)
     rt.print(f"base: done in {time.perf_counter() - t0:.0f}s -> {path}")
     if rt.ddp:  # proof that data parallelism kept the replicas identical
         print(f"rank {rt.rank} weights {model.fingerprint()}", flush=True)
@@ -303,9 +307,17 @@ def stage_base(rt, args, train, val):
 # ----------------------------------------------------------------------------- stage 2: heads
 
 @torch.no_grad()
-def self_generated(rt, model, train, n, gen_len, temperature, seed, desc):
+def self_generated(rt, model, train, n, gen_len, temperature, seed, desc, cache_dir=None):
     """Corpus prompts continued by the target itself: (n, PROMPT_LEN + gen_len) tokens.
-    temperature 0: greedy (BPD's sequence-level distillation); > 0: samples (DBlast's data)."""
+    temperature 0: greedy (BPD's sequence-level distillation); > 0: samples (DBlast's data).
+    With cache_dir, kept there under a key of everything that determines them (the target's
+    weights, the text, n, the length, T, the seed): stages and bench runs that need the same
+    samples generate them once."""
+    key = hashlib.sha1(f'{model.fingerprint()} {len(train)} {n} {gen_len} {temperature} {seed}'.encode())
+    key.update(np.ascontiguousarray(train[:1 << 20]).tobytes())
+    path = cache_dir and os.path.join(cache_dir, f'samples-{key.hexdigest()[:16]}.pt')
+    if path and os.path.exists(path):
+        return torch.load(path, weights_only=True).to(rt.device)
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     dgen = torch.Generator(device=rt.device).manual_seed(seed)
@@ -316,7 +328,11 @@ def self_generated(rt, model, train, n, gen_len, temperature, seed, desc):
         with rt.autocast:
             out, _ = generate(model, prompts[i:i + bs], gen_len, temperature=temperature, generator=dgen)
         outs.append(out)
-    return torch.cat(outs)
+    seqs = torch.cat(outs)
+    if path and rt.master:
+        os.makedirs(cache_dir, exist_ok=True)
+        save_checkpoint(seqs.cpu(), path)
+    return seqs
 
 
 class HeadsObjective(nn.Module):
@@ -355,7 +371,7 @@ def stage_heads(rt, args, model, train):
         return load_drafter(path, model)
     if args.distill:
         seqs = self_generated(rt, model, train, args.distill_samples, args.block_size - PROMPT_LEN,
-                              0.0, args.seed, 'distill (greedy continuations)')
+                              0.0, args.seed, 'distill (greedy continuations)', os.path.join(args.out_dir, 'data'))
         targets = seqs.clone()
         targets[:, :PROMPT_LEN] = -1     # only the target's own output is a training target
     heads = BlockHeads(model.config, args.k, args.d_hidden)
@@ -402,71 +418,113 @@ def stage_heads(rt, args, model, train):
 # ----------------------------------------------------------------------------- stage 3: DBlast
 
 @torch.no_grad()
-def dblast_data(rt, args, model, train):
-    """Blocks from the target's own samples at --temperature, with the frozen target's hidden
-    states and log-probabilities of what was sampled (DBlast: self-distillation at temperature T)."""
-    seqs = self_generated(rt, model, train, args.dblast_samples, args.block_size - PROMPT_LEN,
-                          args.temperature, args.seed + 1, f'dblast data (samples at T={args.temperature})')
+def dblast_data(rt, model, text, n, temperature, seed, desc, cache_dir=None):
+    """The target's own samples at `temperature` after corpus prompts (DBlast: self-distillation at
+    temperature T), with the frozen target's hidden states and the log-probabilities of what it
+    sampled: seqs (n, S), H (n, S, C), LP (n, S-1) with LP[:, t] = log p_T(seqs[t+1] | seqs[<=t])."""
+    seqs = self_generated(rt, model, text, n, model.config.block_size - PROMPT_LEN, temperature, seed, desc,
+                          cache_dir)
     hs, lps = [], []
     for i in range(0, len(seqs), 64):
         s = seqs[i:i + 64]
-        h = model.hidden(s)
-        logp = torch.log_softmax(model.lm_head(h).float() / args.temperature, -1)
+        with rt.autocast:
+            h = model.hidden(s)
+            logp = torch.log_softmax(model.lm_head(h).float() / temperature, -1)
         hs.append(h.float())
-        lps.append(logp[:, :-1].gather(-1, s[:, 1:, None]).squeeze(-1))  # log p(s[t+1] | s[<=t])
+        lps.append(logp[:, :-1].gather(-1, s[:, 1:, None]).squeeze(-1))
     return seqs, torch.cat(hs), torch.cat(lps)
+
+
+def anchors(data, k, r, t):
+    """Training / evaluation anchors of dblast_data at rows r, positions t (both (N,)): h after s[t],
+    the bonus s[t+1], the k-1 drafts' targets s[t+2 .. t+k] and their target log-probabilities.
+    Valid t: PROMPT_LEN - 1 <= t < S - k (the bonus is sampled, the whole block fits)."""
+    seqs, H, LP = data
+    offs = torch.arange(k - 1, device=seqs.device)
+    return H[r, t], seqs[r, t + 1], seqs[r[:, None], t[:, None] + 2 + offs], LP[r[:, None], t[:, None] + 1 + offs]
+
+
+@torch.no_grad()
+def expected_tau(drafter, model, data, k, temperature, branches, verify, zt=1.0, chunk=2048):
+    """Exact expected tau (bonus included) at every anchor of held-out target samples, by the
+    acceptance-length identity (dblast.expected_accepted): the cheap, low-variance measure of a
+    drafter's acceptance. Decoding measures the same in expectation, plus the speed."""
+    seqs = data[0]
+    lo, hi = PROMPT_LEN - 1, seqs.size(1) - k
+    r = torch.arange(len(seqs), device=seqs.device).repeat_interleave(hi - lo)
+    t = torch.arange(lo, hi, device=seqs.device).repeat(len(seqs))
+    total = 0.0
+    for i in range(0, len(r), chunk):
+        h, bonus, x, log_px = anchors(data, k, r[i:i + chunk], t[i:i + chunk])
+        total += float(expected_accepted(drafter, h.to(model.lm_head.weight.dtype), bonus, model, x, log_px,
+                                         temperature, branches, verify, zt).sum())
+    return 1 + total / len(r)
 
 
 def dblast_path(args, K):
     return os.path.join(args.out_dir, f'dblast_K{K}{args.tag}.pt')
 
 
+def dblast_drafters(args):
+    """(K, loss) of the drafters the dblast stage trains: --K with --dblast-loss, and the K = 1
+    baseline with --baseline-loss."""
+    baseline = args.K != 1 and args.baseline_loss != 'none'
+    return [(args.K, args.dblast_loss)] + ([(1, args.baseline_loss)] if baseline else [])
+
+
 class DBlastObjective(nn.Module):
-    def __init__(self, model, drafter, args):
+    def __init__(self, model, drafter, args, kind):
         super().__init__()
-        self.model, self.drafter, self.args = model, drafter, args
+        self.model, self.drafter, self.args, self.kind = model, drafter, args, kind
 
     def forward(self, h, bonus, x, log_px):
         a = self.args
-        return self.drafter.loss(h, bonus, self.model, x, log_px, a.temperature, a.dblast_loss,
+        return self.drafter.loss(h, bonus, self.model, x, log_px, a.temperature, self.kind,
                                  a.tau_threshold, a.nll_weight)
 
 
-def stage_dblast(rt, args, model, get_data, K, path):
+def stage_dblast(rt, args, model, get_data, get_heldout, K, loss, path):
+    """One DBlast drafter (K branches, trained with `loss`) on the target's samples at
+    --temperature. Every eval_interval steps: its exact expected tau on held-out target samples,
+    with sampled branches and mixture verification (what the AL loss trains for); the curve is kept
+    in the checkpoint ('history')."""
     fp = model.fingerprint()
     k = args.dblast_k
-    resume = resume_state(args, path, dict(K=K, k=k, base_fingerprint=fp, loss=args.dblast_loss,
+    resume = resume_state(args, path, dict(K=K, k=k, base_fingerprint=fp, loss=loss,
                                            temperature=args.temperature))
     if resume is not None and resume['iter_num'] >= args.dblast_iters:
         rt.print(f"dblast: {path} already trained; skipping")
         return
-    seqs, H, LP = get_data()
+    data = get_data()
     drafter = DBlastDrafter(model.config, k, K, args.d_hidden)
+    history = []
     if resume is not None:
         drafter.load_state_dict(resume['drafter'])
+        history = resume.get('history', [])
     drafter.to(rt.device).train()
-    S = seqs.size(1)
-    # anchor t: h after s[t], the bonus s[t+1] was sampled (t+1 >= PROMPT_LEN), drafts s[t+2 .. t+k]
-    lo, hi = PROMPT_LEN - 1, S - k          # t in [lo, hi)
+    lo, hi = PROMPT_LEN - 1, data[0].size(1) - k          # anchors t in [lo, hi), see anchors()
     B = args.batch_size * 8
 
     def batch():
-        r = torch.randint(len(seqs), (B,), generator=rt.gen).to(rt.device)
+        r = torch.randint(len(data[0]), (B,), generator=rt.gen).to(rt.device)
         t = torch.randint(lo, hi, (B,), generator=rt.gen).to(rt.device)
-        offs = torch.arange(k - 1, device=rt.device)
-        x = seqs[r[:, None], t[:, None] + 2 + offs]
-        log_px = LP[r[:, None], t[:, None] + 1 + offs]
-        return H[r, t], seqs[r, t + 1], x, log_px
+        return anchors(data, k, r, t)
+
+    def evaluate(it):
+        tau = expected_tau(drafter, model, get_heldout(), k, args.temperature, 'sampled', 'mixture')
+        history.append((it, tau))
+        return tau
 
     def save(opt_state, it, rng):
         save_checkpoint(dict(kind='dblast', drafter=drafter.state_dict(), k=k, K=K,
                              d_hidden=drafter.block.d_hidden, model_args=vars(model.config),
-                             base_fingerprint=fp, loss=args.dblast_loss, temperature=args.temperature,
+                             base_fingerprint=fp, loss=loss, temperature=args.temperature, history=history,
                              optimizer=opt_state, iter_num=it, rng=rng, config=vars(args)), path)
 
-    rt.print(f"dblast: K={K}, k={k}, {args.dblast_loss} loss, T={args.temperature}")
-    train_loop(rt, args, f'dblast K={K}', DBlastObjective(model, drafter, args), batch,
-               args.dblast_iters, args.heads_lr, save, resume)
+    rt.print(f"dblast: K={K}, k={k}, {loss} loss, T={args.temperature}")
+    train_loop(rt, args, f'dblast K={K}', DBlastObjective(model, drafter, args, loss), batch,
+               args.dblast_iters, args.dblast_lr, save, resume, evaluate=evaluate if rt.master else None,
+               eval_name='held-out expected tau')
     return drafter.eval()
 
 
@@ -502,13 +560,15 @@ def run_demos(rt, args, model, heads, val):
         out = demo(rt, args, model, prompts, heads, args.k, 0.0, "BPD heads")
         text = bytes(out[0].tolist()).decode('utf-8', errors='replace')
         rt.print(f"--- sample ---\n{text}\n--------------")
-    drafters = [(K, dblast_path(args, K)) for K in sorted({1, args.K})]
-    if all(os.path.exists(p) for _, p in drafters) and 'dblast' in args.stages:
+    drafters = dblast_drafters(args)
+    if 'dblast' in args.stages and all(os.path.exists(dblast_path(args, K)) for K, _ in drafters):
         from decode import load_drafter
-        rt.print(f"\n=== speculative sampling at T={args.temperature}, held-out prompts")
-        for K, p in drafters:
-            d = load_drafter(p, model)
-            demo(rt, args, model, prompts, d, args.dblast_k, args.temperature, f"DBlast K={K}")
+        rt.print(f"\n=== speculative sampling at T={args.temperature}, held-out prompts: the dependent "
+                 f"drafter against the independent one (sampled drafts, mixture verification)")
+        for K, loss in drafters:
+            d = load_drafter(dblast_path(args, K), model)
+            demo(rt, args, model, prompts, d, args.dblast_k, args.temperature,
+                 f"DBlast K={K} ({loss})" if K > 1 else f"independent K=1 ({loss})")
 
 
 # ----------------------------------------------------------------------------- main
@@ -553,12 +613,21 @@ def parse_args(argv=None):
     g = ap.add_argument_group('DBlast')
     g.add_argument('--K', type=int, default=4, help='latent branches (the K=1 baseline is trained too)')
     g.add_argument('--dblast-k', type=int, default=4, help='block size of the DBlast drafters')
-    g.add_argument('--dblast-loss', default='al', choices=['al', 'nll'])
+    g.add_argument('--dblast-loss', default='al', choices=['al', 'al-branch', 'nll'],
+                   help="al: acceptance-length surrogate on the mixture's conditionals (default); "
+                        "al-branch: on branch-conditional acceptance (ablation); nll: mixture NLL")
+    g.add_argument('--baseline-loss', default='nll', choices=['al', 'al-branch', 'nll', 'none'],
+                   help='loss of the K=1 baseline (default nll: the independent drafter DBlast compares with; '
+                        'none: no baseline)')
     g.add_argument('--tau-threshold', type=float, default=0.01, help='AL surrogate: keep prefixes with a_j >= log tau')
-    g.add_argument('--nll-weight', type=float, default=0.0, help='weight of an extra NLL term in the AL loss')
-    g.add_argument('--temperature', type=float, default=1.0, help='sampling temperature of the training blocks')
+    g.add_argument('--nll-weight', type=float, default=0.2,
+                   help='weight of the mixture NLL added to the AL loss (keeps every branch learning)')
+    g.add_argument('--temperature', type=float, default=1.5, help='sampling temperature of the training blocks')
     g.add_argument('--dblast-iters', type=int, default=None)
-    g.add_argument('--dblast-samples', type=int, default=None)
+    g.add_argument('--dblast-lr', type=float, default=3e-3)
+    g.add_argument('--dblast-samples', type=int, default=None, help='target samples to train on')
+    g.add_argument('--dblast-eval-samples', type=int, default=None,
+                   help='held-out target samples for the expected-tau evaluation')
     g.add_argument('--no-demo', action='store_true', help='skip the closing demos')
     args = ap.parse_args(argv)
     preset = args.preset
@@ -605,14 +674,15 @@ def main(argv=None):
     if 'heads' in args.stages:
         heads = stage_heads(rt, args, model, train)
     if 'dblast' in args.stages:
-        data = []  # generated on first need: a resumed run may have nothing left to train
-
-        def get_data():
-            if not data:
-                data.append(dblast_data(rt, args, model, train))
-            return data[0]
-        for K in sorted({1, args.K}):
-            stage_dblast(rt, args, model, get_data, K, dblast_path(args, K))
+        # generated on first need (cached): a resumed run may have nothing left to train
+        T, n, n_val = args.temperature, args.dblast_samples, args.dblast_eval_samples
+        cache = os.path.join(args.out_dir, 'data')
+        get_data = functools.cache(lambda: dblast_data(rt, model, train, n, T, args.seed + 1,
+                                                       f'dblast data ({n} samples at T={T})', cache))
+        get_heldout = functools.cache(lambda: dblast_data(rt, model, val, n_val, T, args.seed + 2,
+                                                          f'held-out samples at T={T}', cache))
+        for K, loss in dblast_drafters(args):
+            stage_dblast(rt, args, model, get_data, get_heldout, K, loss, dblast_path(args, K))
     rt.print(f"\ntraining done in {time.perf_counter() - t_start:.0f}s")
     if rt.master and not args.no_demo:
         run_demos(rt, args, model, heads, val)

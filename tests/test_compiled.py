@@ -53,12 +53,13 @@ def setup(kind, temperature):
     model = GPT(cfg).to(DEV, torch.float64).eval()
     if kind is None:
         return model, None
-    if kind == 'heads':
+    if kind.startswith('heads'):     # 'heads' (argmax drafts) or 'heads-sampled'
         drafter = BlockHeads(cfg, 4)
         torch.nn.init.normal_(drafter.c_proj.weight, std=0.2)
-    else:
-        drafter = DBlastDrafter(cfg, 4, 4)
-        drafter.sample_drafts = temperature > 0
+        drafter.sample_drafts = kind == 'heads-sampled'
+    else:                            # 'dblast' or 'dblast-{greedy|sampled}-{mixture|branch}'
+        _, branches, verify = (kind + '-sampled-mixture').split('-')[:3]
+        drafter = DBlastDrafter(cfg, 4, 4, branches=branches, verify=verify)
     return model, drafter.to(DEV, torch.float64).eval()
 
 
@@ -77,7 +78,8 @@ def first_block(model, drafter, B, k, temperature, g):
 
 
 STEP_CASES = [(None, 0.0, 'exact'), ('heads', 0.0, 'exact'), ('heads', 0.0, 'topk:2'), ('heads', 0.0, 'minblock:2'),
-              ('heads', 1.0, 'exact'), ('dblast', 0.0, 'exact'), ('dblast', 1.0, 'exact')]
+              ('heads', 1.0, 'exact'), ('heads-sampled', 1.0, 'exact'), ('dblast', 0.0, 'exact')]
+STEP_CASES += [(f'dblast-{b}-{v}', 1.0, 'exact') for b in ('greedy', 'sampled') for v in ('mixture', 'branch')]
 
 
 @torch.no_grad()

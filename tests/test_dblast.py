@@ -1,0 +1,270 @@
+"""dblast.py: the mixture proposal, its conditionals and posterior, the losses, the exact
+expected-acceptance evaluator, and the paper's point on a multimodal toy task.
+
+Losslessness of every proposal under verification is tested by chi-square in test_sampling.py."""
+import itertools
+import math
+import types
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train
+from dblast import (DBlastDrafter, expected_accepted, log_conditionals, posterior, prefix_log_accept,
+                    prior)
+from decode import generate
+from model import GPT, GPTConfig
+
+V = 8                     # small vocabulary: every block can be enumerated
+CFG = GPTConfig(block_size=32, vocab_size=V, n_layer=2, n_head=2, n_embd=16)
+PROMPT = torch.tensor([[1, 5, 2, 7]])
+
+
+def peaky(module, std, seed):
+    """Random weights large enough that p and q are far from uniform (and far from each other)."""
+    torch.manual_seed(seed)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return module.double().eval()
+
+
+@pytest.fixture(scope='module')
+def target():
+    return peaky(GPT(CFG), 0.3, 0)
+
+
+def drafter_of(K, branches='sampled', verify='mixture', seed=2, k=4, zt=1.0):
+    d = peaky(DBlastDrafter(CFG, k, K, branches=branches, verify=verify), 0.3, seed)
+    d.zt = zt
+    return d
+
+
+@torch.no_grad()
+def enumerate_blocks(model, n, temperature):
+    """Every (bonus, x_1..x_n) after PROMPT: the target's log p of each token (N, n+1), its hidden
+    state at the bonus's position h (N, C), the bonus (N,) and x (N, n). exp(lp.sum(-1)) sums to 1."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=n + 1)))
+    full = torch.cat([PROMPT.expand(len(seqs), -1), seqs], dim=1)
+    T0 = PROMPT.size(1)
+    h = model.hidden(full)
+    logp = F.log_softmax(model.lm_head(h) / temperature, dim=-1)
+    lp = logp[:, T0 - 1:-1].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
+    return lp, h[:, T0 - 1], seqs[:, 0], seqs[:, 1:]
+
+
+def first_step_accepted(model, drafter, temperature, n, seed=0):
+    """Accepted drafts of every row's first decoding step (mean, standard error)."""
+    _, stats = generate(model, PROMPT.expand(n, -1), 4, drafter=drafter, temperature=temperature,
+                        generator=torch.Generator().manual_seed(seed))
+    first = torch.tensor(stats['accept_lengths'][:n], dtype=torch.float64) - 1  # step 1 of each row
+    return first.mean().item(), first.std().item() / math.sqrt(n)
+
+
+# --------------------------------------------------------------------------- the AL identity
+
+@pytest.mark.parametrize('K,branches,verify', [(1, 'sampled', 'mixture'), (4, 'sampled', 'mixture'),
+                                               (4, 'sampled', 'branch'), (4, 'greedy', 'mixture'),
+                                               (4, 'greedy', 'branch')])
+def test_expected_accepted_matches_decoding(target, K, branches, verify):
+    """E_{x~p}[sum_j exp(a_j)], computed exactly over every block, equals the accepted drafts the
+    decoder measures. For sampled branches a_j is the AL loss's own (log_q at Z_T = 1, mixture or
+    branch form); for greedy ones it is the evaluator's (one-hot q~). Z_T = 0.5 for K = 4: the
+    evaluator must weigh the branches by pi', as drafting does."""
+    T, zt = 1.0, (1.0 if K == 1 or branches == 'sampled' else 0.5)
+    d = drafter_of(K, branches, verify, zt=zt)
+    lp, h, bonus, x = enumerate_blocks(target, 3, T)
+    per_block = expected_accepted(d, h, bonus, target, x, lp[:, 1:], T, branches, verify, zt)
+    if branches == 'sampled':   # the loss's view gives the same numbers
+        log_pi, log_qx = d.log_q(h, bonus, target, x, T)
+        a = prefix_log_accept(log_pi, log_qx, lp[:, 1:], verify)
+        assert torch.allclose(a.exp().sum(-1), per_block, atol=1e-12)
+    expected = (lp.sum(-1).exp() * per_block).sum().item()
+    mean, se = first_step_accepted(target, d, T, 20000)
+    assert abs(mean - expected) < 4 * se, (mean, expected, se)
+    assert 0.1 < expected < 2.8   # non-trivial: neither all rejected nor all accepted
+
+
+def test_expected_accepted_for_bpd_heads_matches_decoding(target):
+    """The evaluator takes BPD heads as a one-branch mixture (sampled drafts)."""
+    from heads import BlockHeads
+    heads = peaky(BlockHeads(CFG, 4), 0.3, 1)
+    heads.sample_drafts = True
+    lp, h, bonus, x = enumerate_blocks(target, 3, 1.0)
+    expected = (lp.sum(-1).exp() * expected_accepted(heads, h, bonus, target, x, lp[:, 1:], 1.0,
+                                                     'sampled', 'mixture')).sum().item()
+    mean, se = first_step_accepted(target, heads, 1.0, 20000)
+    assert abs(mean - expected) < 4 * se, (mean, expected, se)
+
+
+@pytest.mark.parametrize('branches', ['greedy', 'sampled'])
+@pytest.mark.parametrize('seed', range(4))
+def test_mixture_accepts_the_first_draft_at_least_as_often_as_branch(target, branches, seed):
+    """At the first draft, E_z min(p, q_z) <= min(p, E_z q_z): mixture verification is never worse
+    than branch-conditional, anchor by anchor (exact, over every bonus and draft). Both are checked
+    against the direct formulas, and the mixture is strictly better somewhere."""
+    T, zt = 1.0, 1.5
+    d = drafter_of(4, branches, seed=seed, zt=zt)
+    lp, h, bonus, x = enumerate_blocks(target, 1, T)         # (V*V) rows: bonus, x_1
+    p_x = lp[:, 1].exp()
+    acc = {v: p_x * expected_accepted(d, h, bonus, target, x, lp[:, 1:], T, branches, v, zt)
+           for v in ('mixture', 'branch')}
+    acc = {v: a.view(V, V).sum(-1) for v, a in acc.items()}  # per bonus: P(first draft accepted)
+    # direct: p (V, V) and each branch's q~_1 (V, K, V) at each bonus
+    with torch.no_grad():
+        log_pi, logits = d.mixture_logits(h.view(V, V, -1)[:, 0], bonus.view(V, V)[:, 0], target, 1)
+    q = F.softmax(logits[:, :, 0] / T, -1) if branches == 'sampled' else \
+        F.one_hot(logits[:, :, 0].argmax(-1), V).double()
+    w = prior(log_pi, zt).exp()                               # (V, K)
+    p = p_x.view(V, V)
+    mix = torch.minimum(p, (w[:, :, None] * q).sum(1)).sum(-1)
+    br = (w * torch.minimum(p[:, None], q).sum(-1)).sum(-1)
+    assert torch.allclose(acc['mixture'], mix, atol=1e-12) and torch.allclose(acc['branch'], br, atol=1e-12)
+    assert (mix >= br - 1e-12).all() and (mix > br + 1e-3).any()
+
+
+# --------------------------------------------------------------------------- the proposal
+
+@pytest.mark.parametrize('branches', ['greedy', 'sampled'])
+def test_proposal_conditionals_are_distributions_that_cover_the_drafts(target, branches):
+    torch.manual_seed(0)
+    d = drafter_of(4, branches, zt=0.7)
+    h = torch.randn(50, CFG.n_embd, dtype=torch.float64)
+    drafts, Q = d.draft(h, torch.randint(V, (50,)), target, 4, 1.3, torch.Generator().manual_seed(1))
+    assert Q.shape == (50, 3, V)
+    assert torch.allclose(Q.sum(-1), torch.ones(50, 3, dtype=Q.dtype), atol=1e-12)
+    assert (Q.gather(-1, drafts.unsqueeze(-1)) > 0).all()      # the drafts came from Q
+
+
+def test_greedy_branches_with_one_branch_or_zt_zero_are_point_masses(target):
+    """K = 1, or Z_T = 0 (the argmax branch): the proposal is one deterministic path."""
+    torch.manual_seed(0)
+    h, b = torch.randn(20, CFG.n_embd, dtype=torch.float64), torch.randint(V, (20,))
+    assert drafter_of(1, 'greedy').draft(h, b, target, 4, 1.0)[1] is None
+    drafts, Q = drafter_of(4, 'greedy', zt=0.0).draft(h, b, target, 4, 1.0)
+    assert torch.equal(Q, F.one_hot(drafts, V).double())
+
+
+def test_posterior_is_computed_in_log_space():
+    """Over a long block the branches' draft probabilities underflow as products (float32 at
+    e^-104), not as sums of logs: the posterior stays finite and exact."""
+    n = 400
+    log_qd = torch.stack([torch.full((n,), -5.0), torch.full((n,), -5.05)])[None]   # (1, K=2, n)
+    w = posterior(torch.zeros(1, 2), log_qd).exp()                                   # (1, n, 2)
+    assert torch.isfinite(w).all() and torch.allclose(w.sum(-1), torch.ones(1, n))
+    i = torch.arange(n, dtype=torch.float32)
+    assert torch.allclose(w[0, :, 1] / w[0, :, 0], torch.exp(-0.05 * i), rtol=1e-4)   # prefix l < i only
+
+
+def test_log_conditionals_of_an_impossible_prefix_are_minus_inf_not_nan():
+    """Greedy branches give a target sample off every path probability 0: -inf from there on."""
+    log_qx = torch.tensor([[[0.0, -math.inf, 0.0], [-math.inf, 0.0, 0.0]]])   # (1, K=2, n=3)
+    lq = log_conditionals(torch.log(torch.tensor([[0.5, 0.5]])), log_qx)
+    assert lq[0, 0] == pytest.approx(math.log(0.5)) and (lq[0, 1:] == -math.inf).all()
+    a = prefix_log_accept(torch.zeros(1, 2).log_softmax(-1), log_qx, torch.full((1, 3), -1.0))
+    assert a[0, 0] == 0.0 and (a[0, 1:] == -math.inf).all()   # Q_1 = 0.5 > p_1 = e^-1: accepted
+
+
+# --------------------------------------------------------------------------- the losses
+
+def test_mixture_nll_k1_is_sum_of_cross_entropies(target):
+    drafter = peaky(DBlastDrafter(CFG, 4, 1), 0.3, 3)
+    torch.manual_seed(0)
+    h = torch.randn(5, CFG.n_embd, dtype=torch.float64)
+    bonus, x = torch.randint(V, (5,)), torch.randint(V, (5, 3))
+    log_pi, log_qx = drafter.log_q(h, bonus, target, x, temperature=0.7)
+    _, logits = drafter.mixture_logits(h, bonus, target, 3)
+    ce = F.cross_entropy(logits[:, 0].flatten(0, 1) / 0.7, x.flatten(), reduction='none').view(5, 3).sum(-1)
+    assert torch.allclose(DBlastDrafter.nll(log_pi, log_qx), ce, atol=1e-12)
+
+
+@pytest.mark.parametrize('kind,verify', [('al', 'mixture'), ('al-branch', 'branch')])
+def test_al_loss_threshold_and_fallback(target, kind, verify):
+    """The AL loss keeps only prefixes with a_j >= log tau; with none kept it is the NLL; 'al' is
+    built on the mixture's conditionals, 'al-branch' on branch-conditional acceptance."""
+    drafter = peaky(DBlastDrafter(CFG, 4, 4), 0.3, 4)
+    torch.manual_seed(1)
+    h = torch.randn(6, CFG.n_embd, dtype=torch.float64)
+    bonus, x = torch.randint(V, (6,)), torch.randint(V, (6, 3))
+    log_px = torch.empty(6, 3, dtype=torch.float64).uniform_(0.01, 0.9).log()   # some q above p
+    args = (h, bonus, target, x, log_px, 1.0)
+    nll = drafter.loss(*args, kind='nll')
+    assert torch.allclose(drafter.loss(*args, kind=kind, tau_threshold=1.0 + 1e-9), nll)
+    log_pi, log_qx = drafter.log_q(h, bonus, target, x, 1.0)
+    a = prefix_log_accept(log_pi, log_qx, log_px, verify)
+    t = torch.logcumsumexp(a.flip(-1), -1).flip(-1)
+    assert torch.allclose(drafter.loss(*args, kind=kind, tau_threshold=0.0), -t.mean(-1).mean())
+    assert torch.allclose(drafter.loss(*args, kind=kind, tau_threshold=0.0, nll_weight=0.5),
+                          -t.mean(-1).mean() + 0.5 * nll)
+    other = prefix_log_accept(log_pi, log_qx, log_px, 'branch' if verify == 'mixture' else 'mixture')
+    assert not torch.allclose(a, other)     # the two forms really differ for K > 1
+
+
+# --------------------------------------------------------------------------- the paper's point
+
+def phrase_corpus(n_seq, length, gen):
+    """Filler, a marker, then one of four phrases sharing their first token and diverging after
+    it (tokens: 0 marker, 1 shared first token, 2..13 phrase tokens, 14..15 filler)."""
+    phrases = torch.tensor([[1, 2, 3, 4], [1, 5, 6, 7], [1, 8, 9, 10], [1, 11, 12, 13]])
+    unit = 7   # 2 filler + marker + 4-token phrase
+    reps = length // unit + 1
+    filler = torch.randint(14, 16, (n_seq, reps, 2), generator=gen)
+    choice = phrases[torch.randint(4, (n_seq, reps), generator=gen)]
+    seq = torch.cat([filler, torch.zeros(n_seq, reps, 1, dtype=torch.long), choice], dim=-1)
+    return seq.view(n_seq, -1)[:, :length]
+
+
+def test_dependent_drafter_splits_the_modes_of_a_multimodal_block():
+    """After a marker the target picks one of four phrases. Trained by train.py's default DBlast
+    loss on the target's own samples, the K = 4 drafter gives each branch one phrase, and with
+    mixture verification it beats K = 1 trained the same way, greedy and sampled branches (tau of
+    the step that drafts the phrase, T = 1). Ideal, greedy: 4.0 for K = 4, 1.75 for K = 1 (one phrase).
+    With GPT-2's 0.02 init of the expander the K = 4 branches settle on fewer than four phrases."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    cfg = GPTConfig(block_size=64, vocab_size=16, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        x = phrase_corpus(32, 57, gen)
+        loss = model(x[:, :-1], x[:, 1:])[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    args = train.parse_args(['--device', 'cpu', '--temperature', '1.0'])   # the default loss and its settings
+    rt = types.SimpleNamespace(device='cpu', kind='cpu', master=True, autocast=nullcontext())
+    text = phrase_corpus(1, 20000, gen)[0].numpy().astype('uint8')
+    data = train.dblast_data(rt, model, text, 256, args.temperature, 0, 'samples')
+    k = 4
+    lo, hi = train.PROMPT_LEN - 1, data[0].size(1) - k
+    marker = phrase_corpus(1, 10, gen)[:, :3]                    # filler, filler, marker
+    phrases = {(2, 3, 4), (5, 6, 7), (8, 9, 10), (11, 12, 13)}
+    taus = {}
+    for K in (1, 4):
+        torch.manual_seed(1)
+        drafter = DBlastDrafter(cfg, k, K)
+        objective = train.DBlastObjective(model, drafter, args, args.dblast_loss)
+        opt = torch.optim.AdamW(drafter.parameters(), lr=args.dblast_lr)
+        for _ in range(300):
+            r = torch.randint(len(data[0]), (128,), generator=gen)
+            t = torch.randint(lo, hi, (128,), generator=gen)
+            loss = objective(*train.anchors(data, k, r, t))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        drafter.eval()
+        if K == 4:   # the branches at the marker, bonus = the phrases' shared first token
+            h = model.hidden(marker)[:, -1]
+            _, logits = drafter.mixture_logits(h, torch.tensor([1]), model, k - 1)
+            assert {tuple(p) for p in logits[0].argmax(-1).tolist()} == phrases
+        for branches in ('greedy', 'sampled'):
+            drafter.branches = branches
+            _, stats = generate(model, marker.expand(2000, -1), k, drafter=drafter, temperature=1.0,
+                                generator=torch.Generator().manual_seed(0))
+            taus[K, branches] = sum(stats['accept_lengths'][:2000]) / 2000
+    assert taus[4, 'greedy'] > taus[1, 'greedy'] + 1.5, taus
+    assert taus[4, 'sampled'] > taus[1, 'sampled'] + 0.3, taus
