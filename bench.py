@@ -10,14 +10,15 @@ Trains what it needs when checkpoints are missing (through train.py, under --ckp
   0. speed at a glance (--tables speed): tokens/s, tau and speedup, greedy k = 2..10 and sampling
   1. BPD table (paper Table 1, p.9): k x {frozen, joint} x {corpus, distilled}
   2. lossy acceptance (BPD §5): top-N and minimum-block
-  3. DBlast table: T x drafter, the K ablation and the Z_T sweep
+  3. speculative sampling at T = 0.7, 1.0, 1.5: every drafter and way of drafting by the exact
+     expected-tau evaluator; the headline rows decoded and timed; K ablation, Z_T sweep, curve
   4. where a step's time goes (BPD §6.3), t(k-token forward) / t(1-token forward), ceiling speedup
 Prints markdown tables, writes bench/results.json and (with matplotlib) bench/*.png.
 
 Method: the same held-out prompts for every row, decoded one request at a time by default (--batch
-1, the papers' latency setting; a batch advances at the pace of its slowest row); a warm-up run
-excluded (with --compile, it compiles the graphs); the median of --repeats timed runs, prefill
-included; tau counts the bonus token; speedup is against plain decoding of the same target and
+1, the papers' latency setting; a batch advances at the pace of its slowest row); with --compile
+or on a GPU a warm-up run excluded (it compiles the graphs); the median of --repeats timed runs,
+prefill included; tau counts the bonus token; speedup is against plain decoding of the same target and
 prompts (compiled too under --compile), timed interleaved with it (round after round) so that load
 on a shared machine hits both alike.
 """
@@ -35,10 +36,13 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 import train
+from data import PROMPT_LEN, check_out_dir, heldout_prompts, load_dataset, newline_id
+from dblast import expected_tau
 from decode import generate, load_drafter, pick_device, set_drafting
-from model import BadInput, load_checkpoint, load_target, run_script
+from model import ArgumentParser, BadInput, check_number, load_checkpoint, load_target, run_script
 
 BPD_KS = [2, 4, 6, 8, 10]
 TEMPS = [0.7, 1.0, 1.5]
@@ -55,11 +59,12 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fns, repeats, device):
-    """Median wall-clock seconds of each fn over `repeats` rounds, after one warm-up round.
+def timed(fns, repeats, device, warmup=True):
+    """Median wall-clock seconds of each fn over `repeats` rounds, after one warm-up round (needed
+    to compile, and on a GPU; on the CPU in eager mode a first decode costs no more than the next).
     The fns run interleaved, round after round, so a busy spell on a shared machine hits them
     alike and their ratio stays fair. Returns (medians, each fn's last result)."""
-    results = [fn() for fn in fns]
+    results = [fn() for fn in fns] if warmup else [None] * len(fns)
     times = [[] for _ in fns]
     for _ in range(repeats):
         for i, fn in enumerate(fns):
@@ -101,7 +106,7 @@ class Bench:
             self.heldout[T] = train.dblast_data(rt, model, self.val, self.args.eval_samples, T, self.args.seed + 2,
                                                 f'held-out samples at T={T}', os.path.join(self.args.ckpt_dir, 'data'))
         branches, verify = DRAFTING[way]
-        return train.expected_tau(drafter, model, self.heldout[T], self.args.dblast_k, T, branches, verify, zt)
+        return expected_tau(drafter, model, self.heldout[T], self.args.dblast_k, T, branches, verify, zt)
 
     def plain(self, model, temperature):
         """Plain decoding's output and stats (the reference each row is compared with)."""
@@ -114,7 +119,8 @@ class Bench:
         """tau, acceptance per position, calls and speedup over plain decoding, timed together."""
         (dt, dt0), ((out, stats), (base_out, base_stats)) = timed(
             [lambda: self.decode_all(model, drafter, k, temperature, accept),
-             lambda: self.decode_all(model, temperature=temperature)], self.args.repeats, self.device)
+             lambda: self.decode_all(model, temperature=temperature)], self.args.repeats, self.device,
+            warmup=self.args.compile or str(self.device) != 'cpu')
         taus = stats['accept_lengths']
         return dict(k=k, tau=float(np.mean(taus)), accept_rate=[round(a, 4) for a in stats['accept_rate']],
                     calls=stats['calls'], plain_calls=base_stats['calls'], seconds=dt, plain_seconds=dt0,
@@ -144,7 +150,6 @@ def forward_ratio(model, k, device, B, ctx=96, repeats=200):
 
 def time_split(run, device):
     """Share of run()'s time in each named region of the step (decode.span), by the profiler."""
-    from torch.profiler import ProfilerActivity, profile
     cuda = str(device).startswith('cuda')
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     run()  # warm-up
@@ -164,15 +169,18 @@ def time_split(run, device):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def train_args(args, *extra):
-    """train.py argv for the bench's sizes."""
-    a = ['--out-dir', args.ckpt_dir, '--resume', '--no-demo', '--seed', str(args.seed)]
+def train_args(args, stage, *extra):
+    """train.py argv for one stage at the bench's sizes (only that stage's flags: train.py refuses
+    flags that mean nothing for the stages it runs)."""
+    a = ['--out-dir', args.ckpt_dir, '--resume', '--no-demo', '--seed', str(args.seed), '--stages', stage]
     if args.device:
         a += ['--device', args.device]
     if args.data:
         a += ['--data', args.data]
-    for flag in ('n_layer', 'n_head', 'n_embd', 'block_size', 'max_iters', 'heads_iters', 'dblast_iters',
-                 'distill_samples', 'dblast_samples', 'dblast_eval_samples', 'batch_size'):
+    flags = {'base': ('n_layer', 'n_head', 'n_embd', 'block_size', 'max_iters'),
+             'heads': ('heads_iters', 'distill_samples'),
+             'dblast': ('dblast_iters', 'dblast_samples', 'dblast_eval_samples')}[stage] + ('batch_size',)
+    for flag in flags:
         v = getattr(args, flag)
         if v is not None:
             a += ['--' + flag.replace('_', '-'), str(v)]
@@ -181,14 +189,13 @@ def train_args(args, *extra):
 
 def ensure_checkpoints(args):
     """Train the target and every drafter the chosen tables need (skipped when already there)."""
-    train.main(train_args(args, '--stages', 'base'))
+    train.main(train_args(args, 'base'))
     heads = [(False, True)] if 'bpd' not in args.tables else [(j, d) for j in (False, True) for d in (False, True)]
     for joint, distill in heads:
-        train.main(train_args(args, '--stages', 'heads', '--k', str(max(BPD_KS)),
-                              '--joint' if joint else '--frozen', '--distill' if distill else '--no-distill',
-                              '--tag', heads_tag(joint, distill)))
+        train.main(train_args(args, 'heads', '--k', str(max(BPD_KS)), '--joint' if joint else '--frozen',
+                              '--distill' if distill else '--no-distill', '--tag', heads_tag(joint, distill)))
     for extra in dblast_trainings(args):   # each skipped once trained
-        train.main(train_args(args, '--stages', 'dblast', '--dblast-k', str(args.dblast_k), *extra))
+        train.main(train_args(args, 'dblast', '--dblast-k', str(args.dblast_k), *extra))
 
 
 def dblast_trainings(args):
@@ -204,10 +211,10 @@ def dblast_trainings(args):
         jobs += [job(T, loss, 4, loss) for T in TEMPS for loss in ('nll', 'al')]
         jobs += [job(T_ABLATION, 'al-branch', 4, 'none')]
         jobs += [job(T_ABLATION, 'al', K, 'none') for K in ABLATION_KS if K not in (1, 4)]
-        iters = train.parse_args(train_args(args)).dblast_iters
+        iters = train.parse_args(train_args(args, 'dblast')).dblast_iters
         jobs += [job(T_ABLATION, 'al', 4, 'none', '_long', '--dblast-iters', str(2 * iters))]
     elif 'speed' in args.tables:
-        jobs += [job(1.0, loss, 4, loss) for loss in ('nll', 'al')]
+        jobs += [job(1.0, 'al', 4, 'none'), job(1.0, 'nll', 1, 'none')]
     return jobs
 
 
@@ -307,7 +314,7 @@ DRAFTING = {'sampled': ('sampled', 'mixture'), 'argmax': ('greedy', 'mixture'),
 
 def dblast_tables(b, base, args, results):
     """Table 3: speculative sampling with every drafter and way of drafting, at each T. Expected tau
-    by the exact evaluator (train.expected_tau) on held-out target samples for the whole grid;
+    by the exact evaluator (dblast.expected_tau) on held-out target samples for the whole grid;
     decoding, timed against plain sampling, for the headline rows. Then the K ablation, the Z_T
     sweep and the training curve, by the evaluator."""
     ck, kd = args.ckpt_dir, args.dblast_k
@@ -451,7 +458,7 @@ GPU_CHECK = dict(max_iters=600, heads_iters=300, dblast_iters=300, distill_sampl
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = ap.add_mutually_exclusive_group()
     size.add_argument('--quick', action='store_true', help='a few minutes: small models, few prompts')
     size.add_argument('--full', action='store_true', help='the one-GPU sweep (GPU preset, more prompts)')
@@ -478,20 +485,33 @@ def main(argv=None):
     for key, v in preset.items():
         if getattr(args, key) is None:
             setattr(args, key, v)
-    args.tables = parse_tables(args.tables or 'bpd,lossy,dblast,time')
+    args.tables = parse_tables('bpd,lossy,dblast,time' if args.tables is None else args.tables)
     args.ckpt_dir = args.ckpt_dir or os.path.join(args.out, 'ckpt')
+    # every flag is checked before any training: the bench's own, then train.py's for each stage
+    for name in ('n_prompts', 'max_new', 'repeats', 'eval_samples', 'batch'):
+        check_number('--' + name.replace('_', '-'), getattr(args, name), lo=1)
+    check_number('--dblast-k', args.dblast_k, lo=2, hi=64)
+    check_number('--seed', args.seed, lo=0, hi=2 ** 63 - 1)
     device = pick_device(args.device)
+    block_size = train.parse_args(train_args(args, 'base')).block_size
+    for stage in ('heads', 'dblast'):
+        train.parse_args(train_args(args, stage))
+    longest = max(max(BPD_KS), args.dblast_k)
+    if PROMPT_LEN + args.max_new + longest > block_size:
+        raise BadInput(f"--max-new {args.max_new}: a {PROMPT_LEN}-token prompt, {args.max_new} tokens and a "
+                       f"block of up to {longest} must fit the context of {block_size} (--block-size)")
     if args.full and device != 'cuda':
         print("note: --full is sized for one GPU; on this device it will take long", file=sys.stderr)
-    os.makedirs(args.out, exist_ok=True)
+    check_out_dir(args.out, '--out')
+    check_out_dir(args.ckpt_dir, '--ckpt-dir')
+    ds = load_dataset(args.data, os.path.join(args.ckpt_dir, 'data'))
+    if len(ds.val) < PROMPT_LEN + args.n_prompts + 1:
+        raise BadInput(f"--n-prompts {args.n_prompts}: the held-out text is too short for that many prompts")
+    prompts = heldout_prompts(ds.val, args.n_prompts, PROMPT_LEN, newline_id(ds.vocab)).to(device)
     t_start = time.perf_counter()
     ensure_checkpoints(args)
     base = load_target(os.path.join(args.ckpt_dir, 'ckpt.pt'), device)
-    _, val = train.load_corpus(args.data, args.ckpt_dir)
-    prompts = train.heldout_prompts(val, args.n_prompts, train.PROMPT_LEN).to(device)
-    if prompts.size(1) + args.max_new > base.config.block_size:
-        raise BadInput(f"--max-new {args.max_new} + prompt {prompts.size(1)} exceeds the context "
-                       f"{base.config.block_size}")
+    val = ds.val
     b = Bench(args, device, prompts, val)
     torch.manual_seed(args.seed)
     results = dict(meta=meta(args, device), method=__doc__.split('Method: ')[1].strip())
@@ -511,10 +531,10 @@ def main(argv=None):
 
 
 def parse_tables(text):
-    tables = text.split(',')
+    tables = [t.strip() for t in text.split(',') if t.strip()]
     bad = [t for t in tables if t not in TABLES]
-    if bad:
-        raise BadInput(f"--tables: unknown {','.join(bad)}; choose from {','.join(TABLES)}")
+    if bad or not tables:
+        raise BadInput(f"--tables {text!r}: choose one or more of {','.join(TABLES)} (comma list)")
     if 'time' in tables and 'bpd' not in tables:
         raise BadInput("--tables: 'time' reads the BPD rows, so it needs 'bpd' too")
     return tables
@@ -533,4 +553,5 @@ def meta(args, device):
 
 
 if __name__ == '__main__':
-    run_script(main)
+    run_script(main, 'interrupted: nothing half-written; checkpoints trained so far are kept and reused '
+                     'by the next run')

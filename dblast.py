@@ -44,9 +44,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from decode import sample, upcast
+from data import PROMPT_LEN
 from heads import BlockHeads
-from model import LayerNorm
+from model import LayerNorm, sample, tempered, upcast
 
 BRANCHES = ('greedy', 'sampled')
 VERIFY = ('mixture', 'branch')
@@ -97,20 +97,49 @@ def branch_log_q(logits, x, temperature, branches):
     branches, 0 / -inf (the one-hot of the argmax) for greedy ones."""
     if branches == 'greedy':
         return torch.where(logits.argmax(-1) == x.unsqueeze(1), 0.0, -math.inf).to(logits.dtype)
-    lq = F.log_softmax(logits / temperature, dim=-1)
+    lq = F.log_softmax(tempered(logits, temperature), dim=-1)
     return lq.gather(-1, x[:, None, :, None].expand(-1, logits.size(1), -1, 1)).squeeze(-1)
 
 
 @torch.no_grad()
 def expected_accepted(drafter, h, bonus, target, x, log_px, temperature, branches, verify, zt=1.0):
-    """The exact expected number of accepted drafts per anchor (N,), by the identity above:
-    sum_j exp(a_j) at target samples x (N, n) with the target's log-probabilities log_px (N, n).
-    Unbiased for the decoder's accepted drafts, with far less variance than decoding (no drafts or
-    coins are drawn). Works for any drafter with `mixture_logits` (BPD heads: K = 1)."""
+    """The expected number of accepted drafts per anchor (N,), by the identity above: sum_j exp(a_j)
+    at target samples x (N, n) with the target's log-probabilities log_px (N, n). In each context
+    (prefix and bonus) its expectation over x is exactly the decoder's, with far less variance (no
+    drafts or coins are drawn). Works for any drafter with `mixture_logits` (BPD heads: K = 1)."""
     log_pi, logits = drafter.mixture_logits(h, bonus, target, x.size(1))
     log_qx = branch_log_q(upcast(logits), x, temperature, branches)
     a = prefix_log_accept(prior(log_pi, zt), log_qx, log_px, verify)
     return a.exp().sum(-1)
+
+
+def anchors(data, k, r, t):
+    """Anchors of target samples (train.dblast_data: seqs, H, LP) at rows r, positions t (both (N,)):
+    h after s[t], the bonus s[t+1], the k-1 drafts' targets s[t+2 .. t+k] and their target
+    log-probabilities. Valid t: PROMPT_LEN - 1 <= t < S - k (the bonus is sampled, the block fits)."""
+    seqs, H, LP = data
+    offs = torch.arange(k - 1, device=seqs.device)
+    return H[r, t], seqs[r, t + 1], seqs[r[:, None], t[:, None] + 2 + offs], LP[r[:, None], t[:, None] + 1 + offs]
+
+
+@torch.no_grad()
+def expected_tau(drafter, model, data, k, temperature, branches, verify, zt=1.0, chunk=2048):
+    """Expected tau (bonus included), averaged over every anchor of held-out target samples, by the
+    acceptance-length identity (expected_accepted): the cheap, low-variance measure of a
+    drafter's acceptance. Exact per context; decoding averages over the positions its blocks start
+    at instead of every position, so the two can differ a little where acceptance varies along
+    the text (MATH.md §7). Decoding measures speed."""
+    seqs = data[0]
+    lo, hi = PROMPT_LEN - 1, seqs.size(1) - k
+    r = torch.arange(len(seqs), device=seqs.device).repeat_interleave(hi - lo)
+    t = torch.arange(lo, hi, device=seqs.device).repeat(len(seqs))
+    total = 0.0
+    for i in range(0, len(r), chunk):
+        h, bonus, x, log_px = anchors(data, k, r[i:i + chunk], t[i:i + chunk])
+        total += float(expected_accepted(drafter, h.to(model.lm_head.weight.dtype), bonus, model, x, log_px,
+                                         temperature, branches, verify, zt).sum())
+    return 1 + total / len(r)
+
 
 
 # ----------------------------------------------------------------------------- the drafter
@@ -131,7 +160,8 @@ class DBlastDrafter(nn.Module):
         self.block = BlockHeads(config, k, d_hidden)     # the block head, shared by the branches
         for lin in (self.w_u, self.w_pi, self.g_fc, self.g_proj):
             nn.init.normal_(lin.weight, std=0.02)
-            nn.init.zeros_(lin.bias)
+            if lin.bias is not None:   # w_u follows the target's bias setting
+                nn.init.zeros_(lin.bias)
         # The branches must start different, or they stay alike: with fan-in scaled g weights each
         # branch's offset starts at about a third of the anchor's scale. At GPT-2's 0.02 the offsets
         # are tiny, and on a multimodal block the K branches were seen to settle on one or two
@@ -213,7 +243,7 @@ class DBlastDrafter(nn.Module):
             w = posterior(log_prior, log_qd).exp()                          # (N, n, K)
             Q = torch.zeros(N, n, V, dtype=w.dtype, device=w.device)
             return drafts, Q.scatter_add_(-1, paths.transpose(1, 2), w)
-        lq = F.log_softmax(logits / temperature, dim=-1)                    # (N, K, n, V)
+        lq = F.log_softmax(tempered(logits, temperature), dim=-1)           # (N, K, n, V)
         q = lq.exp()
         q_z = q.gather(1, z.view(N, 1, 1, 1).expand(N, 1, n, V)).squeeze(1)  # (N, n, V)
         drafts = sample(q_z, generator)                                     # (N, n)

@@ -2,16 +2,17 @@
 Decoding: plain autoregressive, blockwise parallel (BPD, greedy and lossy), and lossless
 speculative sampling with a block drafter (BPD heads or DBlast).
 
-Everything runs through one function, `merged_step` (DESIGN §2): the pending block
+Everything runs through one function, `merged_step` (MATH.md §2): the pending block
 [bonus, d_1 .. d_{k-1}] goes through the target in one call; the same call verifies the drafts,
 picks the next bonus and drafts the next block from the hidden state at the first rejection.
 Plain decoding is the same step with k = 1 and no drafter.
 
     python decode.py --ckpt out/ckpt.pt --prompt "def " --max-new-tokens 200
     python decode.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8
-    python decode.py --ckpt out/ckpt.pt --drafter out/dblast.pt --temperature 1.0 --zt 1.0
+    python decode.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5
 """
 import argparse
+import os
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -19,7 +20,11 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 
-from model import BadInput, GPTConfig, load_checkpoint, load_target, run_script
+from data import Vocab, vocab_for
+from dblast import DBlastDrafter
+from heads import BlockHeads
+from model import (ArgumentParser, BadInput, GPTConfig, check_finite, check_number, load_checkpoint,
+                   run_script, sample, target_from, tempered, upcast)
 
 
 # ------------------------------------------------------------------------- sampling helpers
@@ -30,23 +35,6 @@ def span(name):
     if torch.compiler.is_compiling():
         return nullcontext()
     return torch.profiler.record_function('step.' + name)
-
-
-def upcast(t):
-    """At least float32 (bf16 logits are upcast; float64 stays float64 for exactness tests)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
-
-
-def sample(weights, generator=None):
-    """One index per row of non-negative `weights` (..., V), by inverse CDF.
-
-    The weights need not be normalised: u is scaled by the row's total. It is a single rand and a
-    searchsorted, so it needs no host sync on CUDA (torch.multinomial may) and honours `generator`.
-    """
-    cdf = weights.cumsum(-1)
-    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device, dtype=cdf.dtype)
-    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
-    return idx.clamp_(max=weights.size(-1) - 1).squeeze(-1)
 
 
 def residual(p, q, drafts):
@@ -62,14 +50,19 @@ def residual(p, q, drafts):
     return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
 
 
-def parse_accept(accept):
+def named(name, value, cli=False):
+    """How an error names what the user gave: 'k=9' to a Python caller, '--k 9' on the command line."""
+    return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
+
+
+def parse_accept(accept, cli=False):
     """'exact' | 'topk:N' | 'minblock:N' -> (mode, N)."""
     mode, _, n = accept.partition(':')
     if mode == 'exact' and not n:
         return mode, 0
-    if mode in ('topk', 'minblock') and n.isdigit() and int(n) >= 1:
+    if mode in ('topk', 'minblock') and n.isascii() and n.isdigit() and 1 <= int(n) < 2 ** 31:
         return mode, int(n)
-    raise BadInput(f"accept={accept!r}: use 'exact', 'topk:N' or 'minblock:N' with N >= 1")
+    raise BadInput(f"{named('accept', accept, cli)}: use 'exact', 'topk:N' or 'minblock:N' with N >= 1 (and < 2^31)")
 
 
 # ------------------------------------------------------------------------- the merged step
@@ -104,8 +97,8 @@ def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
                     ok = ok | (torch.arange(1, k, device=block.device) < n)
             candidates = target                                 # bonus after each position
         else:
-            # Lossless speculative sampling (DESIGN §2), the same temperature on p and q
-            p = F.softmax(logits / temperature, dim=-1)         # (B, k, V) p_target
+            # Lossless speculative sampling (MATH.md §4), the same temperature on p and q
+            p = F.softmax(tempered(logits, temperature), dim=-1)  # (B, k, V) p_target
             p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
             q_d = 1.0 if q_block is None else q_block.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
             u = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
@@ -129,29 +122,29 @@ def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
     return n_acc, accepted, torch.cat([bonus[:, None], new_drafts], dim=1), q
 
 
-def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept):
-    """Every user error generate() can meet, as a one-line BadInput."""
+def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, cli=False):
+    """Every user error generate() can meet, as a one-line BadInput (naming command-line flags
+    when cli=True)."""
     if prompt.dim() != 2 or prompt.size(1) == 0:
         raise BadInput("prompt is empty: give at least one token")
     if max_new_tokens < 1:
-        raise BadInput(f"max_new_tokens={max_new_tokens}: must be >= 1")
+        raise BadInput(f"{named('max_new_tokens', max_new_tokens, cli)}: must be >= 1")
     limit = model.config.block_size
     if prompt.size(1) + max_new_tokens > limit:
-        raise BadInput(f"prompt ({prompt.size(1)} tokens) + max_new_tokens ({max_new_tokens}) "
-                       f"exceeds the model's context of {limit} tokens")
-    if temperature < 0:
-        raise BadInput(f"temperature={temperature}: must be >= 0 (0 = greedy)")
-    mode, n = parse_accept(accept)
+        raise BadInput(f"{named('max_new_tokens', max_new_tokens, cli)}: the prompt ({prompt.size(1)} tokens) "
+                       f"and {max_new_tokens} new tokens exceed the model's context of {limit} tokens")
+    check_number('--temperature' if cli else 'temperature', temperature, lo=0.0, note='0 = greedy')
+    mode, n = parse_accept(accept, cli)
     if mode == 'topk' and n > model.config.vocab_size:
-        raise BadInput(f"accept={accept!r}: N must be <= the vocabulary size {model.config.vocab_size}")
+        raise BadInput(f"{named('accept', accept, cli)}: N must be <= the vocabulary size {model.config.vocab_size}")
     if mode != 'exact' and temperature > 0:
-        raise BadInput(f"accept={accept!r} is lossy and greedy-only; use accept='exact' "
-                       f"with temperature > 0")
+        raise BadInput(f"{named('accept', accept, cli)} is lossy and greedy-only; with temperature > 0 "
+                       f"use exact acceptance")
     if drafter is not None:
         if k < 2:
-            raise BadInput(f"k={k}: a drafter needs k >= 2 (1 bonus + at least one draft)")
+            raise BadInput(f"{named('k', k, cli)}: a drafter needs k >= 2 (1 bonus + at least one draft)")
         if k > drafter.k:
-            raise BadInput(f"k={k} but the drafter was trained for k <= {drafter.k}")
+            raise BadInput(f"{named('k', k, cli)}: the drafter was trained for k <= {drafter.k}")
     return mode, n
 
 
@@ -245,7 +238,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     if temperature == 0.0:
         bonus = logits.argmax(-1)
     else:
-        bonus = sample(F.softmax(logits / temperature, dim=-1), generator)
+        bonus = sample(F.softmax(tempered(logits, temperature), dim=-1), generator)
     block, q = bonus[:, None], None
     if drafter is not None:
         drafts, q = drafter.draft(h, bonus, model, k, temperature, generator)
@@ -300,21 +293,27 @@ def set_drafting(drafter, branches='sampled', verify='mixture', zt=None):
     return drafter
 
 
-def load_drafter(path, target):
-    """A BlockHeads or DBlastDrafter checkpoint, checked against the target it was trained for."""
-    from heads import BlockHeads
-    from dblast import DBlastDrafter
+def load_drafter(path, target, kind=None, vocab=None):
+    """A BlockHeads or DBlastDrafter checkpoint, checked against the target it was trained for
+    (weights fingerprint, and the vocabulary when both record one). kind: 'heads' or 'dblast' to
+    refuse the other."""
     ckpt = load_checkpoint(path)
-    kind = ckpt.get('kind')
-    if kind not in ('heads', 'dblast'):
-        raise BadInput(f"{path} is not a drafter checkpoint (kind={kind!r}); "
-                       f"use out/heads.pt or out/dblast_K4.pt")
+    have = ckpt.get('kind')
+    if have not in ('heads', 'dblast') or (kind is not None and have != kind):
+        want = {'heads': 'a BPD heads checkpoint (heads.pt)', 'dblast': 'a DBlast checkpoint (dblast_K4.pt)',
+                None: 'a drafter checkpoint (heads.pt or dblast_K4.pt)'}[kind]
+        what = 'BPD heads' if have == 'heads' else 'a DBlast drafter' if have == 'dblast' else 'a target model'
+        raise BadInput(f"{path} is not {want}: it holds {what}")
     if ckpt.get('base_fingerprint') != target.fingerprint():
         raise BadInput(f"{path} was trained for another base model (fingerprint "
                        f"{ckpt.get('base_fingerprint')} != {target.fingerprint()}); retrain it")
+    trained_with = ckpt.get('vocab') and Vocab.from_state(ckpt['vocab'], path)
+    if vocab is not None and trained_with and trained_with != vocab:
+        raise BadInput(f"{path} was trained with a different vocabulary ({trained_with}) than the "
+                       f"target's ({vocab}); give the target's --meta or retrain the drafter")
     try:
         cfg = GPTConfig.from_dict(ckpt['model_args'])
-        if kind == 'heads':
+        if have == 'heads':
             drafter = BlockHeads(cfg, ckpt['k'], ckpt['d_hidden'])
         else:
             drafter = DBlastDrafter(cfg, ckpt['k'], ckpt['K'], ckpt['d_hidden'])
@@ -322,33 +321,33 @@ def load_drafter(path, target):
     except Exception as e:  # missing fields, wrong shapes
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise BadInput(f"drafter checkpoint {path} is malformed ({first})")
+    check_finite(drafter, path)
     p = target.lm_head.weight
     return drafter.to(p.device, p.dtype).eval()
 
 
-# ------------------------------------------------------------------------- CLI
+def pick_device(name=None):
+    """The device to run on: `name` if this machine has it (a one-line error if not), else the best
+    available."""
+    if name is None:
+        if torch.cuda.is_available():
+            return 'cuda'
+        mps = getattr(torch.backends, 'mps', None)
+        return 'mps' if mps is not None and mps.is_available() else 'cpu'
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise BadInput(f"--device {name!r}: not a device; use cpu, cuda, cuda:N or mps")
+    if dev.type == 'cuda' and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        raise BadInput(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type == 'mps' and not (getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available()):
+        raise BadInput(f"--device {name}: MPS is not available on this machine")
+    if dev.type not in ('cpu', 'cuda', 'mps'):
+        raise BadInput(f"--device {name}: use cpu, cuda, cuda:N or mps")
+    return name
 
-def encode(text):
-    return list(text.encode('utf-8'))
 
-
-def decode_bytes(tokens):
-    return bytes(int(t) for t in tokens).decode('utf-8', errors='replace')
-
-
-def colour_blocks(tokens, taus, colour):
-    """Text with each step's committed block in alternating colours (ANSI)."""
-    if not colour:
-        return decode_bytes(tokens)
-    parts, i = [], 0
-    for s, t in enumerate(taus):
-        if i >= len(tokens):
-            break
-        code = '\033[30;46m' if s % 2 else '\033[30;43m'
-        parts.append(code + decode_bytes(tokens[i:i + t]) + '\033[0m')
-        i += t
-    return ''.join(parts)
-
+# ------------------------------------------------------------------------- timing and demos
 
 def timed_generate(*args, **kw):
     """generate() and its wall-clock seconds (synchronising CUDA so the time is real)."""
@@ -362,23 +361,63 @@ def timed_generate(*args, **kw):
     return out, stats, time.perf_counter() - t0
 
 
+def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print):
+    """tau and wall-clock speedup over plain decoding of the same model and prompts, one request
+    at a time (latency, as the papers measure it), timed in the same run. Returns the outputs."""
+    def run(**extra):  # -> outputs, stats of every prompt, seconds in all
+        g = torch.Generator(device=prompts.device).manual_seed(0)
+        runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, **extra)
+                for p in prompts]
+        return torch.cat([r[0] for r in runs]), [r[1] for r in runs], sum(r[2] for r in runs)
+    run(drafter=drafter, k=k)  # warm-up, both paths
+    run()
+    out, stats, dt = run(drafter=drafter, k=k)
+    base, _, dt0 = run()
+    taus = [t for s in stats for t in s['accept_lengths']]
+    calls = sum(s['calls'] for s in stats)
+    same = f", identical to greedy: {bool((out == base).all())}" if temperature == 0 else ''
+    log(f"{label}: mean tau {sum(taus) / len(taus):.2f} at k={k}, {calls} calls for {len(prompts)} prompts "
+        f"x {max_new} tokens (plain: {len(prompts) * (max_new + 1)}), speedup {dt0 / dt:.2f}x{same}")
+    return out
+
+
+# ------------------------------------------------------------------------- CLI
+
+def colour_blocks(vocab, tokens, taus, colour):
+    """Text with each step's committed block in alternating colours (ANSI)."""
+    if not colour:
+        return vocab.decode(tokens)
+    parts, i = [], 0
+    for s, t in enumerate(taus):
+        if i >= len(tokens):
+            break
+        code = '\033[30;46m' if s % 2 else '\033[30;43m'
+        parts.append(code + vocab.decode(tokens[i:i + t]) + '\033[0m')
+        i += t
+    return ''.join(parts)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--ckpt', default='out/ckpt.pt', help='target checkpoint (ours or nanoGPT)')
-    ap.add_argument('--prompt', default='def ', help='prompt text (UTF-8 bytes)')
-    ap.add_argument('--max-new-tokens', type=int, default=200)
+    ap.add_argument('--meta', default=None, help="nanoGPT meta.pkl of a character-level target (default: "
+                                                 "where nanoGPT's sample.py looks, or beside --ckpt)")
+    ap.add_argument('--prompt', default='def ', help='prompt text')
+    ap.add_argument('--max-new-tokens', type=int, default=None,
+                    help="tokens to generate (default: 200, or what fits the model's context)")
     ap.add_argument('--temperature', type=float, default=0.0, help='0 = greedy')
     ap.add_argument('--seed', type=int, default=0)
     ap.add_argument('--heads', default=None, help='BPD heads checkpoint: blockwise parallel decoding')
     ap.add_argument('--drafter', default=None, help='DBlast drafter checkpoint')
     ap.add_argument('--k', type=int, default=None, help='block size (default: what the drafter was trained for)')
     ap.add_argument('--accept', default='exact', help="exact | topk:N | minblock:N (greedy only)")
-    ap.add_argument('--zt', type=float, default=1.0, help='DBlast category temperature Z_T (0 = argmax branch)')
-    ap.add_argument('--sample-drafts', action=argparse.BooleanOptionalAction, default=True,
-                    help='under sampling, draw each draft from the drafter\'s q instead of its argmax '
-                         '(DBlast: sampled branches)')
-    ap.add_argument('--verify', default='mixture', choices=['mixture', 'branch'],
-                    help="DBlast: verify against the mixture's conditionals, or the drawn branch's alone (ablation)")
+    ap.add_argument('--zt', type=float, default=None, help='DBlast category temperature Z_T (default 1; 0 = argmax branch)')
+    ap.add_argument('--sample-drafts', action=argparse.BooleanOptionalAction, default=None,
+                    help="under sampling, draw each draft from the drafter's q (default) or take its argmax "
+                         "(--no-sample-drafts; DBlast: greedy branches, the paper's inference)")
+    ap.add_argument('--verify', default=None, choices=['mixture', 'branch'],
+                    help="DBlast: verify against the mixture's conditionals (default), or the drawn branch's "
+                         "alone (ablation)")
     ap.add_argument('--no-color', action='store_true', help='plain text even on a terminal')
     ap.add_argument('--device', default=None, help='cpu | cuda | mps (default: best available)')
     ap.add_argument('--compile', action='store_true',
@@ -386,43 +425,71 @@ def main(argv=None):
     run_cli(ap.parse_args(argv))
 
 
-def pick_device(name=None):
-    if name:
-        return name
-    if torch.cuda.is_available():
-        return 'cuda'
-    if getattr(torch.backends, 'mps', None) is not None and torch.backends.mps.is_available():
-        return 'mps'
-    return 'cpu'
+def check_cli(args):
+    """Every flag, before anything is loaded: ranges, and options that mean nothing in this mode."""
+    drafter = args.heads or args.drafter
+    if args.heads and args.drafter:
+        raise BadInput("give --heads or --drafter, not both")
+    check_number('--temperature', args.temperature, lo=0.0, note='0 = greedy')
+    check_number('--seed', args.seed, lo=0, hi=2 ** 63 - 1)
+    if args.max_new_tokens is not None:
+        check_number('--max-new-tokens', args.max_new_tokens, lo=1)
+    if args.zt is not None:
+        check_number('--zt', args.zt, lo=0.0, note='0 = argmax branch')
+    if args.k is not None:
+        check_number('--k', args.k, lo=2)
+    parse_accept(args.accept, cli=True)
+    unused = [(args.k is not None, '--k'), (args.accept != 'exact', '--accept')] if not drafter else []
+    unused += [(args.zt is not None, '--zt'), (args.verify is not None, '--verify')] if not args.drafter else []
+    unused += [(args.sample_drafts is not None, '--[no-]sample-drafts')] if not drafter or args.temperature == 0 else []
+    for given, flag in unused:
+        if given:
+            raise BadInput(f"{flag} means nothing here: it applies to "
+                           + ('sampling with a drafter' if 'sample' in flag else
+                              'a DBlast --drafter' if flag in ('--zt', '--verify') else '--heads or --drafter'))
 
 
 def run_cli(args):
-    if args.heads and args.drafter:
-        raise BadInput("give --heads or --drafter, not both")
+    check_cli(args)
     device = pick_device(args.device)
-    model = load_target(args.ckpt, device)
+    if args.meta and not os.path.isfile(args.meta):
+        raise BadInput(f"--meta {args.meta}: no such file")
+    ckpt = load_checkpoint(args.ckpt)
+    model = target_from(ckpt, args.ckpt, device)
+    vocab = vocab_for(ckpt, args.ckpt, model.config.vocab_size, args.meta)
+    del ckpt
     if not args.prompt:
         raise BadInput("prompt is empty: give at least one character with --prompt")
-    prompt = torch.tensor([encode(args.prompt)], dtype=torch.long, device=device)
+    ids = vocab.encode(args.prompt, 'the prompt')
+    prompt = torch.tensor([ids], dtype=torch.long, device=device)
+    room = model.config.block_size - prompt.size(1)
+    max_new = args.max_new_tokens
+    if max_new is None:
+        max_new = min(200, room)
+        if max_new < 200:
+            print(f"note: generating {max_new} tokens, what fits the model's context of "
+                  f"{model.config.block_size} after the {prompt.size(1)}-token prompt", file=sys.stderr)
+        if max_new < 1:
+            raise BadInput(f"the prompt ({prompt.size(1)} tokens) fills the model's context of "
+                           f"{model.config.block_size} tokens")
     drafter = None
     if args.heads or args.drafter:
-        drafter = load_drafter(args.heads or args.drafter, model)
-        if args.zt < 0:
-            raise BadInput(f"--zt {args.zt}: must be >= 0 (0 = argmax branch)")
-        set_drafting(drafter, 'sampled' if args.sample_drafts else 'greedy', args.verify, args.zt)
+        drafter = load_drafter(args.heads or args.drafter, model, 'heads' if args.heads else 'dblast', vocab)
+        set_drafting(drafter, 'greedy' if args.sample_drafts is False else 'sampled', args.verify or 'mixture',
+                     args.zt)
+    check_args(model, prompt, max_new, drafter, args.k or (drafter.k if drafter else 1), args.temperature,
+               args.accept, cli=True)
     kw = dict(temperature=args.temperature, compile=args.compile)
 
     def gen(**extra):
         g = torch.Generator(device=device).manual_seed(args.seed)
-        return timed_generate(model, prompt, args.max_new_tokens, **kw, **extra, generator=g)
+        return timed_generate(model, prompt, max_new, **kw, **extra, generator=g)
 
     if drafter is None:
-        check_args(model, prompt, args.max_new_tokens, None, 1, args.temperature, args.accept)
         gen()  # warm-up
         out, stats, dt = gen()
-        print(decode_bytes(out[0].tolist()))
-        print(f"\n--- {args.max_new_tokens} tokens in {dt:.3f}s: {args.max_new_tokens / dt:.1f} tokens/s, "
-              f"{stats['calls']} calls")
+        print(vocab.decode(out[0].tolist()))
+        print(f"\n--- {max_new} tokens in {dt:.3f}s: {max_new / dt:.1f} tokens/s, {stats['calls']} calls")
         return
     spec = dict(drafter=drafter, k=args.k, accept=args.accept)
     gen(**spec)  # warm-up both paths so neither pays first-call costs in the timing
@@ -431,13 +498,12 @@ def run_cli(args):
     _, base_stats, dt_base = gen()
     colour = sys.stdout.isatty() and not args.no_color
     T0 = prompt.size(1)
-    print(decode_bytes(out[0, :T0].tolist()) + colour_blocks(out[0, T0:].tolist(), stats['accept_lengths'], colour))
+    print(vocab.decode(out[0, :T0].tolist()) + colour_blocks(vocab, out[0, T0:].tolist(), stats['accept_lengths'], colour))
     taus = stats['accept_lengths']
     plain = 'greedy' if args.temperature == 0 else 'sampling'
     print(f"\n--- k={args.k or drafter.k} accept={args.accept}: mean tau {sum(taus) / len(taus):.2f}, "
           f"{stats['calls']} calls (plain: {base_stats['calls']}), "
-          f"{args.max_new_tokens / dt:.1f} tokens/s vs {args.max_new_tokens / dt_base:.1f} plain {plain}: "
-          f"speedup {dt_base / dt:.2f}x")
+          f"{max_new / dt:.1f} tokens/s vs {max_new / dt_base:.1f} plain {plain}: speedup {dt_base / dt:.2f}x")
     print("acceptance per draft position: " + " ".join(f"{a:.2f}" for a in stats['accept_rate']))
 
 

@@ -17,8 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from decode import sample, upcast
-from model import LayerNorm
+from model import LayerNorm, sample, tempered, upcast
 
 
 class BlockHeads(nn.Module):
@@ -99,5 +98,5 @@ class BlockHeads(nn.Module):
         logits = self(h, target.lm_head, k - 1)
         if temperature == 0.0 or not self.sample_drafts:
             return logits.argmax(-1), None
-        q = F.softmax(upcast(logits) / temperature, dim=-1)
+        q = F.softmax(tempered(upcast(logits), temperature), dim=-1)
         return sample(q, generator), q

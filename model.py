@@ -10,8 +10,12 @@ Two ways to run the network:
   model.forward_cached(idx, c)   a block of L new tokens per row on top of a KVCache, written at
                                  each row's own positions; returns final hidden states h (after ln_f)
 """
+import argparse
 import hashlib
 import math
+import os
+import pickle
+import sys
 from dataclasses import dataclass, fields
 
 import torch
@@ -35,6 +39,33 @@ class GPTConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
+
+# ---------------------------------------------------------------------------- sampling primitives
+
+def upcast(t):
+    """At least float32 (bf16 logits are upcast; float64 stays float64 for exactness tests)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def sample(weights, generator=None):
+    """One index per row of non-negative `weights` (..., V), by inverse CDF.
+
+    The weights need not be normalised: u is scaled by the row's total. It is a single rand and a
+    searchsorted, so it needs no host sync on CUDA (torch.multinomial may) and honours `generator`.
+    """
+    cdf = weights.cumsum(-1)
+    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device, dtype=cdf.dtype)
+    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
+    return idx.clamp_(max=weights.size(-1) - 1).squeeze(-1)
+
+
+def tempered(logits, temperature):
+    """logits / T, shifted so that the largest is 0: softmax and log_softmax stay finite for any
+    finite T > 0 (a tiny T gives the greedy limit, a one-hot, instead of inf - inf = NaN)."""
+    return (logits - logits.amax(-1, keepdim=True)) / temperature
+
+
+# ---------------------------------------------------------------------------- the network
 
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1); nanoGPT's class."""
@@ -237,32 +268,66 @@ class BadInput(ValueError):
     one line and exit non-zero instead of showing a traceback."""
 
 
-def run_script(main):
-    """Run a script's main(): a BadInput ends it with one `error: ...` line and exit code 2."""
-    import sys
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (unknown flag, not a number, ...) are one `error:` line too."""
+
+    def error(self, message):
+        raise BadInput(message)
+
+
+def check_number(flag, value, lo=None, hi=None, open_lo=False, open_hi=False, note=''):
+    """A flag's number is finite and within its bounds (open_lo / open_hi: the bound itself is
+    excluded): else a one-line BadInput naming the flag and what is allowed."""
+    ok = (isinstance(value, int) or math.isfinite(value)) and (lo is None or value > lo or (value == lo and not open_lo)) \
+        and (hi is None or value < hi or (value == hi and not open_hi))
+    if not ok:
+        allowed = ' and '.join([f"{'>' if open_lo else '>='} {lo}"] * (lo is not None)
+                               + [f"{'<' if open_hi else '<='} {hi}"] * (hi is not None)) or 'finite'
+        raise BadInput(f"{flag} {value}: must be {allowed}" + (f" ({note})" if note else ''))
+    return value
+
+
+def check_finite(module, what):
+    """Refuse weights with a NaN or an inf: they would decode garbage or poison a checkpoint."""
+    bad = [n for n, t in module.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise BadInput(f"{what}: non-finite weights in {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ''))
+
+
+def run_script(main, interrupted='interrupted'):
+    """Run a script's main(): a BadInput ends it with one `error: ...` line and exit code 2; Ctrl-C
+    with one line (the KeyboardInterrupt's own message, else `interrupted`) and exit code 130."""
     try:
         main()
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as e:   # a script may raise its own, saying what was saved
+        print(f"\n{str(e) or interrupted}", file=sys.stderr)
+        sys.exit(130)
 
 
 def save_checkpoint(obj, path):
     """Write atomically: a temporary file beside the target, then a rename. An interrupted write
     leaves the previous checkpoint intact."""
-    import os
     tmp = f"{path}.tmp"
     torch.save(obj, tmp)
     os.replace(tmp, path)
 
 
 def load_checkpoint(path, kind=None):
-    """torch.load with one-line errors for a missing, corrupt or wrong-kind file."""
-    import os
+    """torch.load with one-line errors for a missing, corrupt or wrong-kind file. Only tensors and
+    plain Python values load (weights_only=True): a file that needs more is refused, and nothing in
+    it runs."""
     if not os.path.isfile(path):
         raise BadInput(f"checkpoint not found: {path}")
     try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=False)
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e:
+        if 'Weights only load failed' in str(e):  # it names a class or function: refused unloaded
+            raise BadInput(f"checkpoint {path} refused: it holds more than tensors and plain values "
+                           f"(nothing in it was run)")
+        raise BadInput(f"checkpoint {path} is unreadable ({type(e).__name__}); re-train or re-copy it")
     except Exception as e:  # truncated zip, pickle garbage, ...
         raise BadInput(f"checkpoint {path} is unreadable ({type(e).__name__}); re-train or re-copy it")
     if not isinstance(ckpt, dict):
@@ -275,7 +340,11 @@ def load_checkpoint(path, kind=None):
 
 def load_target(path, device='cpu'):
     """A target GPT from a checkpoint of ours or nanoGPT's."""
-    ckpt = load_checkpoint(path)
+    return target_from(load_checkpoint(path), path, device)
+
+
+def target_from(ckpt, path, device='cpu'):
+    """The target GPT of a loaded checkpoint dict (path: for messages); non-finite weights refused."""
     if 'model' not in ckpt or 'model_args' not in ckpt:
         raise BadInput(f"checkpoint {path} has no 'model'/'model_args': not a GPT checkpoint")
     try:
@@ -283,4 +352,5 @@ def load_target(path, device='cpu'):
     except Exception as e:  # any malformed content: shapes, types, impossible sizes
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise BadInput(f"checkpoint {path}: weights do not fit its config ({first})")
+    check_finite(model, f"checkpoint {path}")
     return model.to(device).eval()

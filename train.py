@@ -1,7 +1,8 @@
 """
 Train the target GPT, then its drafters, in stages:
 
-  base    the target: a byte-level GPT on the standard library's .py files (or --data)
+  base    the target: a byte-level GPT on the standard library's .py files, or on --data (a text
+          file or folder, or a nanoGPT dataset folder: train.bin / val.bin, meta.pkl)
   heads   BPD k-offset heads (frozen target by default, --joint to fine-tune it too), on the
           target's own greedy continuations (sequence-level distillation, --no-distill for corpus text)
   dblast  DBlast dependent drafters (K = --K and the K = 1 baseline) on the target's own samples
@@ -15,23 +16,27 @@ skips finished ones.
 """
 import argparse
 import functools
+import gc
 import hashlib
 import math
 import os
 import random
-import sysconfig
 import time
 from contextlib import nullcontext
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from dblast import DBlastDrafter, expected_accepted
-from decode import generate, pick_device
+from data import PROMPT_LEN, Vocab, check_out_dir, heldout_prompts, load_dataset, newline_id, vocab_for, windows
+from dblast import DBlastDrafter, anchors, expected_tau
+from decode import demo, generate, load_drafter, pick_device
 from heads import BlockHeads
-from model import GPT, BadInput, GPTConfig, load_checkpoint, load_target, run_script, save_checkpoint
+from model import (GPT, ArgumentParser, BadInput, GPTConfig, check_finite, check_number, load_checkpoint,
+                   run_script, save_checkpoint, target_from)
 
 # Presets, picked by device. CPU: the whole `python train.py` in about 10 minutes on 2 cores.
 PRESETS = {
@@ -44,80 +49,6 @@ PRESETS = {
                 heads_iters=1500, distill_samples=4096, dblast_iters=3000, dblast_samples=4096,
                 dblast_eval_samples=64),
 }
-PROMPT_LEN = 32       # corpus prompt in front of each generated training sequence
-
-
-# ----------------------------------------------------------------------------- data
-
-def corpus_files(path=None):
-    """The default corpus: the interpreter's standard library .py files, sorted, without
-    site-packages and test folders. With a path: that text file, or every file under that folder."""
-    if path is None:
-        root = sysconfig.get_paths()['stdlib']
-        files = []
-        for d, dirs, names in os.walk(root):
-            dirs[:] = sorted(x for x in dirs if x not in ('site-packages', 'dist-packages', 'test', 'tests',
-                                                            'idle_test', '__pycache__'))
-            files += [os.path.join(d, n) for n in names if n.endswith('.py')]
-        return sorted(files)
-    if os.path.isfile(path):
-        return [path]
-    if os.path.isdir(path):
-        return sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
-    raise BadInput(f"--data {path}: no such file or folder")
-
-
-def load_corpus(data, out_dir):
-    """(train, val) uint8 arrays of bytes, cached under out_dir/data. Held-out split by file: every
-    20th file (a single file: its last 10%)."""
-    files = corpus_files(data)
-    # the cache key names the files and their sizes and dates: edit the corpus, get a new cache
-    h = hashlib.sha1()
-    for f in files:
-        st = os.stat(f)
-        h.update(f'{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}\n'.encode())
-    key = ('stdlib' if data is None else 'data') + '-' + h.hexdigest()[:12]
-    cache = os.path.join(out_dir, 'data')
-    paths = [os.path.join(cache, f'{key}_{s}.bin') for s in ('train', 'val')]
-    if all(os.path.exists(p) for p in paths):
-        return tuple(np.fromfile(p, dtype=np.uint8) for p in paths)
-    texts = []
-    for f in files:
-        with open(f, 'rb') as fh:
-            b = fh.read()
-        if b and b'\0' not in b[:4096]:  # skip binaries
-            texts.append(b)
-    if not texts or sum(map(len, texts)) < 1024:
-        raise BadInput(f"--data {data}: holds no text (need at least 1 KiB of text files)")
-    if len(texts) == 1:
-        cut = int(len(texts[0]) * 0.9)
-        train, val = texts[0][:cut], texts[0][cut:]
-    else:
-        train = b''.join(t for i, t in enumerate(texts) if i % 20 != 19)
-        val = b''.join(t for i, t in enumerate(texts) if i % 20 == 19) or texts[-1]
-    os.makedirs(cache, exist_ok=True)
-    arrays = (np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8))
-    for arr, p in zip(arrays, paths):
-        tmp = f'{p}.{os.getpid()}.tmp'
-        arr.tofile(tmp)
-        os.replace(tmp, p)
-    return arrays
-
-
-def windows(data, n, length, gen):
-    """n random windows (n, length) of a uint8 array, as a LongTensor."""
-    ix = torch.randint(len(data) - length, (n,), generator=gen).numpy()
-    return torch.from_numpy(np.stack([data[i:i + length] for i in ix]).astype(np.int64))
-
-
-def heldout_prompts(val, n, length, seed=1234):
-    """n held-out prompts that start at a line start: the same ones for every comparison."""
-    starts = np.flatnonzero(val[:-length - 1] == ord('\n')) + 1
-    if len(starts) < n:  # text with few lines: any position will do
-        starts = np.arange(len(val) - length)
-    rng = np.random.default_rng(seed)
-    ix = rng.choice(starts, size=n, replace=False)
-    return torch.from_numpy(np.stack([val[i:i + length] for i in ix]).astype(np.int64))
 
 
 # ----------------------------------------------------------------------------- runtime
@@ -128,7 +59,6 @@ class Runtime:
     def __init__(self, device=None, seed=1337):
         self.ddp = int(os.environ.get('RANK', -1)) != -1
         if self.ddp:
-            import torch.distributed as dist
             self.rank = int(os.environ['RANK'])
             self.world = int(os.environ['WORLD_SIZE'])
             local = int(os.environ.get('LOCAL_RANK', 0))
@@ -156,7 +86,6 @@ class Runtime:
         mine = (self.gen.get_state(), torch.get_rng_state())
         states = [mine]
         if self.ddp:
-            import torch.distributed as dist
             states = [None] * self.world
             dist.all_gather_object(states, mine)
         return dict(gen=[s[0] for s in states], torch=[s[1] for s in states])
@@ -190,7 +119,6 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
     save(optimizer_state, iter_num, rng_states) writes the stage's checkpoint (rank 0 only)."""
     model = objective
     if rt.ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(objective, device_ids=[int(rt.device.split(':')[1])] if rt.kind == 'cuda' else None)
     opt = make_optimizer(objective, lr, args.weight_decay, rt.kind)
     start = 0
@@ -218,6 +146,9 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
         opt.zero_grad(set_to_none=True)
         if it % 10 == 0 or it == iters - 1:
             loss_val = loss.item()
+            if not math.isfinite(loss_val):
+                raise BadInput(f"{name}: the loss became {loss_val} at step {it + 1}; stopped, and the stage's "
+                               f"checkpoint was left as it was (lower the learning rate or check the data)")
             dt = time.perf_counter() - t0
             t0 = time.perf_counter()
             tps = tokens_per_step * rt.world * (10 if it > start else 1) / max(dt, 1e-9)
@@ -227,6 +158,8 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
         if evaluate is not None and ((it + 1) % args.eval_interval == 0 or done):
             rt.print(f"{name} step {it + 1}: train loss {loss_val:.4f}, {eval_name} {evaluate(it + 1):.4f}")
         if (it + 1) % args.ckpt_interval == 0 or done:
+            # never replace a checkpoint with a worse one: non-finite weights stop the stage here
+            check_finite(objective, f"{name}: training at step {it + 1} (checkpoint left as it was)")
             rng = rt.rng_states()   # collective under DDP: every rank takes part
             if rt.master:
                 save(opt.state_dict(), it + 1, rng)
@@ -239,9 +172,12 @@ def resume_state(args, path, expect):
     if not args.resume or not os.path.exists(path):
         return None
     ckpt = load_checkpoint(path)
+    flags = dict(model_args='the model flags (--n-layer, ...)', trained_from='the target', base_fingerprint='the target',
+                 joint='--joint/--frozen', loss='--dblast-loss', k='--k' if 'K' not in expect else '--dblast-k')
     for key, want in expect.items():
         if ckpt.get(key) != want:
-            raise BadInput(f"--resume: {path} has {key}={ckpt.get(key)} but this run asks for {want}; "
+            flag = flags.get(key, '--' + key.replace('_', '-'))
+            raise BadInput(f"--resume: {path} was made with another {flag} ({key}={ckpt.get(key)}, this run: {want}); "
                            f"use the same flags or another --out-dir")
     return ckpt
 
@@ -273,18 +209,20 @@ def heldout_loss(model, val, batch_size, n_batches, autocast=nullcontext()):
     return float(np.mean(losses))
 
 
-def stage_base(rt, args, train, val):
+def stage_base(rt, args, ds, vocab):
+    """The target, on ds.train; its vocabulary is recorded in the checkpoint."""
+    train, val = ds.train, ds.val
     path = os.path.join(args.out_dir, 'ckpt.pt')
     model_args = {k: getattr(args, k) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'dropout', 'bias')}
-    model_args['vocab_size'] = 256
+    model_args['vocab_size'] = args.vocab_size
     resume = resume_state(args, path, dict(model_args=model_args))
     if resume is not None and resume['iter_num'] >= args.max_iters:
         rt.print(f"base: {path} already trained for {resume['iter_num']} steps; skipping")
-        return load_target(path, rt.device)
-    model = GPT(GPTConfig(**model_args)) if resume is None else GPT.from_checkpoint(resume)
+        return target_from(resume, path, rt.device)
+    model = GPT(GPTConfig(**model_args)) if resume is None else target_from(resume, path)
     model.to(rt.device).train()
     rt.print(f"base: {model.get_num_params() / 1e6:.2f}M parameters on {rt.device}, "
-             f"{len(train) / 1e6:.1f}M training bytes, {len(val) / 1e6:.2f}M held-out")
+             f"{len(train) / 1e6:.1f}M training tokens, {len(val) / 1e6:.2f}M held-out ({vocab})")
     B, T = args.batch_size, args.block_size
 
     def batch():
@@ -292,8 +230,8 @@ def stage_base(rt, args, train, val):
         return w[:, :-1], w[:, 1:]
 
     def save(opt_state, it, rng):
-        save_checkpoint(dict(model=model.state_dict(), model_args=model_args, optimizer=opt_state,
-                             iter_num=it, best_val_loss=None, config=vars(args), rng=rng), path)
+        save_checkpoint(dict(model=model.state_dict(), model_args=model_args, optimizer=opt_state, iter_num=it,
+                             best_val_loss=None, config=vars(args), rng=rng, vocab=vocab.state()), path)
 
     t0 = time.perf_counter()
     train_loop(rt, args, 'base', LMObjective(model), batch, args.max_iters, args.lr, save, resume,
@@ -359,15 +297,15 @@ class HeadsObjective(nn.Module):
         return loss
 
 
-def stage_heads(rt, args, model, train):
+def stage_heads(rt, args, model, train, vocab):
     path = os.path.join(args.out_dir, f'heads{args.tag}.pt')
     fp = model.fingerprint()
-    resume = resume_state(args, path, dict(k=args.k, trained_from=fp, joint=args.joint))
+    resume = resume_state(args, path, dict(k=args.k, trained_from=fp, joint=args.joint,
+                                           d_hidden=args.d_hidden or model.config.n_embd))
     if resume is not None and resume['iter_num'] >= args.heads_iters:
         rt.print(f"heads: {path} already trained; skipping")
         if args.joint:
             model.load_state_dict(resume['joint_model'])
-        from decode import load_drafter
         return load_drafter(path, model)
     if args.distill:
         seqs = self_generated(rt, model, train, args.distill_samples, args.block_size - PROMPT_LEN,
@@ -398,7 +336,7 @@ def stage_heads(rt, args, model, train):
         save_checkpoint(dict(kind='heads', drafter=heads.state_dict(), k=args.k, d_hidden=heads.d_hidden,
                              model_args=vars(model.config), joint=args.joint, trained_from=fp,
                              base_fingerprint=model.fingerprint() if args.joint else fp,
-                             joint_model=model.state_dict() if args.joint else None,
+                             joint_model=model.state_dict() if args.joint else None, vocab=vocab.state(),
                              optimizer=opt_state, iter_num=it, rng=rng, config=vars(args)), path)
 
     rt.print(f"heads: k={args.k}, {'joint' if args.joint else 'frozen'} target, {args.loss} loss, "
@@ -407,7 +345,7 @@ def stage_heads(rt, args, model, train):
                args.heads_iters, args.heads_lr, save, resume, tokens_per_step=B * (S - args.k))
     if args.joint and rt.master:  # the fine-tuned target is a model of its own: save it beside
         jpath = os.path.join(args.out_dir, f'ckpt_joint{args.tag}.pt')
-        save_checkpoint(dict(model=model.state_dict(), model_args=vars(model.config)), jpath)
+        save_checkpoint(dict(model=model.state_dict(), model_args=vars(model.config), vocab=vocab.state()), jpath)
         rt.print(f"heads: joint target -> {jpath} (decode with --ckpt {jpath} --heads {path})")
     for p in model.parameters():
         p.requires_grad_(False)
@@ -435,32 +373,6 @@ def dblast_data(rt, model, text, n, temperature, seed, desc, cache_dir=None):
     return seqs, torch.cat(hs), torch.cat(lps)
 
 
-def anchors(data, k, r, t):
-    """Training / evaluation anchors of dblast_data at rows r, positions t (both (N,)): h after s[t],
-    the bonus s[t+1], the k-1 drafts' targets s[t+2 .. t+k] and their target log-probabilities.
-    Valid t: PROMPT_LEN - 1 <= t < S - k (the bonus is sampled, the whole block fits)."""
-    seqs, H, LP = data
-    offs = torch.arange(k - 1, device=seqs.device)
-    return H[r, t], seqs[r, t + 1], seqs[r[:, None], t[:, None] + 2 + offs], LP[r[:, None], t[:, None] + 1 + offs]
-
-
-@torch.no_grad()
-def expected_tau(drafter, model, data, k, temperature, branches, verify, zt=1.0, chunk=2048):
-    """Exact expected tau (bonus included) at every anchor of held-out target samples, by the
-    acceptance-length identity (dblast.expected_accepted): the cheap, low-variance measure of a
-    drafter's acceptance. Decoding measures the same in expectation, plus the speed."""
-    seqs = data[0]
-    lo, hi = PROMPT_LEN - 1, seqs.size(1) - k
-    r = torch.arange(len(seqs), device=seqs.device).repeat_interleave(hi - lo)
-    t = torch.arange(lo, hi, device=seqs.device).repeat(len(seqs))
-    total = 0.0
-    for i in range(0, len(r), chunk):
-        h, bonus, x, log_px = anchors(data, k, r[i:i + chunk], t[i:i + chunk])
-        total += float(expected_accepted(drafter, h.to(model.lm_head.weight.dtype), bonus, model, x, log_px,
-                                         temperature, branches, verify, zt).sum())
-    return 1 + total / len(r)
-
-
 def dblast_path(args, K):
     return os.path.join(args.out_dir, f'dblast_K{K}{args.tag}.pt')
 
@@ -483,15 +395,15 @@ class DBlastObjective(nn.Module):
                                  a.tau_threshold, a.nll_weight)
 
 
-def stage_dblast(rt, args, model, get_data, get_heldout, K, loss, path):
+def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
     """One DBlast drafter (K branches, trained with `loss`) on the target's samples at
     --temperature. Every eval_interval steps: its exact expected tau on held-out target samples,
     with sampled branches and mixture verification (what the AL loss trains for); the curve is kept
     in the checkpoint ('history')."""
     fp = model.fingerprint()
     k = args.dblast_k
-    resume = resume_state(args, path, dict(K=K, k=k, base_fingerprint=fp, loss=loss,
-                                           temperature=args.temperature))
+    resume = resume_state(args, path, dict(K=K, k=k, base_fingerprint=fp, loss=loss, temperature=args.temperature,
+                                           d_hidden=args.d_hidden or model.config.n_embd))
     if resume is not None and resume['iter_num'] >= args.dblast_iters:
         rt.print(f"dblast: {path} already trained; skipping")
         return
@@ -519,7 +431,8 @@ def stage_dblast(rt, args, model, get_data, get_heldout, K, loss, path):
         save_checkpoint(dict(kind='dblast', drafter=drafter.state_dict(), k=k, K=K,
                              d_hidden=drafter.block.d_hidden, model_args=vars(model.config),
                              base_fingerprint=fp, loss=loss, temperature=args.temperature, history=history,
-                             optimizer=opt_state, iter_num=it, rng=rng, config=vars(args)), path)
+                             vocab=vocab.state(), optimizer=opt_state, iter_num=it, rng=rng, config=vars(args)),
+                        path)
 
     rt.print(f"dblast: K={K}, k={k}, {loss} loss, T={args.temperature}")
     train_loop(rt, args, f'dblast K={K}', DBlastObjective(model, drafter, args, loss), batch,
@@ -530,53 +443,53 @@ def stage_dblast(rt, args, model, get_data, get_heldout, K, loss, path):
 
 # ----------------------------------------------------------------------------- demos
 
-def demo(rt, args, model, prompts, drafter, k, temperature, label, max_new=128):
-    """tau and wall-clock speedup over plain decoding of the same model and prompts, one request
-    at a time (latency, as the papers measure it), timed in the same run."""
-    from decode import timed_generate
-
-    def run(**extra):  # -> outputs, stats of every prompt, seconds in all
-        g = torch.Generator(device=rt.device).manual_seed(0)
-        runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, **extra)
-                for p in prompts]
-        return torch.cat([r[0] for r in runs]), [r[1] for r in runs], sum(r[2] for r in runs)
-    run(drafter=drafter, k=k)  # warm-up, both paths
-    run()
-    out, stats, dt = run(drafter=drafter, k=k)
-    base, _, dt0 = run()
-    taus = [t for s in stats for t in s['accept_lengths']]
-    calls = sum(s['calls'] for s in stats)
-    same = (out == base).all().item() if temperature == 0 else None
-    rt.print(f"{label}: mean tau {np.mean(taus):.2f} at k={k}, {calls} calls for {len(prompts)} prompts "
-             f"x {max_new} tokens (plain: {len(prompts) * (max_new + 1)}), speedup {dt0 / dt:.2f}x"
-             + ('' if same is None else f", identical to greedy: {same}"))
-    return out
-
-
-def run_demos(rt, args, model, heads, val):
-    prompts = heldout_prompts(val, 8, PROMPT_LEN).to(rt.device)
+def run_demos(rt, args, model, heads, ds, vocab):
+    """BPD heads against plain greedy; the DBlast drafter against the independent K = 1 one at
+    --temperature (decode.demo: tau and speedup, one request at a time)."""
+    max_new = min(128, model.config.block_size - PROMPT_LEN - max(args.k, args.dblast_k))
+    prompts = heldout_prompts(ds.val, 8, PROMPT_LEN, newline_id(vocab)).to(rt.device)
     if heads is not None:
         rt.print("\n=== blockwise parallel decoding, held-out prompts, greedy")
-        out = demo(rt, args, model, prompts, heads, args.k, 0.0, "BPD heads")
-        text = bytes(out[0].tolist()).decode('utf-8', errors='replace')
-        rt.print(f"--- sample ---\n{text}\n--------------")
+        out = demo(model, prompts, heads, args.k, 0.0, "BPD heads", max_new, rt.print)
+        rt.print(f"--- sample ---\n{vocab.decode(out[0].tolist())}\n--------------")
     drafters = dblast_drafters(args)
     if 'dblast' in args.stages and all(os.path.exists(dblast_path(args, K)) for K, _ in drafters):
-        from decode import load_drafter
         rt.print(f"\n=== speculative sampling at T={args.temperature}, held-out prompts: the dependent "
                  f"drafter against the independent one (sampled drafts, mixture verification)")
         for K, loss in drafters:
             d = load_drafter(dblast_path(args, K), model)
-            demo(rt, args, model, prompts, d, args.dblast_k, args.temperature,
-                 f"DBlast K={K} ({loss})" if K > 1 else f"independent K=1 ({loss})")
+            demo(model, prompts, d, args.dblast_k, args.temperature,
+                 f"DBlast K={K} ({loss})" if K > 1 else f"independent K=1 ({loss})", max_new, rt.print)
 
 
-# ----------------------------------------------------------------------------- main
+# ----------------------------------------------------------------------------- arguments
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+STAGE_FLAGS = {   # flags that only mean something when their stage runs
+    'base': ('n_layer', 'n_head', 'n_embd', 'block_size', 'dropout', 'bias', 'max_iters', 'lr', 'eval_iters'),
+    'heads': ('k', 'joint', 'loss', 'distill', 'heads_iters', 'heads_lr', 'distill_samples'),
+    'dblast': ('K', 'dblast_k', 'dblast_loss', 'baseline_loss', 'tau_threshold', 'nll_weight', 'temperature',
+               'dblast_iters', 'dblast_lr', 'dblast_samples', 'dblast_eval_samples'),
+}
+
+
+# what every number may be: check_number's lo / hi, open_lo / open_hi (the bound excluded)
+BOUNDS = dict(**{n: dict(lo=1) for n in ('n_layer', 'n_head', 'n_embd', 'batch_size', 'max_iters', 'eval_interval',
+                                         'eval_iters', 'ckpt_interval', 'd_hidden', 'heads_iters', 'distill_samples',
+                                         'dblast_iters', 'dblast_samples', 'dblast_eval_samples')},
+              **{n: dict(lo=0.0, open_lo=True) for n in ('lr', 'heads_lr', 'dblast_lr', 'temperature')},
+              **{n: dict(lo=0.0) for n in ('weight_decay', 'grad_clip', 'nll_weight')}, warmup_iters=dict(lo=0),
+              block_size=dict(lo=2), k=dict(lo=2, hi=64), dblast_k=dict(lo=2, hi=64), K=dict(lo=1, hi=256),
+              dropout=dict(lo=0.0, hi=1.0, open_hi=True), tau_threshold=dict(lo=0.0, hi=1.0),
+              seed=dict(lo=0, hi=2 ** 63 - 1))
+
+
+def build_parser():
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument
-    a('--data', default=None, help='text file or folder of text files (default: the stdlib .py files)')
+    a('--data', default=None, help='text file or folder of text files (default: the stdlib .py files), '
+                                   'or a nanoGPT dataset folder (train.bin, val.bin, meta.pkl)')
+    a('--meta', default=None, help="nanoGPT meta.pkl of the target (default: the dataset's, or where "
+                                   "nanoGPT's sample.py looks)")
     a('--out-dir', default='out')
     a('--stages', default='base,heads,dblast', help='comma list of base, heads, dblast')
     a('--preset', default='auto', choices=['auto', 'cpu', 'gpu'], help='defaults by device')
@@ -590,12 +503,12 @@ def parse_args(argv=None):
         g.add_argument('--' + name.replace('_', '-'), type=int, default=None)
     g.add_argument('--dropout', type=float, default=0.0)
     g.add_argument('--bias', action=argparse.BooleanOptionalAction, default=True)
-    g = ap.add_argument_group('base training (default: preset)')
+    g = ap.add_argument_group('training (default: preset)')
     for name, typ in (('batch_size', int), ('max_iters', int), ('lr', float), ('warmup_iters', int),
                       ('eval_interval', int), ('eval_iters', int)):
         g.add_argument('--' + name.replace('_', '-'), type=typ, default=None)
     g.add_argument('--weight-decay', type=float, default=0.1)
-    g.add_argument('--grad-clip', type=float, default=1.0)
+    g.add_argument('--grad-clip', type=float, default=1.0, help='0 = no clipping')
     g.add_argument('--ckpt-interval', type=int, default=250)
     g = ap.add_argument_group('BPD heads')
     g.add_argument('--k', type=int, default=8, help='block size: 1 bonus + k-1 drafted tokens')
@@ -629,7 +542,29 @@ def parse_args(argv=None):
     g.add_argument('--dblast-eval-samples', type=int, default=None,
                    help='held-out target samples for the expected-tau evaluation')
     g.add_argument('--no-demo', action='store_true', help='skip the closing demos')
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None):
+    """The flags, with the preset's defaults filled in, every one checked before any work."""
+    ap = build_parser()
+    # argparse fills in a default only where the namespace has no value yet: so every flag still
+    # holding this marker afterwards was not given
+    unset = object()
+    dests = {a.dest for a in ap._actions} - {'help'}
+    args = ap.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(dests, unset)))
+    given = {dest for dest in dests if getattr(args, dest) is not unset}
+    for dest in dests - given:
+        setattr(args, dest, ap.get_default(dest))
+    args.stages = [s.strip() for s in args.stages.split(',') if s.strip()]
+    bad = set(args.stages) - set(STAGE_FLAGS)
+    if bad or not args.stages:
+        raise BadInput(f"--stages {','.join(args.stages) or repr('')}: allowed: base, heads, dblast (comma list)")
+    for stage, flags in STAGE_FLAGS.items():
+        stray = [f for f in flags if f in given and stage not in args.stages]
+        if stray:
+            raise BadInput(f"--{stray[0].replace('_', '-')} means nothing here: it applies to the {stage} stage, "
+                           f"which --stages {','.join(args.stages)} does not run")
     preset = args.preset
     if preset == 'auto':
         preset = 'gpu' if pick_device(args.device) == 'cuda' else 'cpu'
@@ -637,58 +572,98 @@ def parse_args(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, v)
     args.preset = preset
-    args.stages = [s.strip() for s in args.stages.split(',') if s.strip()]
-    bad = set(args.stages) - {'base', 'heads', 'dblast'}
-    if bad:
-        raise BadInput(f"--stages: unknown {sorted(bad)}; allowed: base, heads, dblast")
-    if args.k < 2 or args.dblast_k < 2:
-        raise BadInput(f"--k {args.k} / --dblast-k {args.dblast_k}: block sizes must be >= 2")
-    if args.K < 1:
-        raise BadInput(f"--K {args.K}: must be >= 1")
-    if args.temperature <= 0:
-        raise BadInput(f"--temperature {args.temperature}: DBlast trains on samples, use > 0")
+    for name, bounds in BOUNDS.items():
+        if getattr(args, name) is not None:   # --d-hidden may stay None (n_embd)
+            check_number('--' + name.replace('_', '-'), getattr(args, name), **bounds)
     if args.n_embd % args.n_head:
         raise BadInput(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
+    if not args.tag.replace('_', '').replace('-', '').replace('.', '').isalnum() and args.tag:
+        raise BadInput(f"--tag {args.tag!r}: use letters, digits, '.', '_' and '-' (it names files)")
+    if args.meta and not os.path.isfile(args.meta):
+        raise BadInput(f"--meta {args.meta}: no such file")
     return args
 
 
+def check_plan(args, block_size):
+    """Block sizes against the context they must fit in (before any stage runs or writes)."""
+    need = {'heads': (args.k, '--k'), 'dblast': (args.dblast_k + 1, '--dblast-k')}
+    for stage, (k, flag) in need.items():
+        if stage in args.stages and block_size < PROMPT_LEN + k + 2:
+            raise BadInput(f"a context of {block_size} tokens is too short for the {stage} stage with {flag} "
+                           f"{getattr(args, flag[2:].replace('-', '_'))}: it needs a {PROMPT_LEN}-token prompt "
+                           f"plus the block (at least {PROMPT_LEN + k + 2}; see --block-size)")
+
+
+# ----------------------------------------------------------------------------- main
+
 def main(argv=None):
     args = parse_args(argv)
+    try:
+        run(args)
+    except KeyboardInterrupt:   # one line (run_script) instead of a traceback
+        raise KeyboardInterrupt(f"interrupted: every checkpoint in {args.out_dir}/ is as of its last save; "
+                                f"continue with the same command and --resume") from None
+
+
+def run(args):
     rt = Runtime(args.device, args.seed)
+    try:
+        train_all(rt, args)
+        if rt.ddp:
+            # Gloo's worker threads can still hold work from the last collectives (DDP's reducer,
+            # the checkpoint's all_gather): torn down by the interpreter at exit, that was an
+            # intermittent SIGABRT ("terminate called without an active exception"). Release the
+            # work and wait for every rank, then destroy the group while Python is fully alive.
+            gc.collect()
+            dist.barrier()
+    finally:
+        if rt.ddp and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train_all(rt, args):
     random.seed(args.seed + rt.rank)
-    os.makedirs(args.out_dir, exist_ok=True)
-    train, val = load_corpus(args.data, args.out_dir)
-    if len(train) <= args.block_size + 1 or len(val) <= args.block_size + 1:
+    check_out_dir(args.out_dir)
+    ds = load_dataset(args.data, os.path.join(args.out_dir, 'data'))
+    base_path = os.path.join(args.out_dir, 'ckpt.pt')
+    meta = args.meta or (os.path.join(args.data, 'meta.pkl') if ds.vocab is not None and ds.vocab.kind == 'char'
+                         and args.data and os.path.isdir(args.data) else None)
+    if 'base' in args.stages:   # the target's vocabulary is the data's (GPT-2's for ids without meta.pkl)
+        vocab = ds.vocab or Vocab('gpt2')
+        args.vocab_size = {'bytes': 256, 'gpt2': 50304}.get(vocab.kind, vocab.size)
+        model = None
+    else:
+        ckpt = load_checkpoint(base_path)
+        model = target_from(ckpt, base_path, rt.device)
+        vocab = vocab_for(ckpt, base_path, model.config.vocab_size, meta)
+        args.block_size, args.vocab_size = model.config.block_size, model.config.vocab_size
+        del ckpt
+    ds.check(args.vocab_size, vocab)
+    check_plan(args, args.block_size)
+    if len(ds.train) <= args.block_size + 1 or len(ds.val) <= args.block_size + 1:
         raise BadInput(f"--data: too little text for --block-size {args.block_size}")
     rt.print(f"preset {args.preset} on {rt.device}" + (f", {rt.world} processes" if rt.ddp else ""))
     t_start = time.perf_counter()
-    base_path = os.path.join(args.out_dir, 'ckpt.pt')
     if 'base' in args.stages:
-        model = stage_base(rt, args, train, val)
-    else:
-        model = load_target(base_path, rt.device)
-        args.block_size = model.config.block_size
+        model = stage_base(rt, args, ds, vocab)
     for p in model.parameters():
         p.requires_grad_(False)
     heads = None
     if 'heads' in args.stages:
-        heads = stage_heads(rt, args, model, train)
+        heads = stage_heads(rt, args, model, ds.train, vocab)
     if 'dblast' in args.stages:
         # generated on first need (cached): a resumed run may have nothing left to train
         T, n, n_val = args.temperature, args.dblast_samples, args.dblast_eval_samples
         cache = os.path.join(args.out_dir, 'data')
-        get_data = functools.cache(lambda: dblast_data(rt, model, train, n, T, args.seed + 1,
+        get_data = functools.cache(lambda: dblast_data(rt, model, ds.train, n, T, args.seed + 1,
                                                        f'dblast data ({n} samples at T={T})', cache))
-        get_heldout = functools.cache(lambda: dblast_data(rt, model, val, n_val, T, args.seed + 2,
+        get_heldout = functools.cache(lambda: dblast_data(rt, model, ds.val, n_val, T, args.seed + 2,
                                                           f'held-out samples at T={T}', cache))
         for K, loss in dblast_drafters(args):
-            stage_dblast(rt, args, model, get_data, get_heldout, K, loss, dblast_path(args, K))
+            stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, dblast_path(args, K))
     rt.print(f"\ntraining done in {time.perf_counter() - t_start:.0f}s")
     if rt.master and not args.no_demo:
-        run_demos(rt, args, model, heads, val)
-    if rt.ddp:
-        import torch.distributed as dist
-        dist.destroy_process_group()
+        run_demos(rt, args, model, heads, ds, vocab)
 
 
 if __name__ == '__main__':

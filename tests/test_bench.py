@@ -20,8 +20,17 @@ def test_bench_quick_tiny(tmp_path, corpus_file):
         assert 1 <= r['tau'] <= r['k'] and r['speedup'] > 0 and len(r['accept_rate']) == r['k'] - 1
         assert r['identical_to_greedy'] == 1.0   # exact acceptance = its target's greedy, always
     assert [r['accept'] for r in res['lossy']['rows']][0] == 'exact'
-    assert len(res['dblast']) == 3 * 5 and all(1 <= r['tau'] <= 4 for r in res['dblast'])
-    assert [a['K'] for a in res['dblast_K_ablation']] == [1, 2, 4, 8]
+    # table 3: at each T, heads / K=1 NLL / K=1 AL two ways, K=4 NLL / AL four ways; the
+    # branch-conditional AL form four ways at T_ABLATION
+    assert len(res['dblast']) == 3 * (3 * 2 + 2 * 4) + 4
+    assert all(1 <= r['expected_tau'] <= 4 for r in res['dblast'])
+    decoded = res['dblast_decoded']
+    assert len(decoded) == 3 * 3 and all(1 <= r['tau'] <= 4 and r['speedup'] > 0 for r in decoded)
+    assert [g['T'] for g in res['dblast_gain']] == bench.TEMPS
+    assert [a['K'] for a in res['dblast_K_ablation']] == bench.ABLATION_KS
+    assert [z['zt'] for z in res['dblast_zt_sweep']] == bench.ZTS
+    curve = res['dblast_curve']
+    assert curve['long'][-1][0] == 2 * curve['preset'][-1][0]   # twice the preset's steps
     assert all(r['t_k_over_t_1'] > 0 for r in res['time']['rows'])
     split = res['time']['split_k8']
     assert {'target_forward', 'verify', 'draft', 'cache', 'host_sync'} <= set(split)
@@ -36,9 +45,9 @@ def test_bench_gpu_check_tiny(tmp_path, corpus_file):
     assert set(res) == {'meta', 'method', 'speed'} and res['speed']['mode'] == 'eager'
     rows = res['speed']['rows']
     assert [(r['drafter'], r['k']) for r in rows] == [('BPD heads', k) for k in bench.BPD_KS] + [
-        ('DBlast K=1 AL', 4), ('DBlast K=4 AL', 4)]
+        ('independent K=1 NLL', 4), ('DBlast K=4 AL', 4)]
     for r in rows:
         assert r['tok_s'] > 0 and r['plain_tok_s'] > 0 and 1 <= r['tau'] <= r['k']
         assert abs(r['tok_s'] / r['plain_tok_s'] - r['speedup']) < 1e-9 * r['speedup']
     ckpts = sorted(p.name for p in (out / 'ckpt').glob('*.pt'))
-    assert ckpts == ['ckpt.pt', 'dblast_K1_T1.0_al.pt', 'dblast_K4_T1.0_al.pt', 'heads_frozen_distill.pt']
+    assert ckpts == ['ckpt.pt', 'dblast_K1_T1.0_nll.pt', 'dblast_K4_T1.0_al.pt', 'heads_frozen_distill.pt']

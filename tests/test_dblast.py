@@ -12,27 +12,18 @@ import torch
 import torch.nn.functional as F
 
 import train
-from dblast import (DBlastDrafter, expected_accepted, log_conditionals, posterior, prefix_log_accept,
+from conftest import V8, V8_PROMPT, peaky
+from dblast import (DBlastDrafter, anchors, expected_accepted, log_conditionals, posterior, prefix_log_accept,
                     prior)
 from decode import generate
 from model import GPT, GPTConfig
 
-V = 8                     # small vocabulary: every block can be enumerated
-CFG = GPTConfig(block_size=32, vocab_size=V, n_layer=2, n_head=2, n_embd=16)
-PROMPT = torch.tensor([[1, 5, 2, 7]])
-
-
-def peaky(module, std, seed):
-    """Random weights large enough that p and q are far from uniform (and far from each other)."""
-    torch.manual_seed(seed)
-    for p in module.parameters():
-        torch.nn.init.normal_(p, std=std)
-    return module.double().eval()
+V, CFG, PROMPT = V8.vocab_size, V8, V8_PROMPT   # the enumerable world (conftest)
 
 
 @pytest.fixture(scope='module')
-def target():
-    return peaky(GPT(CFG), 0.3, 0)
+def target(v8_target):
+    return v8_target
 
 
 def drafter_of(K, branches='sampled', verify='mixture', seed=2, k=4, zt=1.0):
@@ -252,7 +243,7 @@ def test_dependent_drafter_splits_the_modes_of_a_multimodal_block():
         for _ in range(300):
             r = torch.randint(len(data[0]), (128,), generator=gen)
             t = torch.randint(lo, hi, (128,), generator=gen)
-            loss = objective(*train.anchors(data, k, r, t))
+            loss = objective(*anchors(data, k, r, t))
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -3,37 +3,25 @@ distribution (chi-square over every 3-token continuation), and the test catches 
 import functools
 import itertools
 import math
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import dblast  # noqa: E402
-import decode  # noqa: E402
-from dblast import DBlastDrafter  # noqa: E402
-from decode import generate  # noqa: E402
-from heads import BlockHeads  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+import dblast
+import decode
+from conftest import V8, V8_PROMPT, peaky
+from dblast import DBlastDrafter
+from decode import generate
+from heads import BlockHeads
+from model import GPT, sample
 
-V = 8                     # small vocabulary: continuations can be enumerated
-CFG = GPTConfig(block_size=32, vocab_size=V, n_layer=2, n_head=2, n_embd=16)
-PROMPT = torch.tensor([[1, 5, 2, 7]])
-
-
-def peaky(module, std, seed):
-    """Random weights large enough that p and q are far from uniform (and far from each other)."""
-    torch.manual_seed(seed)
-    for p in module.parameters():
-        torch.nn.init.normal_(p, std=std)
-    return module.double().eval()
+V, CFG, PROMPT = V8.vocab_size, V8, V8_PROMPT   # the enumerable world (conftest)
 
 
 @pytest.fixture(scope='module')
-def target():
-    return peaky(GPT(CFG), 0.3, 0)
+def target(v8_target):
+    return v8_target
 
 
 def make_drafter(spec, seed=1):
@@ -161,7 +149,7 @@ def test_residual_never_divides_by_zero():
     assert torch.equal(r, p)
     point = decode.residual(torch.tensor([[[1.0, 0.0, 0.0, 0.0]]]), None, torch.tensor([[0]]))
     assert torch.isfinite(point).all() and point.sum() > 0
-    idx = decode.sample(torch.tensor([[0.0, 3.0, 1.0]]), torch.Generator().manual_seed(0))
+    idx = sample(torch.tensor([[0.0, 3.0, 1.0]]), torch.Generator().manual_seed(0))
     assert idx.item() in (1, 2)
 
 

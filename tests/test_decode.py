@@ -1,5 +1,11 @@
 """
-Blockwise Parallel Decoding: the drafted fast path against the plain / naive reference.
+decode.py: Blockwise Parallel Decoding's drafted fast path against the plain / naive reference.
+
+Exact mode equals plain greedy (and plain greedy equals the naive full recompute) for untrained,
+randomised and trained heads at every k, and for an oracle drafter; the lossy modes (topk:N,
+minblock:N) commit only what their rule allows; bad arguments to generate and bad drafter
+checkpoints (load_drafter) raise BadInput; the rows of a batch advance independently; the decode
+command line ends bad input in one clean `error:` line.
 
 Tiny seeded models, float64 wherever a test claims exactness. The module fixtures train one tiny
 target on a periodic token stream and BPD heads on it (a few seconds), so "trained heads" accept
@@ -7,19 +13,15 @@ long blocks while "randomised heads" are mostly wrong: both must reproduce plain
 """
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from decode import generate, load_drafter, merged_step  # noqa: E402
-from heads import BlockHeads  # noqa: E402
-from model import GPT, BadInput, GPTConfig, save_checkpoint  # noqa: E402
+from conftest import Proc, assert_clean_error, cli, naive_greedy, randomise, run_py, tiny_model
+from decode import generate, load_drafter, merged_step
+from heads import BlockHeads
+from model import GPT, BadInput, GPTConfig, save_checkpoint
 
 V = 32           # vocabulary of the tiny target
 K_MAX = 8        # block size the heads are built / trained for
@@ -29,24 +31,6 @@ CFG = dict(block_size=96, vocab_size=V, n_layer=2, n_head=2, n_embd=32)
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def naive_greedy(model, prompt, m):
-    """The reference of references: full causal recompute of every prefix, argmax, append."""
-    x = prompt
-    for _ in range(m):
-        logits, _ = model(x)
-        x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return x
-
-
-def randomise(heads, seed, std=1.0):
-    """Heads whose drafts depend on h but are mostly wrong: random c_fc and c_proj, large std."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in (heads.c_fc.weight, heads.c_fc.bias, heads.c_proj.weight, heads.c_proj.bias):
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * std)
-    return heads
-
 
 class Oracle:
     """A drafter that knows the target's greedy future `ref` (B, L) and drafts it.
@@ -87,10 +71,10 @@ class Oracle:
 
 def replay(model, heads, out, taus, t0, k, mode, n):
     """Re-derive every step of a single-row run (out (1, total), taus its accept lengths) from a
-    full causal forward over the output and check it against the DESIGN §2 rules:
-    each step's bonus is the target's argmax, the committed tokens are the heads' drafts from the
-    hidden state before the bonus, every committed draft passes the mode's acceptance predicate
-    and the first uncommitted draft (if any, and visible) fails it."""
+    full causal forward over the output and check it against the rules of MATH.md §2 (the merged
+    step): each step's bonus is the target's argmax, the committed tokens are the heads' drafts
+    from the hidden state before the bonus, every committed draft passes the mode's acceptance
+    predicate and the first uncommitted draft (if any, and visible) fails it."""
     total = out.size(1)
     with torch.no_grad():
         H = model.hidden(out)                                          # (1, total, C)
@@ -271,7 +255,7 @@ def test_oracle_drafter_accepts_every_block(model, prompts, greedy_ref, k, m):
     assert oracle.n_calls == steps + 1          # prefill + one merged propose per step
 
 
-# ----------------------------------------------------------------------------- 3/4. lossy modes
+# ----------------------------------------------------------------------------- 3. lossy modes
 
 def test_topk_full_vocabulary_accepts_every_draft(model, prompts):
     k, m = 5, 23
@@ -321,8 +305,9 @@ def test_topk_small_commits_only_topk_tokens(model, prompts, n):
 
 
 @pytest.mark.parametrize('kind', ['randomised', 'trained'])
-def test_exact_mode_replays_design_rules(model, trained, prompts, kind):
-    """Single row, exact mode: every step follows DESIGN §2 (merged propose from H_{n_acc})."""
+def test_exact_mode_replays_merged_step_rules(model, trained, prompts, kind):
+    """Single row, exact mode: every step follows MATH.md §2, the merged step (propose from
+    H_{n_acc})."""
     k = 6
     heads = make_heads(kind, model, trained[1], seed=41)
     for b in range(prompts.size(0)):
@@ -330,73 +315,20 @@ def test_exact_mode_replays_design_rules(model, trained, prompts, kind):
         replay(model, heads, out, stats['accept_lengths'], T0, k, 'exact', 0)
 
 
-# ----------------------------------------------------------------------------- 5. random-offset loss
-
-def test_random_offset_loss_expectation_equals_full_loss():
-    torch.manual_seed(0)
-    cfg = GPTConfig(block_size=64, vocab_size=V, n_layer=2, n_head=2, n_embd=16)
-    model = GPT(cfg).double().eval()
-    k, B, T = 5, 3, 20
-    heads = randomise(BlockHeads(cfg, k, d_hidden=24).double(), seed=5, std=0.5)
-    g = torch.Generator().manual_seed(2)
-    idx = torch.randint(0, V, (B, T + k), generator=g)
-    idx[0, 3:9] = -1               # positions without a target (as the distillation prompts)
-    idx[2, -4:] = -1
-    with torch.no_grad():
-        h = model.hidden(idx[:, :T].clamp(min=0))
-    params = list(heads.parameters())
-
-    full = heads.loss(h, model.lm_head, idx)
-    g_full = torch.autograd.grad(full, params)
-    per = [heads.loss(h, model.lm_head, idx, offset=i) for i in range(k - 1)]
-    g_per = [torch.autograd.grad(l, params) for l in per]
-
-    # the offsets really differ, and the gradients are non-trivial
-    vals = torch.stack([l.detach() for l in per])
-    assert vals.std() > 1e-3
-    assert all(gr.abs().max() > 1e-6 for gr in g_full)
-    # expectation over a uniform offset == full loss, and the same for every gradient (float64
-    # end to end: the loss must not be computed in float32)
-    assert full.dtype == torch.float64
-    torch.testing.assert_close(vals.mean(), full.detach(), rtol=1e-12, atol=1e-12)
-    for j, p in enumerate(params):
-        avg = torch.stack([gp[j] for gp in g_per]).mean(0)
-        torch.testing.assert_close(avg, g_full[j], rtol=1e-10, atol=1e-13)
-    # head i's loss touches only head i's slice of the output layer
-    C = cfg.n_embd
-    for i in range(k - 1):
-        gw = g_per[i][[j for j, p in enumerate(params) if p is heads.c_proj.weight][0]]
-        assert gw[i * C:(i + 1) * C].abs().max() > 0
-        mask = torch.ones(gw.size(0), dtype=torch.bool)
-        mask[i * C:(i + 1) * C] = False
-        assert gw[mask].abs().max() == 0
-    # a head's loss is its own cross-entropy, targets `offset + 2` positions ahead
-    i = 1
-    logits = heads(h, model.lm_head)[:, :, i]                      # (B, T, V)
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, i + 2:i + 2 + T].flatten(),
-                                           ignore_index=-1)
-    torch.testing.assert_close(per[i].detach(), ce.detach(), rtol=1e-12, atol=1e-12)
+@pytest.mark.parametrize('drafter', [None, 'trained', 'randomised'])
+def test_a_tiny_temperature_is_the_greedy_limit(model, trained, prompts, greedy_ref, drafter):
+    """Sampling at T = 1e-320 is greedy decoding, not an overflow: logits / T would be +-inf and
+    softmax NaN; shifted by their maximum first (model.tempered) they give the one-hot limit."""
+    heads = None if drafter is None else make_heads(drafter, model, trained[1])
+    for heads_sampled in (False, True):
+        if heads is not None:
+            heads.sample_drafts = heads_sampled
+        out, _ = generate(model, prompts, M, drafter=heads, temperature=1e-320,
+                          generator=torch.Generator().manual_seed(0))
+        assert torch.equal(out, greedy_ref[:, :T0 + M])
 
 
-# ----------------------------------------------------------------------------- 6. distillation data
-
-def test_distillation_data_is_target_greedy(model, data):
-    import train
-    rt = train.Runtime('cpu')
-    n, gen_len, seed = 70, 16, 3            # n > 64: two of self_generated's CPU batches
-    rows = train.self_generated(rt, model, data, n, gen_len, 0.0, seed, 'test')
-    P = train.PROMPT_LEN
-    assert rows.shape == (n, P + gen_len)
-    # the prompts are corpus windows drawn with the seed
-    want = train.windows(data, n, P, torch.Generator().manual_seed(seed))
-    assert torch.equal(rows[:, :P], want)
-    # the continuation is the target's greedy output
-    out, _ = generate(model, rows[:, :P], gen_len)
-    assert torch.equal(rows, out)
-    assert torch.equal(rows[:5], naive_greedy(model, rows[:5, :P], gen_len))
-
-
-# ----------------------------------------------------------------------------- 7. bad input
+# ----------------------------------------------------------------------------- 4. bad arguments
 
 @pytest.mark.parametrize('kw,match', [
     (dict(k=K_MAX + 1), r'k=9.*k <= 8'),
@@ -439,6 +371,8 @@ def test_bad_prompt_raises(model):
     with pytest.raises(BadInput, match='empty'):
         generate(model, torch.zeros(4, dtype=torch.long), 4)
 
+
+# ----------------------------------------------------------------------------- 5. load_drafter
 
 def heads_ckpt(heads, model_for_fp, config):
     return dict(kind='heads', drafter=heads.state_dict(), k=heads.k, d_hidden=heads.d_hidden,
@@ -483,7 +417,7 @@ def test_load_drafter_rejects_non_drafter_and_missing(model, tmp_path):
         load_drafter(str(tmp_path / 'nope.pt'), model)
 
 
-# ----------------------------------------------------------------------------- 8. per-row advance
+# ----------------------------------------------------------------------------- 6. rows of a batch
 
 def per_row_taus(taus, B, m):
     """Split stats['accept_lengths'] (step-major, active rows only) into each row's sequence: a row
@@ -551,3 +485,73 @@ def test_merged_step_inactive_rows_do_not_advance(model, prompts):
     assert torch.equal(n_acc, accepted.sum(-1))
     want = torch.full((B,), T0) + (n_acc + 1) * active
     assert torch.equal(cache.lengths, want)
+
+
+# ----------------------------------------------------------------------------- 7. the CLI
+# Most cases run decode.py's `__main__` in this process (conftest.cli); one also runs as a real
+# process, to pin the exit code and stderr end to end.
+
+@pytest.fixture
+def decode_cli(capsys, monkeypatch):
+    def run(ckpt, *extra):
+        return Proc(*cli('decode.py', ['--ckpt', ckpt, '--device', 'cpu', '--max-new-tokens', '4',
+                                       *extra], capsys, monkeypatch))
+    return run
+
+
+@pytest.fixture(scope='module')
+def good_ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp('ckpts')
+    m = tiny_model(seed=3, vocab_size=256, block_size=64, n_layer=1, n_embd=16,
+                   dtype=torch.float32)
+    path = d / 'good.pt'
+    save_checkpoint(dict(model=m.state_dict(), model_args=vars(m.config)), str(path))
+    return path
+
+
+def test_decode_cli_works_on_a_good_checkpoint(good_ckpt, decode_cli):
+    """The control for the error cases below: the same checkpoint and flags succeed."""
+    proc = decode_cli(good_ckpt, '--prompt', 'def ', '--temperature', '0.5', '--seed', '1')
+    assert proc.returncode == 0, proc.stderr
+    assert 'Traceback' not in proc.stderr, proc.stderr
+    assert proc.stdout.startswith('def ')
+    assert '5 calls' in proc.stdout
+
+
+def test_decode_missing_checkpoint_real_process(tmp_path):
+    proc = run_py(['decode.py', '--ckpt', str(tmp_path / 'nope.pt'), '--prompt', 'x',
+                   '--device', 'cpu'])
+    assert proc.returncode == 2
+    assert_clean_error(proc, 'not found')
+
+
+def test_decode_corrupt_checkpoint(tmp_path, decode_cli):
+    bad = tmp_path / 'garbage.pt'
+    bad.write_bytes(os.urandom(2000))
+    assert_clean_error(decode_cli(bad, '--prompt', 'x'), str(bad))
+
+
+def test_decode_truncated_checkpoint(tmp_path, good_ckpt, decode_cli):
+    bad = tmp_path / 'truncated.pt'
+    data = good_ckpt.read_bytes()
+    bad.write_bytes(data[:len(data) // 2])
+    assert_clean_error(decode_cli(bad, '--prompt', 'x'), 'unreadable')
+
+
+def test_decode_config_does_not_fit_weights(tmp_path, good_ckpt, decode_cli):
+    ck = torch.load(good_ckpt, weights_only=False)
+    ck['model_args'] = dict(ck['model_args'], n_embd=32)
+    bad = tmp_path / 'mismatch.pt'
+    torch.save(ck, bad)
+    assert_clean_error(decode_cli(bad, '--prompt', 'x'), 'do not fit')
+
+
+@pytest.mark.parametrize('extra, needles', [
+    (['--prompt', ''], ['empty']),
+    (['--prompt', 'def f(x):', '--max-new-tokens', '60'], ['64']),   # 9 + 60 > block_size 64
+    (['--prompt', 'x', '--temperature=-0.5'], ['temperature']),
+], ids=['empty-prompt', 'beyond-context', 'negative-temperature'])
+def test_decode_bad_arguments(good_ckpt, decode_cli, extra, needles):
+    proc = decode_cli(good_ckpt, *extra)
+    assert proc.returncode == 2
+    assert_clean_error(proc, *needles)

@@ -1,0 +1,295 @@
+"""
+Text in, token ids out: the vocabularies, the training corpus and the held-out prompts, for
+decode.py, train.py and bench.py alike.
+
+Vocabularies (`Vocab`):
+  bytes   UTF-8 bytes, 256 ids: this project's own models (the default)
+  char    a nanoGPT character vocabulary, from its meta.pkl (stoi / itos); read without running code
+  gpt2    GPT-2 BPE through tiktoken (optional; 50257 / 50304-vocabulary checkpoints)
+A target's vocabulary is found as nanoGPT's sample.py finds it (`vocab_for`), recorded in every
+checkpoint this project writes, and checked wherever text or a dataset becomes ids.
+
+Corpora (`load_dataset`): a text file or folder of text files (bytes; by default the Python
+standard library), or a nanoGPT dataset folder: train.bin / val.bin (uint16 ids) and optionally
+meta.pkl.
+"""
+import functools
+import hashlib
+import os
+import pickle
+import stat
+import sysconfig
+
+import numpy as np
+import torch
+
+from model import BadInput
+
+PROMPT_LEN = 32       # corpus prompt in front of each generated training sequence
+GPT2_SIZES = (50257, 50304)   # GPT-2's vocabulary, and nanoGPT's padded one
+
+
+# ----------------------------------------------------------------------------- vocabularies
+
+class Vocab:
+    """Text <-> token ids. kind 'bytes' | 'char' (itos: the symbol of every id) | 'gpt2'."""
+
+    def __init__(self, kind='bytes', itos=None):
+        self.kind, self.itos = kind, itos
+        if kind == 'char':
+            self.stoi = {s: i for i, s in enumerate(itos)}
+
+    @functools.cached_property
+    def bpe(self):
+        try:
+            import tiktoken  # optional: only the text of GPT-2-vocabulary models needs it
+        except ImportError:
+            raise BadInput("a GPT-2-vocabulary model needs tiktoken for its text: pip install tiktoken")
+        return tiktoken.get_encoding('gpt2')
+
+    @property
+    def size(self):
+        return {'bytes': 256, 'char': len(self.itos or ()), 'gpt2': 50257}[self.kind]
+
+    def __eq__(self, other):
+        return isinstance(other, Vocab) and self.state() == other.state()
+
+    def __repr__(self):
+        return f"{self.kind} vocabulary ({self.size} symbols)"
+
+    def encode(self, text, what='the prompt'):
+        """Ids of `text`; a symbol the vocabulary lacks is a one-line error naming it."""
+        if self.kind == 'bytes':   # surrogateescape: a non-UTF-8 command line gives its own bytes
+            return list(text.encode('utf-8', 'surrogateescape'))
+        if self.kind == 'gpt2':
+            return self.bpe.encode(text, allowed_special={'<|endoftext|>'})
+        missing = sorted({c for c in text if c not in self.stoi})
+        if missing:
+            raise BadInput(f"{what} has {len(missing)} character(s) outside the model's {self.size}-symbol "
+                           f"vocabulary: {''.join(missing)[:40]!r}")
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        ids = [int(i) for i in ids]
+        if self.kind == 'bytes':
+            return bytes(i for i in ids if i < 256).decode('utf-8', errors='replace')
+        if self.kind == 'gpt2':   # ids of nanoGPT's padding (50257..50303) have no text
+            return self.bpe.decode([i for i in ids if i < 50257])
+        return ''.join(self.itos[i] if i < len(self.itos) else '\ufffd' for i in ids)
+
+    def state(self):
+        """Plain values, for a checkpoint."""
+        return dict(kind=self.kind, itos=self.itos)
+
+    @classmethod
+    def from_state(cls, state, where):
+        try:
+            kind, itos = state['kind'], state.get('itos')
+            assert kind in ('bytes', 'char', 'gpt2')
+            assert kind != 'char' or (isinstance(itos, list) and all(isinstance(s, str) for s in itos))
+        except (AssertionError, KeyError, TypeError, AttributeError):
+            raise BadInput(f"{where}: malformed vocabulary record")
+        return cls(kind, itos)
+
+
+class _NoCode(pickle.Unpickler):
+    """Unpickles plain data only: any class or function the file names is refused before it is
+    looked up, so nothing in the file can run."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def read_meta(path):
+    """A nanoGPT meta.pkl ({'vocab_size', 'stoi', 'itos'}) as a char Vocab, read without executing
+    anything: only dicts, strings and ints are accepted."""
+    try:
+        with open(path, 'rb') as f:
+            meta = _NoCode(f).load()
+    except OSError as e:
+        raise BadInput(f"meta file {path}: {e.strerror or e}")
+    except Exception as e:
+        raise BadInput(f"meta file {path} refused: not a plain nanoGPT meta.pkl ({e})")
+    itos = meta.get('itos') if isinstance(meta, dict) else None
+    ok = (isinstance(itos, dict) and sorted(itos) == list(range(len(itos)))
+          and all(isinstance(s, str) for s in itos.values()))
+    if not ok:
+        raise BadInput(f"meta file {path}: no 'itos' mapping ids 0..n-1 to strings")
+    return Vocab('char', [itos[i] for i in range(len(itos))])
+
+
+def vocab_for(ckpt, path, vocab_size, meta=None):
+    """The vocabulary of a target checkpoint: --meta if given; the one this project recorded in it;
+    nanoGPT's meta.pkl where its sample.py looks (data/<config dataset>/meta.pkl) or beside the
+    checkpoint; else by size: 256 is bytes, 50257 / 50304 is GPT-2."""
+    if meta:
+        vocab = read_meta(meta)
+    elif ckpt.get('vocab') is not None:
+        vocab = Vocab.from_state(ckpt['vocab'], path)
+    else:
+        dataset = (ckpt.get('config') or {}).get('dataset')
+        found = [p for p in ([os.path.join('data', str(dataset), 'meta.pkl')] if dataset else [])
+                 + [os.path.join(os.path.dirname(path), 'meta.pkl')] if os.path.isfile(p)]
+        if found:
+            vocab = read_meta(found[0])
+        elif vocab_size == 256:
+            vocab = Vocab('bytes')
+        elif vocab_size in GPT2_SIZES:
+            vocab = Vocab('gpt2')
+        else:
+            raise BadInput(f"{path}: no vocabulary found for its {vocab_size}-token model "
+                           f"(no meta.pkl in data/{dataset or '<dataset>'}/ or beside it); give --meta PATH")
+    if vocab.size > vocab_size:
+        raise BadInput(f"{path}: its model has {vocab_size} token ids, fewer than the {vocab}")
+    return vocab
+
+
+# ----------------------------------------------------------------------------- corpora
+
+def regular_files(root):
+    """Every regular, readable file under root, sorted; FIFOs, sockets, devices and broken links
+    are skipped (reading a FIFO would wait forever) and counted."""
+    files, skipped = [], 0
+    for d, dirs, names in os.walk(root):
+        dirs.sort()
+        for n in names:
+            p = os.path.join(d, n)
+            try:
+                ok = stat.S_ISREG(os.stat(p).st_mode)
+            except OSError:   # a broken link
+                ok = False
+            files += [p] if ok else []
+            skipped += not ok
+    return sorted(files), skipped
+
+
+def corpus_files(path=None):
+    """The default corpus: the interpreter's standard library .py files, sorted, without
+    site-packages and test folders. With a path: that text file, or every file under that folder."""
+    if path is None:
+        root = sysconfig.get_paths()['stdlib']
+        files = []
+        for d, dirs, names in os.walk(root):
+            dirs[:] = sorted(x for x in dirs if x not in ('site-packages', 'dist-packages', 'test', 'tests',
+                                                            'idle_test', '__pycache__'))
+            files += [os.path.join(d, n) for n in names if n.endswith('.py')]
+        return sorted(files), 0
+    if os.path.isdir(path):
+        return regular_files(path)
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise BadInput(f"--data {path}: not a regular file or folder")
+    if os.path.isfile(path):
+        return [path], 0
+    raise BadInput(f"--data {path}: no such file or folder")
+
+
+def read_bytes(f, flag='--data'):
+    try:
+        with open(f, 'rb') as fh:
+            return fh.read()
+    except OSError as e:
+        raise BadInput(f"{flag}: cannot read {f} ({e.strerror or e})")
+
+
+class Dataset:
+    """train, val: 1-D arrays of token ids; vocab: the Vocab they are in, or None (a nanoGPT
+    dataset without meta.pkl: GPT-2 ids, as nanoGPT assumes)."""
+
+    def __init__(self, train, val, vocab, source):
+        self.train, self.val, self.vocab, self.source = train, val, vocab, source
+
+    def check(self, vocab_size, vocab, flag='--data'):
+        """Refuse ids the model does not have, or data in another vocabulary than the model's."""
+        if self.vocab is not None and vocab is not None and self.vocab != vocab:
+            raise BadInput(f"{flag} {self.source}: its {self.vocab} is not the model's {vocab}")
+        top = max(int(self.train.max()), int(self.val.max()))
+        if top >= vocab_size:
+            raise BadInput(f"{flag} {self.source}: holds token id {top}, but the model has only {vocab_size} "
+                           f"ids (0..{vocab_size - 1})")
+        return self
+
+
+def load_dataset(data, cache_dir):
+    """The corpus as a Dataset. A nanoGPT dataset folder (train.bin, val.bin) is memory-mapped as
+    it is. Text is read as bytes and cached under cache_dir; held-out split by file: every 20th
+    file (a single file: its last 10%)."""
+    if data and os.path.isfile(os.path.join(data, 'train.bin')) and os.path.isfile(os.path.join(data, 'val.bin')):
+        arrays = []
+        for split in ('train', 'val'):
+            p = os.path.join(data, f'{split}.bin')
+            if not os.access(p, os.R_OK):   # a one-line error, not a traceback from numpy
+                raise BadInput(f"--data {data}: cannot read {split}.bin")
+            if os.path.getsize(p) < 2 * (PROMPT_LEN + 2):
+                raise BadInput(f"--data {data}: {split}.bin holds too few tokens")
+            arrays.append(np.memmap(p, dtype=np.uint16, mode='r'))
+        meta = os.path.join(data, 'meta.pkl')
+        return Dataset(*arrays, read_meta(meta) if os.path.isfile(meta) else None, data)
+    files, skipped = corpus_files(data)
+    # the cache key names the files and their sizes and dates: edit the corpus, get a new cache
+    h = hashlib.sha1()
+    for f in files:
+        st = os.stat(f)
+        h.update(f'{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}\n'.encode())
+    key = ('stdlib' if data is None else 'data') + '-' + h.hexdigest()[:12]
+    paths = [os.path.join(cache_dir, f'{key}_{s}.bin') for s in ('train', 'val')]
+    if all(os.path.exists(p) for p in paths):
+        return Dataset(*(np.fromfile(p, dtype=np.uint8) for p in paths), Vocab('bytes'), data or 'stdlib')
+    texts = [b for b in map(read_bytes, files) if b and b'\0' not in b[:4096]]   # skip binaries
+    if skipped:
+        print(f"note: --data {data}: skipped {skipped} entries that are not regular files (FIFOs, sockets, broken links)")
+    if not texts or sum(map(len, texts)) < 1024:
+        raise BadInput(f"--data {data}: holds no text (need at least 1 KiB of text files)")
+    if len(texts) == 1:
+        cut = int(len(texts[0]) * 0.9)
+        train, val = texts[0][:cut], texts[0][cut:]
+    else:
+        train = b''.join(t for i, t in enumerate(texts) if i % 20 != 19)
+        val = b''.join(t for i, t in enumerate(texts) if i % 20 == 19) or texts[-1]
+    arrays = (np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8))
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        for arr, p in zip(arrays, paths):
+            tmp = f'{p}.{os.getpid()}.tmp'
+            arr.tofile(tmp)
+            os.replace(tmp, p)
+    except OSError as e:
+        raise BadInput(f"cannot write the corpus cache in {cache_dir} ({e.strerror or e})")
+    return Dataset(*arrays, Vocab('bytes'), data or 'stdlib')
+
+
+def check_out_dir(path, flag='--out-dir'):
+    """The output folder exists and can be written to, before any work."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise BadInput(f"{flag} {path}: exists and is not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f'.write-test-{os.getpid()}')
+        with open(probe, 'w'):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise BadInput(f"{flag} {path}: cannot write there ({e.strerror or e})")
+
+
+def windows(data, n, length, gen):
+    """n random windows (n, length) of a 1-D id array, as a LongTensor."""
+    ix = torch.randint(len(data) - length, (n,), generator=gen).numpy()
+    return torch.from_numpy(np.stack([data[i:i + length] for i in ix]).astype(np.int64))
+
+
+def heldout_prompts(val, n, length, newline=ord('\n'), seed=1234):
+    """n held-out prompts that start at a line start (`newline`: the id of '\\n', None if the
+    vocabulary has none): the same ones for every comparison."""
+    starts = np.flatnonzero(np.asarray(val[:-length - 1]) == newline) + 1 if newline is not None else []
+    if len(starts) < n:  # text with few lines: any position will do
+        starts = np.arange(len(val) - length)
+    rng = np.random.default_rng(seed)
+    ix = rng.choice(starts, size=n, replace=False)
+    return torch.from_numpy(np.stack([val[i:i + length] for i in ix]).astype(np.int64))
+
+
+def newline_id(vocab):
+    """The id of '\\n' in `vocab` (GPT-2's when None: a nanoGPT dataset without meta.pkl), or None."""
+    if vocab is None or vocab.kind == 'gpt2':
+        return 198
+    return 10 if vocab.kind == 'bytes' else vocab.stoi.get('\n')

@@ -1,0 +1,658 @@
+"""
+train.py, decode.py and bench.py given bad input, each run as a real process, the way a user
+runs them.
+
+Every row of CASES is one command line and what it must do:
+
+  refused      exit code 2; stderr has exactly one line starting with `error:` (no argparse usage
+               dump), that line names the flag or file the user gave, and there is no Traceback;
+               no checkpoint (*.pt) in the out folder changed, and no new one appeared
+  accepted     exit code 0, no Traceback, no `error:` line (e.g. a FIFO in a data folder is skipped)
+  interrupted  Ctrl-C (SIGINT) while it works: exit code 130, no Traceback, and a last line that
+               says what to do next; the checkpoint written so far still loads
+
+No process may hang: each one gets TIMEOUT seconds, and running out of time fails its case.
+A crafted pickle (a checkpoint or meta.pkl whose unpickling would create a marker file) must be
+refused without running: the marker file must not exist afterwards.
+
+How it runs: one tiny training run (ckpt.pt, heads.pt, dblast_K4.pt, dblast_K1.pt) and the crafted
+files are made once for the module (the `paths` fixture); the `results` fixture then runs every
+selected case, three processes at a time, and stores what each did; each case is its own test id
+that asserts on its stored result. Cases that could write get their own folder: a fresh copy of the
+trained run ('copy') or an empty folder ('fresh'); the others may only read the shared trained run,
+whose checkpoints are checked after every case and at the end.
+
+    python -m pytest -q tests/test_cli.py                 # everything (about two minutes on 2 cores)
+    python -m pytest -q tests/test_cli.py -k decode       # only decode.py's cases (only they run)
+"""
+import hashlib
+import os
+import pickle
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, corpus_text
+from data import Vocab
+from model import GPT, GPTConfig
+
+TIMEOUT = 90          # seconds any one process may take; more is a hang
+WORKERS = 3           # processes at a time
+IS_ROOT = hasattr(os, 'geteuid') and os.geteuid() == 0
+
+
+# ----------------------------------------------------------------------------- the table
+
+@dataclass
+class Case:
+    id: str
+    argv: list                      # the script and its flags; '{name}' is filled in from the paths
+    code: int = 2                   # 2 refused, 0 accepted, 130 interrupted
+    needles: tuple = ()             # what the error line (130: the last line) must contain
+    out: str = 'run'                # the folder whose checkpoints are watched: 'run' (the shared trained
+                                    # run, only read), 'copy' (a fresh copy of it), 'fresh' (an empty one)
+    prepare: Optional[Callable] = None      # prepare(paths): sets up the case's folder before the run
+    marker: Optional[str] = None            # a crafted pickle's payload would create this file
+    within: float = TIMEOUT                 # seconds the answer must come within
+    interrupt: Optional[Callable] = None    # interrupt(proc, paths): waits until the process is under
+                                            # way; then Ctrl-C (SIGINT) is sent
+    only_line: bool = False                 # stderr holds nothing but the final line
+    output_has: Optional[str] = None        # stdout + stderr must contain this
+    after: Optional[Callable] = None        # after(paths): more checks once the process is done
+    needs_non_root: bool = False            # permission bits mean nothing to root
+
+    def __repr__(self):
+        return f"Case({self.id!r})"
+
+
+def refused(id, argv, *needles, **kw):
+    return Case(id, argv, 2, needles, **kw)
+
+
+def accepted(id, argv, **kw):
+    return Case(id, argv, 0, **kw)
+
+
+# train.py at tiny sizes. Only the flags of the stages it runs are given (it refuses the others);
+# a case's own flags come last and win (argparse keeps the last value of a flag).
+COMMON = ['--device', 'cpu', '--no-demo', '--data', '{corpus}', '--batch-size', '4', '--eval-interval', '1000',
+          '--warmup-iters', '2']
+STAGE_FLAGS = {
+    'base': ['--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64', '--max-iters', '20',
+             '--eval-iters', '1'],
+    'heads': ['--k', '4', '--heads-iters', '5', '--distill-samples', '4'],
+    'dblast': ['--dblast-iters', '5', '--dblast-samples', '4', '--dblast-eval-samples', '2'],
+}
+ALL_STAGES = 'base,heads,dblast'
+
+
+def train(*flags, stages=ALL_STAGES, out='{copy}'):
+    """train.py's argv: the tiny sizes of `stages`, writing to `out`, then `flags`."""
+    argv = ['train.py', *COMMON, '--out-dir', out, '--stages', stages]
+    for stage in stages.split(','):
+        argv += STAGE_FLAGS[stage]
+    return argv + list(flags)
+
+
+def train_refused(id, flags, *needles, stages=ALL_STAGES, **kw):
+    """train.py on a fresh copy of the trained run: a refusal must leave its checkpoints as they were."""
+    kw.setdefault('out', 'copy')
+    return refused('train-' + id, train(*flags, stages=stages), *needles, **kw)
+
+
+def decode(*flags):
+    return ['decode.py', '--device', 'cpu', '--ckpt', '{ckpt}', '--max-new-tokens', '8', *flags]
+
+
+def decode_refused(id, flags, *needles, **kw):
+    return refused('decode-' + id, decode(*flags), *needles, **kw)
+
+
+BENCH = ['bench.py', '--device', 'cpu', '--data', '{corpus}', '--out', '{out}/bench', '--ckpt-dir', '{out}/ckpt',
+         '--tables', 'speed', '--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64',
+         '--batch-size', '4', '--max-iters', '20', '--heads-iters', '4', '--dblast-iters', '4',
+         '--distill-samples', '4', '--dblast-samples', '4', '--dblast-eval-samples', '2', '--n-prompts', '2',
+         '--max-new', '16', '--repeats', '1', '--eval-samples', '2']
+
+
+def bench_refused(id, flags, *needles, **kw):
+    """bench.py in an empty folder: refused before any training, so no checkpoint appears there."""
+    return refused('bench-' + id, BENCH + list(flags), *needles, out='fresh', **kw)
+
+
+# --------------------------------------------------------------------- set-ups and checks of cases
+
+def copy_over(name, source):
+    """prepare: the copy's checkpoint `name` replaced by the crafted file `source`."""
+    def prepare(p):
+        shutil.copyfile(fill(source, p), os.path.join(p['copy'], name))
+    return prepare
+
+
+def payload_over(name):
+    """prepare: the copy's checkpoint `name` replaced by a crafted pickle (marker: {work}/payload-ran)."""
+    def prepare(p):
+        write_payload_checkpoint(os.path.join(p['copy'], name), os.path.join(p['work'], 'payload-ran'))
+    return prepare
+
+
+def when_exists(path, timeout=TIMEOUT - 20):
+    """interrupt: wait until `path` exists (or the process ended, or `timeout` passed)."""
+    def wait(proc, p):
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(fill(path, p)) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return wait
+
+
+def when_generating(proc, p, settle=5.0, timeout=TIMEOUT - 30):
+    """interrupt: decode.py prints nothing before its text, so wait until torch's library is loaded
+    into the process, then `settle` seconds more: the rest of the imports and loading the model take
+    well under that, and the generation it then starts runs for a minute."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with open(f'/proc/{proc.pid}/maps') as f:
+                if 'libtorch' in f.read():
+                    break
+        except OSError:
+            pass
+        time.sleep(0.1)
+    time.sleep(settle)
+
+
+def still_loads(path):
+    """after: the checkpoint at `path` loads as tensors and plain values and holds a model."""
+    def check(p):
+        ckpt = torch.load(fill(path, p), map_location='cpu', weights_only=True)
+        assert 'model' in ckpt and ckpt['iter_num'] > 0, f"{fill(path, p)} is not a usable checkpoint"
+    return check
+
+
+# ----------------------------------------------------------------------------- the cases
+
+NOT_UTF8 = b'\xff\xfe def'   # a command-line argument that is not UTF-8 (passed as bytes)
+
+CASES = [
+    # ------------------------------------------------------------------ train.py: numbers and bounds
+    *[train_refused(f'{flag[2:]}-{name}', [flag, value], flag) for flag, values in [
+        ('--weight-decay', dict(nan='nan', neg='-1')),
+        ('--lr', dict(neg='-1', zero='0', nan='nan', inf='inf')),
+        ('--heads-lr', dict(zero='0', nan='nan')),
+        ('--dblast-lr', dict(neg='-1', inf='inf')),
+        ('--temperature', dict(nan='nan', zero='0', neg='-1', inf='inf')),
+        ('--dropout', dict(big='1.5', neg='-0.1', one='1')),
+        ('--batch-size', dict(zero='0')),
+        ('--max-iters', dict(zero='0')),
+        ('--ckpt-interval', dict(zero='0')),
+        ('--eval-interval', dict(zero='0')),
+        ('--eval-iters', dict(zero='0')),
+        ('--warmup-iters', dict(neg='-1')),
+        ('--n-layer', dict(zero='0')),
+        ('--n-head', dict(zero='0')),
+        ('--n-embd', dict(zero='0')),
+        ('--block-size', dict(one='1')),
+        ('--k', dict(one='1', big='100')),
+        ('--dblast-k', dict(one='1')),
+        ('--K', dict(zero='0')),
+        ('--tau-threshold', dict(big='2', neg='-1')),
+        ('--nll-weight', dict(neg='-1')),
+        ('--grad-clip', dict(neg='-1')),
+        ('--seed', dict(neg='-1', huge='99999999999999999999999')),
+        ('--distill-samples', dict(zero='0')),
+        ('--dblast-samples', dict(zero='0')),
+        ('--heads-iters', dict(zero='0')),
+        ('--dblast-iters', dict(zero='0')),
+        ('--d-hidden', dict(zero='0')),
+    ] for name, value in values.items()],
+    train_refused('n-embd-not-divisible', ['--n-embd', '30', '--n-head', '4'], '--n-embd'),
+    train_refused('batch-size-not-a-number', ['--batch-size', 'abc'], '--batch-size'),
+    train_refused('unknown-flag', ['--bogus-flag', '3'], '--bogus-flag'),
+    # ------------------------------------------------------------------ train.py: choices and names
+    train_refused('stages-empty', ['--stages', ''], '--stages'),
+    train_refused('stages-bogus', ['--stages', 'bogus'], '--stages'),
+    train_refused('tag-slash', ['--tag', 'a/b'], '--tag'),
+    train_refused('device-bogus', ['--device', 'bogus'], '--device'),
+    train_refused('device-cuda', ['--device', 'cuda'], '--device'),   # CUDA is hidden from every case
+    train_refused('device-mps', ['--device', 'mps'], '--device'),
+    train_refused('preset-bogus', ['--preset', 'bogus'], '--preset'),
+    # ------------------------------------------------------------------ train.py: flags no stage run uses
+    train_refused('base-with-k', ['--k', '4'], '--k', stages='base'),
+    train_refused('heads-with-temperature', ['--temperature', '1.0'], '--temperature', stages='heads'),
+    train_refused('dblast-with-n-layer', ['--n-layer', '2'], '--n-layer', stages='dblast'),
+    # ------------------------------------------------------------------ train.py: context too short
+    train_refused('k-40-block-64', ['--k', '40'], '--k'),
+    train_refused('dblast-k-40-context-64', ['--dblast-k', '40'], '--dblast-k', stages='dblast'),
+    # ------------------------------------------------------------------ train.py: files and folders
+    train_refused('data-missing', ['--data', '{work}/no_such_corpus.txt'], '{work}/no_such_corpus.txt'),
+    train_refused('data-fifo', ['--data', '{files}/a_fifo'], '{files}/a_fifo'),
+    train_refused('data-dev-zero', ['--data', '/dev/zero'], '/dev/zero'),
+    train_refused('data-unreadable-file', ['--data', '/proc/self/mem'], '/proc/self/mem'),  # EIO, even for root
+    train_refused('data-chmod-000-file', ['--data', '{files}/unreadable.txt'], '{files}/unreadable.txt',
+                  needs_non_root=True),
+    train_refused('data-chmod-000-folder', ['--data', '{files}/unreadable_dir'], '{files}/unreadable_dir',
+                  needs_non_root=True),
+    train_refused('data-only-broken-symlink', ['--data', '{files}/broken_only'], '{files}/broken_only'),
+    train_refused('data-nanogpt-crafted-meta', ['--data', '{files}/nanogpt_crafted'],
+                  '{files}/nanogpt_crafted/meta.pkl', marker='{files}/payload-nanogpt-meta'),
+    refused('train-out-dir-is-a-file', train(out='{files}/a_file.txt'), '{files}/a_file.txt'),
+    refused('train-out-dir-unwritable', train(out='/proc/cli-test-out'), '/proc/cli-test-out'),
+    refused('train-out-dir-in-read-only-folder', train(out='{files}/read_only/out'), '{files}/read_only/out',
+            out='fresh', needs_non_root=True),
+    train_refused('meta-missing', ['--meta', '{work}/no_such_meta.pkl'], '{work}/no_such_meta.pkl'),
+    train_refused('heads-meta-crafted', ['--meta', '{files}/crafted_train_meta.pkl'],
+                  '{files}/crafted_train_meta.pkl', stages='heads', marker='{files}/payload-train-meta'),
+    train_refused('heads-crafted-base', [], 'ckpt.pt', stages='heads', prepare=payload_over('ckpt.pt'),
+                  marker='{work}/payload-ran'),
+    train_refused('resume-other-d-hidden', ['--resume', '--d-hidden', '8'], '--resume', 'heads.pt', stages='heads'),
+    train_refused('resume-truncated-base', ['--resume'], 'ckpt.pt', stages='base',
+                  prepare=copy_over('ckpt.pt', '{files}/truncated.pt')),
+    # ------------------------------------------------------------------ train.py: odd entries in a data folder
+    *[accepted(f'train-data-folder-with-{kind}',
+               train('--max-iters', '1', '--data', f'{{files}}/{kind}_data', stages='base', out='{out}/run'),
+               out='fresh', output_has='skipped') for kind in ('fifo', 'socket', 'broken-symlink')],
+    # ------------------------------------------------------------------ train.py: Ctrl-C
+    Case('train-ctrl-c', train('--max-iters', '100000', '--ckpt-interval', '5', stages='base', out='{out}/run'),
+         130, ('--resume',), out='fresh', interrupt=when_exists('{out}/run/ckpt.pt'),
+         after=still_loads('{out}/run/ckpt.pt')),
+
+    # ------------------------------------------------------------------ decode.py: numbers
+    decode_refused('temperature-nan', ['--temperature', 'nan'], '--temperature'),
+    decode_refused('temperature-neg', ['--temperature', '-1'], '--temperature'),
+    decode_refused('temperature-inf', ['--temperature', 'inf'], '--temperature'),
+    decode_refused('max-new-tokens-zero', ['--max-new-tokens', '0'], '--max-new-tokens'),
+    decode_refused('max-new-tokens-neg', ['--max-new-tokens', '-5'], '--max-new-tokens'),
+    decode_refused('max-new-tokens-beyond-context', ['--max-new-tokens', '100000'], '--max-new-tokens'),
+    decode_refused('seed-neg', ['--seed', '-1'], '--seed'),
+    decode_refused('seed-huge', ['--seed', '99999999999999999999999'], '--seed'),
+    decode_refused('heads-k-1', ['--heads', '{heads}', '--k', '1'], '--k'),
+    decode_refused('heads-k-above-trained', ['--heads', '{heads}', '--k', '99'], '--k'),
+    decode_refused('k-without-drafter', ['--k', '3'], '--k'),
+    decode_refused('accept-without-drafter', ['--accept', 'topk:2'], '--accept'),
+    decode_refused('accept-superscript-two', ['--heads', '{heads}', '--accept', 'topk:\u00b2'], '--accept'),
+    decode_refused('accept-topk-0', ['--heads', '{heads}', '--accept', 'topk:0'], '--accept'),
+    decode_refused('accept-minblock-huge', ['--heads', '{heads}', '--accept', 'minblock:99999999999999999999'],
+                   '--accept'),
+    decode_refused('accept-bogus', ['--heads', '{heads}', '--accept', 'bogus'], '--accept'),
+    decode_refused('accept-lossy-sampling', ['--heads', '{heads}', '--accept', 'topk:2', '--temperature', '1'],
+                   '--accept'),
+    decode_refused('zt-neg', ['--drafter', '{dblast}', '--temperature', '1', '--zt', '-1'], '--zt'),
+    decode_refused('zt-nan', ['--drafter', '{dblast}', '--temperature', '1', '--zt', 'nan'], '--zt'),
+    # ------------------------------------------------------------------ decode.py: flags that mean nothing here
+    decode_refused('zt-with-heads', ['--heads', '{heads}', '--zt', '1'], '--zt'),
+    decode_refused('verify-with-heads', ['--heads', '{heads}', '--verify', 'mixture'], '--verify'),
+    decode_refused('sample-drafts-greedy', ['--heads', '{heads}', '--sample-drafts'], 'sample-drafts'),
+    decode_refused('unknown-flag', ['--bogus-flag'], '--bogus-flag'),
+    decode_refused('empty-prompt', ['--prompt', ''], '--prompt'),
+    decode_refused('device-bogus', ['--device', 'bogus'], '--device'),
+    decode_refused('device-cuda', ['--device', 'cuda'], '--device'),
+    decode_refused('device-mps', ['--device', 'mps'], '--device'),
+    # ------------------------------------------------------------------ decode.py: drafters
+    decode_refused('heads-given-dblast', ['--heads', '{dblast}'], '{dblast}'),
+    decode_refused('drafter-given-heads', ['--drafter', '{heads}'], '{heads}'),
+    decode_refused('heads-and-drafter', ['--heads', '{heads}', '--drafter', '{dblast}'], '--heads'),
+    decode_refused('heads-nan', ['--heads', '{files}/nan_heads.pt'], '{files}/nan_heads.pt'),
+    decode_refused('drafter-nan', ['--drafter', '{files}/nan_dblast.pt'], '{files}/nan_dblast.pt'),
+    decode_refused('heads-other-base', ['--ckpt', '{files}/other_ckpt.pt', '--heads', '{heads}'], '{heads}'),
+    # ------------------------------------------------------------------ decode.py: the target checkpoint
+    decode_refused('ckpt-missing', ['--ckpt', '{run}/no_such_ckpt.pt'], '{run}/no_such_ckpt.pt'),
+    decode_refused('ckpt-fifo', ['--ckpt', '{files}/a_fifo'], '{files}/a_fifo'),
+    decode_refused('ckpt-corrupt', ['--ckpt', '{files}/corrupt.pt'], '{files}/corrupt.pt'),
+    decode_refused('ckpt-truncated', ['--ckpt', '{files}/truncated.pt'], '{files}/truncated.pt'),
+    decode_refused('ckpt-nan-weights', ['--ckpt', '{files}/nan_ckpt.pt'], '{files}/nan_ckpt.pt'),
+    # ------------------------------------------------------------------ decode.py: crafted pickles
+    decode_refused('ckpt-crafted', ['--ckpt', '{files}/crafted_ckpt.pt'], '{files}/crafted_ckpt.pt',
+                   marker='{files}/payload-ckpt'),
+    decode_refused('heads-crafted', ['--heads', '{files}/crafted_heads.pt'], '{files}/crafted_heads.pt',
+                   marker='{files}/payload-heads'),
+    decode_refused('drafter-crafted', ['--drafter', '{files}/crafted_drafter.pt'], '{files}/crafted_drafter.pt',
+                   marker='{files}/payload-drafter'),
+    decode_refused('meta-crafted', ['--meta', '{files}/crafted_meta.pkl'], '{files}/crafted_meta.pkl',
+                   marker='{files}/payload-meta'),
+    # ------------------------------------------------------------------ decode.py: what must work
+    accepted('decode-plain', decode()),
+    accepted('decode-drafter-sampling', decode('--drafter', '{dblast}', '--temperature', '1')),
+    accepted('decode-prompt-not-utf8', decode('--prompt', NOT_UTF8)),
+    Case('decode-ctrl-c', ['decode.py', '--device', 'cpu', '--ckpt', '{files}/long_ckpt.pt', '--max-new-tokens',
+                           '40000'], 130, ('interrupted',), interrupt=when_generating, only_line=True),
+
+    # ------------------------------------------------------------------ bench.py
+    bench_refused('batch-zero', ['--batch', '0'], '--batch'),
+    bench_refused('repeats-zero', ['--repeats', '0'], '--repeats'),
+    bench_refused('n-prompts-zero', ['--n-prompts', '0'], '--n-prompts'),
+    bench_refused('max-new-zero', ['--max-new', '0'], '--max-new'),
+    bench_refused('max-new-beyond-context', ['--max-new', '100000'], '--max-new', within=30),
+    bench_refused('tables-empty', ['--tables', ''], '--tables'),
+    bench_refused('tables-bogus', ['--tables', 'bogus'], '--tables'),
+    bench_refused('tables-time-alone', ['--tables', 'time'], '--tables'),
+    bench_refused('dblast-k-one', ['--dblast-k', '1'], '--dblast-k'),
+    bench_refused('seed-neg', ['--seed', '-1'], '--seed'),
+    bench_refused('device-bogus', ['--device', 'bogus'], '--device'),
+    bench_refused('n-layer-zero', ['--n-layer', '0'], '--n-layer'),
+    bench_refused('out-is-a-file', ['--out', '{files}/a_file.txt'], '{files}/a_file.txt'),
+    bench_refused('data-fifo', ['--data', '{files}/a_fifo'], '{files}/a_fifo'),
+]
+
+assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def fill(text, p):
+    """A string with its '{name}' placeholders filled in from the paths p (bytes stay as they are)."""
+    return text.format(**p) if isinstance(text, str) else text
+
+
+def script_env():
+    """One thread per process (they run side by side), unbuffered output, not under torchrun, and no
+    CUDA, so that '--device cuda' is refused on any machine."""
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1', CUDA_VISIBLE_DEVICES='')
+    for name in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK'):
+        env.pop(name, None)
+    return env
+
+
+def tree_hashes(folder):
+    """sha256 of every checkpoint (*.pt) under folder, by path relative to it; the corpus and sample
+    caches under data/ are not checkpoints. {} for a folder that does not exist."""
+    hashes = {}
+    for d, dirs, names in os.walk(folder):
+        dirs[:] = [x for x in dirs if x != 'data']
+        for n in names:
+            if n.endswith('.pt'):
+                path = os.path.join(d, n)
+                with open(path, 'rb') as f:
+                    hashes[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return hashes
+
+
+@dataclass
+class Result:
+    code: Optional[int]          # None: killed after TIMEOUT seconds
+    stdout: str
+    stderr: str
+    seconds: float
+    before: dict                 # tree_hashes of the watched folder before the run
+    after: dict = field(default_factory=dict)
+    marker_exists: bool = False
+
+    def __repr__(self):
+        return f"Result(code={self.code}, {self.seconds:.1f}s)"
+
+
+class Results(dict):
+    """{case id: Result}, with a short repr for failure reports."""
+
+    def __repr__(self):
+        return f"<results of {len(self)} cases>"
+
+
+def case_paths(paths, case):
+    """The paths, plus the case's own folder (work), its empty out folder and its copy of the run."""
+    work = os.path.join(paths['cases'], re.sub(r'[^A-Za-z0-9_.-]', '_', case.id))
+    return dict(paths, work=work, out=os.path.join(work, 'out'), copy=os.path.join(work, 'run'))
+
+
+def run_case(case, paths):
+    """Run one case as a real process in its own folder; what it did, as a Result."""
+    p = case_paths(paths, case)
+    work = p['work']
+    os.makedirs(work)
+    if case.out == 'copy':
+        shutil.copytree(p['run'], p['copy'])
+    if case.prepare:
+        case.prepare(p)
+    watched = {'run': p['run'], 'copy': p['copy'], 'fresh': p['out']}[case.out]
+    before = tree_hashes(watched)
+    argv = [sys.executable] + [fill(a, p) for a in case.argv]
+    t0 = time.monotonic()
+    with open(os.path.join(work, 'stdout'), 'wb') as out, open(os.path.join(work, 'stderr'), 'wb') as err:
+        # output to files, not pipes: a long run's progress bars would fill a pipe nobody reads yet
+        proc = subprocess.Popen(argv, cwd=ROOT, env=script_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        try:
+            if case.interrupt:
+                case.interrupt(proc, p)
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=max(1.0, TIMEOUT - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = None
+    seconds = time.monotonic() - t0
+
+    def read(name):
+        with open(os.path.join(work, name), 'rb') as f:
+            return f.read().decode('utf-8', errors='replace')
+
+    return Result(code, read('stdout'), read('stderr'), seconds, before, tree_hashes(watched),
+                  bool(case.marker) and os.path.exists(fill(case.marker, p)))
+
+
+def lines_of(text):
+    """Non-empty lines (progress bars redraw with '\\r': each redraw is a line of its own)."""
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def tail(r, n=8):
+    return f"exit code {r.code} after {r.seconds:.1f}s; stderr ends:\n" + '\n'.join(lines_of(r.stderr)[-n:])
+
+
+def assert_refused(r, needles):
+    """Exit code 2, exactly one `error:` line naming what the user gave, no usage dump, no traceback."""
+    assert r.code == 2, tail(r)
+    lines = lines_of(r.stderr)
+    errors = [line for line in lines if line.startswith('error:')]
+    assert len(errors) == 1, f"want exactly one error line, got {len(errors)}\n" + tail(r)
+    assert not any(line.startswith('usage:') for line in lines), "argparse usage dump\n" + tail(r)
+    for needle in needles:
+        assert needle in errors[0], f"the error line does not name {needle!r}:\n{errors[0]}"
+
+
+def assert_accepted(r):
+    assert r.code == 0, tail(r)
+    assert not any(line.startswith('error:') for line in lines_of(r.stderr)), tail(r)
+
+
+def assert_interrupted(r, needles, only_line):
+    """Exit code 130; the last line says what was kept and what to do (needles)."""
+    assert r.code == 130, tail(r)
+    lines = lines_of(r.stderr)
+    assert lines, "nothing on stderr"
+    for needle in needles:
+        assert needle in lines[-1], f"the last line does not mention {needle!r}:\n{lines[-1]}"
+    if only_line:
+        assert len(lines) == 1, "want one line on stderr\n" + tail(r)
+
+
+# ----------------------------------------------------------------------------- crafted files
+
+class Payload:
+    """Unpickling this object calls open(marker, 'w'): the marker file appears if whatever loads a
+    file holding it runs code from that file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, 'w')
+
+
+def write_payload_checkpoint(path, marker):
+    """A file that looks like one of our checkpoints, saved by torch.save, with a payload inside."""
+    torch.save(dict(model=Payload(marker), model_args=dict(n_layer=1), kind='heads', drafter={}), path)
+
+
+def tiny_corpus_bins(folder, n=4000):
+    """train.bin / val.bin of a nanoGPT character dataset (uint16 ids below 65)."""
+    ids = np.random.default_rng(0).integers(0, 65, n).astype(np.uint16)
+    ids.tofile(os.path.join(folder, 'train.bin'))
+    ids[: n // 4].tofile(os.path.join(folder, 'val.bin'))
+
+
+def make_crafted_files(files, run):
+    """Every bad or odd file the cases use, in the folder `files` (paths: see CASES)."""
+    j = lambda *a: os.path.join(files, *a)
+    good = torch.load(os.path.join(run, 'ckpt.pt'), map_location='cpu', weights_only=True)
+    with open(os.path.join(run, 'ckpt.pt'), 'rb') as f:
+        raw = f.read()
+
+    # broken checkpoints
+    with open(j('corrupt.pt'), 'wb') as f:
+        f.write(random.Random(0).randbytes(5000))
+    with open(j('truncated.pt'), 'wb') as f:
+        f.write(raw[: len(raw) // 2])
+    nan = dict(good, model=dict(good['model']))
+    w = nan['model']['transformer.h.0.attn.c_attn.weight'].clone()
+    w[0, 0] = float('nan')
+    nan['model']['transformer.h.0.attn.c_attn.weight'] = w
+    torch.save(nan, j('nan_ckpt.pt'))
+    other = dict(good, model=dict(good['model']))     # another base model: drafters must refuse it
+    other['model']['lm_head.weight'] = other['model']['lm_head.weight'] + 0.5
+    other['model']['transformer.wte.weight'] = other['model']['lm_head.weight']
+    torch.save(other, j('other_ckpt.pt'))
+    for name, src in (('nan_heads.pt', 'heads.pt'), ('nan_dblast.pt', 'dblast_K4.pt')):
+        d = torch.load(os.path.join(run, src), map_location='cpu', weights_only=True)
+        key = next(k for k, t in d['drafter'].items() if t.is_floating_point())
+        d['drafter'] = dict(d['drafter'], **{key: torch.full_like(d['drafter'][key], float('nan'))})
+        torch.save(d, j(name))
+    # a context of 50000 tokens: a generation long enough to interrupt
+    cfg = GPTConfig(block_size=50000, vocab_size=256, n_layer=1, n_head=2, n_embd=16)
+    torch.save(dict(model=GPT(cfg).state_dict(), model_args=asdict(cfg), vocab=Vocab('bytes').state()),
+               j('long_ckpt.pt'))
+
+    # crafted pickles, each with a marker of its own
+    for name in ('ckpt', 'heads', 'drafter'):
+        write_payload_checkpoint(j(f'crafted_{name}.pt'), j(f'payload-{name}'))
+    for name, marker in (('crafted_meta.pkl', 'payload-meta'), ('crafted_train_meta.pkl', 'payload-train-meta')):
+        with open(j(name), 'wb') as f:
+            pickle.dump(dict(vocab_size=3, itos=Payload(j(marker)), stoi={}), f)
+    os.makedirs(j('nanogpt_crafted'))
+    tiny_corpus_bins(j('nanogpt_crafted'))
+    with open(j('nanogpt_crafted', 'meta.pkl'), 'wb') as f:
+        pickle.dump(dict(vocab_size=65, itos=Payload(j('payload-nanogpt-meta'))), f)
+
+    # file-system oddities
+    with open(j('a_file.txt'), 'w') as f:
+        f.write('not a folder\n')
+    os.mkfifo(j('a_fifo'))
+    os.makedirs(j('broken_only'))
+    os.symlink(j('nowhere'), j('broken_only', 'link.txt'))
+    for kind in ('fifo', 'socket', 'broken-symlink'):
+        folder = j(f'{kind}_data')
+        os.makedirs(folder)
+        with open(os.path.join(folder, 'corpus.txt'), 'w') as f:
+            f.write(corpus_text())
+        odd = os.path.join(folder, 'odd')
+        if kind == 'fifo':
+            os.mkfifo(odd)
+        elif kind == 'broken-symlink':
+            os.symlink(j('nowhere'), odd)
+        else:   # a Unix socket file; bound by a relative name (a socket's path may be 107 bytes at most)
+            cwd = os.getcwd()
+            os.chdir(folder)
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.bind('odd')
+            finally:
+                os.chdir(cwd)
+    with open(j('unreadable.txt'), 'w') as f:
+        f.write(corpus_text())
+    os.chmod(j('unreadable.txt'), 0)
+    os.makedirs(j('unreadable_dir'))
+    shutil.copyfile(os.path.join(os.path.dirname(run), 'corpus.txt'), j('unreadable_dir', 'corpus.txt'))
+    os.chmod(j('unreadable_dir'), 0)
+    os.makedirs(j('read_only'))
+    os.chmod(j('read_only'), 0o555)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope='module')
+def paths(tmp_path_factory):
+    """The tiny trained run and the crafted files; their paths by placeholder name."""
+    root = str(tmp_path_factory.mktemp('cli'))
+    p = dict(corpus=os.path.join(root, 'corpus.txt'), run=os.path.join(root, 'run'),
+             files=os.path.join(root, 'files'), cases=os.path.join(root, 'cases'))
+    with open(p['corpus'], 'w') as f:
+        f.write(corpus_text())
+    argv = train(out=p['run'])
+    proc = subprocess.run([sys.executable] + [fill(a, p) for a in argv], cwd=ROOT, env=script_env(),
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    p.update(ckpt=os.path.join(p['run'], 'ckpt.pt'), heads=os.path.join(p['run'], 'heads.pt'),
+             dblast=os.path.join(p['run'], 'dblast_K4.pt'))
+    assert sorted(tree_hashes(p['run'])) == ['ckpt.pt', 'dblast_K1.pt', 'dblast_K4.pt', 'heads.pt']
+    os.makedirs(p['files'])
+    os.makedirs(p['cases'])
+    make_crafted_files(p['files'], p['run'])
+    p['trained_hashes'] = tree_hashes(p['run'])
+    yield p
+    for name in ('read_only', 'unreadable_dir', 'unreadable.txt'):   # so that the folder can be removed
+        os.chmod(os.path.join(p['files'], name), 0o755)
+
+
+@pytest.fixture(scope='module')
+def results(paths, request):
+    """Every case selected for this session (-k), run WORKERS at a time: {case id: Result}.
+    The slow ones (interrupted, accepted) start first."""
+    selected = {item.callspec.params['case'].id for item in request.session.items
+                if isinstance(getattr(item, 'callspec', None) and item.callspec.params.get('case'), Case)}
+    todo = [c for c in CASES if c.id in selected and not (c.needs_non_root and IS_ROOT)]
+    todo.sort(key=lambda c: c.code == 2)
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        futures = {c.id: pool.submit(run_case, c, paths) for c in todo}
+        return Results((cid, f.result()) for cid, f in futures.items())
+
+
+# ----------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize('case', CASES, ids=[c.id for c in CASES])
+def test_cli(case, results, paths):
+    if case.needs_non_root and IS_ROOT:
+        pytest.skip("running as root: permission bits do not stop root (see the /proc cases instead)")
+    r = results[case.id]
+    assert r.code is not None, f"no answer within {TIMEOUT}s: a hang\n" + tail(r)
+    traceback = 'Traceback' in r.stderr
+    assert not traceback, "a traceback instead of one error line\n" + tail(r, 30)
+    p = case_paths(paths, case)
+    if case.code == 2:
+        assert_refused(r, [fill(n, p) for n in case.needles])
+    elif case.code == 130:
+        assert_interrupted(r, case.needles, case.only_line)
+    else:
+        assert_accepted(r)
+    assert r.seconds <= case.within, f"took {r.seconds:.1f}s, more than {case.within}s"
+    if case.code == 2 or case.out == 'run':
+        assert r.after == r.before, f"checkpoints changed: {r.before} -> {r.after}"
+    if case.marker:
+        assert not r.marker_exists, "the crafted pickle's payload ran: its marker file exists"
+    if case.output_has:
+        assert case.output_has in r.stdout + r.stderr, tail(r)
+    if case.after:
+        case.after(p)
+
+
+def test_payload_would_run(paths, tmp_path):
+    """The crafted pickles are real threats: loaded without weights_only, the payload does run."""
+    marker = tmp_path / 'ran'
+    write_payload_checkpoint(tmp_path / 'crafted.pt', str(marker))
+    torch.load(tmp_path / 'crafted.pt', weights_only=False)
+    assert marker.exists()
+
+
+def test_trained_run_untouched(paths, results):
+    """No case changed, removed or added a checkpoint of the shared trained run."""
+    assert tree_hashes(paths['run']) == paths['trained_hashes']

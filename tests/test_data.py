@@ -1,0 +1,252 @@
+"""data.py: vocabularies (bytes, nanoGPT characters, GPT-2 BPE), safe meta.pkl reading, corpora
+and nanoGPT datasets; and a nanoGPT user's whole path: a character-level checkpoint in nanoGPT's
+format decodes, trains BPD heads and DBlast drafters on its own dataset, and stays exact."""
+import importlib.util
+import os
+import pickle
+import re
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, corpus_text
+from data import Vocab, load_dataset, read_meta, regular_files, vocab_for
+from decode import generate
+from model import GPT, BadInput, GPTConfig, load_target
+
+TEXT = corpus_text(4000) + "Hello, World! 42\n"
+
+
+def nanogpt_char_dataset(folder, text=TEXT):
+    """A dataset folder as nanoGPT's data/shakespeare_char/prepare.py writes it."""
+    chars = sorted(set(text))
+    stoi, itos = {c: i for i, c in enumerate(chars)}, {i: c for i, c in enumerate(chars)}
+    ids = np.array([stoi[c] for c in text], dtype=np.uint16)
+    n = int(0.9 * len(ids))
+    os.makedirs(folder, exist_ok=True)
+    ids[:n].tofile(os.path.join(folder, 'train.bin'))
+    ids[n:].tofile(os.path.join(folder, 'val.bin'))
+    with open(os.path.join(folder, 'meta.pkl'), 'wb') as f:
+        pickle.dump({'vocab_size': len(chars), 'itos': itos, 'stoi': stoi}, f)
+    return chars, ids
+
+
+def nanogpt_checkpoint(path, vocab_size, dataset, steps=150, ids=None):
+    """A small char-level GPT trained on `ids`, saved as nanoGPT's train.py saves it: compiled
+    ('_orig_mod.') state dict keys, model_args, config with the dataset's name, optimizer."""
+    torch.manual_seed(0)
+    args = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, bias=False, vocab_size=vocab_size, dropout=0.0)
+    model = GPT(GPTConfig(**args))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    t = torch.from_numpy(ids.astype(np.int64))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        ix = torch.randint(len(t) - 65, (16,), generator=g)
+        x = torch.stack([t[i:i + 65] for i in ix.tolist()])
+        loss = model(x[:, :-1], x[:, 1:])[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save(dict(model={'_orig_mod.' + k: v for k, v in model.state_dict().items()}, model_args=args,
+                    optimizer=opt.state_dict(), iter_num=steps, best_val_loss=torch.tensor(loss.item()),
+                    config=dict(dataset=dataset, out_dir=os.path.dirname(path), batch_size=16)), path)
+
+
+def run(script, *args, cwd):
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
+    env.pop('RANK', None)
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def one_error_line(proc, *needles):
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert 'Traceback' not in proc.stderr, proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if x.startswith('error:')]
+    assert len(errors) == 1, proc.stderr
+    for n in needles:
+        assert n in errors[0], errors[0]
+
+
+def printed_text(stdout):
+    """The generated text decode.py prints before its '--- ...' statistics."""
+    return stdout.rsplit('\n\n--- ', 1)[0]
+
+
+# ----------------------------------------------------------------------------- vocabularies
+
+def test_byte_vocabulary_round_trips_any_command_line_text():
+    v = Vocab('bytes')
+    assert v.decode(v.encode('def f(x): ü')) == 'def f(x): ü'
+    raw = b'\xff\xfe ok'.decode('utf-8', 'surrogateescape')   # how Python hands over a non-UTF-8 argv
+    assert v.encode(raw) == list(b'\xff\xfe ok')
+
+
+def test_char_vocabulary_names_the_characters_it_lacks(tmp_path):
+    chars, _ = nanogpt_char_dataset(tmp_path / 'ds')
+    v = read_meta(tmp_path / 'ds' / 'meta.pkl')
+    assert v.kind == 'char' and v.itos == chars and v.size == len(chars)
+    assert v.decode(v.encode('def f')) == 'def f'
+    with pytest.raises(BadInput, match=r"2 character\(s\) outside the model's .*'@~'"):
+        v.encode('def @~')
+
+
+class Payload:
+    """Unpickling this would create the marker file: a meta.pkl must never get that far."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, 'w'))
+
+
+def test_a_meta_pkl_that_runs_code_is_refused_and_does_not_run(tmp_path):
+    marker = tmp_path / 'pwned'
+    evil = tmp_path / 'meta.pkl'
+    evil.write_bytes(pickle.dumps({'vocab_size': 3, 'itos': {0: 'a'}, 'stoi': Payload(str(marker))}))
+    with pytest.raises(BadInput, match='refused'):
+        read_meta(evil)
+    assert not marker.exists()
+    bad = tmp_path / 'list.pkl'
+    bad.write_bytes(pickle.dumps(['a', 'b']))
+    with pytest.raises(BadInput, match="no 'itos'"):
+        read_meta(bad)
+
+
+def test_vocabulary_found_as_nanogpt_finds_it(tmp_path, monkeypatch):
+    """--meta first; then ours, recorded in the checkpoint; then data/<dataset>/meta.pkl from the
+    working directory (nanoGPT's sample.py) or beside the checkpoint; then by size."""
+    chars, _ = nanogpt_char_dataset(tmp_path / 'data' / 'tiny')
+    monkeypatch.chdir(tmp_path)
+    ckpt = dict(config=dict(dataset='tiny'))
+    assert vocab_for(ckpt, 'out/ckpt.pt', len(chars)).itos == chars
+    assert vocab_for(dict(vocab=Vocab('bytes').state()), 'x.pt', 256) == Vocab('bytes')
+    assert vocab_for({}, 'x.pt', 256).kind == 'bytes'
+    assert vocab_for({}, 'x.pt', 50304).kind == 'gpt2'
+    assert vocab_for({}, 'x.pt', len(chars), meta=tmp_path / 'data' / 'tiny' / 'meta.pkl').itos == chars
+    os.makedirs(tmp_path / 'beside')
+    os.replace(tmp_path / 'data' / 'tiny' / 'meta.pkl', tmp_path / 'beside' / 'meta.pkl')
+    assert vocab_for({}, str(tmp_path / 'beside' / 'ckpt.pt'), len(chars)).itos == chars
+    with pytest.raises(BadInput, match='give --meta'):
+        vocab_for(ckpt, 'out/ckpt.pt', len(chars))
+    with pytest.raises(BadInput, match='fewer than'):
+        vocab_for({}, str(tmp_path / 'beside' / 'ckpt.pt'), len(chars) - 1)
+
+
+@pytest.mark.skipif(importlib.util.find_spec('tiktoken') is None, reason='tiktoken (optional) not installed')
+def test_gpt2_vocabulary_through_tiktoken():
+    v = Vocab('gpt2')
+    ids = v.encode('Hello world')
+    assert ids == [15496, 995] and v.decode(ids + [50300]) == 'Hello world'   # padding ids have no text
+
+
+# ----------------------------------------------------------------------------- corpora
+
+def test_nanogpt_dataset_folder_is_read_as_ids_and_checked(tmp_path):
+    chars, ids = nanogpt_char_dataset(tmp_path / 'ds')
+    ds = load_dataset(str(tmp_path / 'ds'), str(tmp_path / 'cache'))
+    assert ds.train.dtype == np.uint16 and np.array_equal(np.concatenate([ds.train, ds.val]), ids)
+    assert ds.vocab.itos == chars
+    ds.check(len(chars), ds.vocab)
+    with pytest.raises(BadInput, match=f'token id {len(chars) - 1}.*only {len(chars) - 1} ids'):
+        ds.check(len(chars) - 1, None)
+    with pytest.raises(BadInput, match='is not the model'):
+        ds.check(256, Vocab('bytes'))
+
+
+def test_data_folder_takes_regular_files_only(tmp_path):
+    """FIFOs (reading one would wait forever), sockets and broken links are skipped and counted."""
+    (tmp_path / 'a.txt').write_text(TEXT)
+    os.mkfifo(tmp_path / 'fifo')
+    os.symlink(tmp_path / 'missing', tmp_path / 'broken')
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(tmp_path / 'sock'))
+    try:
+        files, skipped = regular_files(str(tmp_path))
+        assert files == [str(tmp_path / 'a.txt')] and skipped == 3
+        ds = load_dataset(str(tmp_path), str(tmp_path / 'cache'))
+        assert bytes(np.concatenate([ds.train, ds.val])) == TEXT.encode()
+    finally:
+        s.close()
+
+
+# ----------------------------------------------------------------------------- a nanoGPT user's path
+
+@pytest.fixture(scope='module')
+def nanogpt_run(tmp_path_factory):
+    """cwd/data/tiny_char (train.bin, val.bin, meta.pkl) and cwd/out-tiny_char/ckpt.pt, in
+    nanoGPT's formats; then train.py trains BPD heads and DBlast drafters for it on that dataset."""
+    cwd = tmp_path_factory.mktemp('nanogpt')
+    chars, ids = nanogpt_char_dataset(cwd / 'data' / 'tiny_char')
+    nanogpt_checkpoint(str(cwd / 'out-tiny_char' / 'ckpt.pt'), len(chars), 'tiny_char', ids=ids)
+    proc = run('train.py', '--stages', 'heads,dblast', '--data', 'data/tiny_char', '--out-dir', 'out-tiny_char',
+               '--device', 'cpu', '--k', '4', '--heads-iters', '40', '--distill-samples', '8',
+               '--dblast-iters', '20', '--dblast-samples', '8', '--dblast-eval-samples', '2',
+               '--batch-size', '8', '--no-demo', cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return cwd, chars
+
+
+def test_decode_cli_on_a_nanogpt_char_checkpoint_is_greedy_through_itos(nanogpt_run):
+    cwd, chars = nanogpt_run
+    model = load_target(str(cwd / 'out-tiny_char' / 'ckpt.pt'))
+    prompt = 'def f'
+    ids = torch.tensor([[chars.index(c) for c in prompt]])
+    out, _ = generate(model, ids, 40)
+    want = ''.join(chars[i] for i in out[0].tolist())
+    proc = run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', prompt, '--max-new-tokens', 40,
+               '--device', 'cpu', cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    assert printed_text(proc.stdout) == want
+    # drafters record the vocabulary they were trained with
+    heads = torch.load(cwd / 'out-tiny_char' / 'heads.pt', weights_only=True)
+    assert heads['vocab'] == dict(kind='char', itos=chars)
+    # the default length is what fits the 64-token context, with a note
+    proc = run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', prompt, '--device', 'cpu', cwd=cwd)
+    assert proc.returncode == 0 and 'generating 59 tokens' in proc.stderr, proc.stderr
+    assert len(printed_text(proc.stdout)) == 64
+
+
+def test_bpd_heads_trained_on_the_nanogpt_dataset_decode_exactly_greedy(nanogpt_run):
+    cwd, _ = nanogpt_run
+    plain = run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', 'def f(', '--max-new-tokens', 50,
+                '--device', 'cpu', cwd=cwd)
+    fast = run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--heads', 'out-tiny_char/heads.pt',
+               '--prompt', 'def f(', '--max-new-tokens', 50, '--device', 'cpu', '--no-color', cwd=cwd)
+    assert plain.returncode == 0 and fast.returncode == 0, fast.stderr
+    assert printed_text(fast.stdout) == printed_text(plain.stdout)
+    assert float(re.search(r'mean tau ([\d.]+)', fast.stdout).group(1)) > 1.05   # blocks were accepted
+    sampled = run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--drafter', 'out-tiny_char/dblast_K4.pt',
+                  '--prompt', 'def f(', '--temperature', '1.0', '--device', 'cpu', '--no-color', cwd=cwd)
+    assert sampled.returncode == 0, sampled.stderr
+
+
+def test_nanogpt_user_errors_are_one_line(nanogpt_run, tmp_path):
+    cwd, chars = nanogpt_run
+    # a prompt character the vocabulary lacks
+    one_error_line(run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', 'def €', '--device', 'cpu',
+                       cwd=cwd), "outside the model's", '€')
+    # a dataset with ids the model does not have
+    ds = tmp_path / 'big'
+    ds.mkdir()
+    np.array([0, 1, len(chars) + 5] * 200, dtype=np.uint16).tofile(ds / 'train.bin')
+    np.array([0, 1, 2] * 200, dtype=np.uint16).tofile(ds / 'val.bin')
+    one_error_line(run('train.py', '--stages', 'heads', '--data', str(ds), '--out-dir', 'out-tiny_char',
+                       '--device', 'cpu', '--no-demo', cwd=cwd), f'token id {len(chars) + 5}')
+    # byte text for a character-level model
+    (tmp_path / 'text.txt').write_text(TEXT)
+    one_error_line(run('train.py', '--stages', 'heads', '--data', str(tmp_path / 'text.txt'), '--out-dir',
+                       'out-tiny_char', '--device', 'cpu', '--no-demo', cwd=cwd), 'bytes vocabulary')
+    # a drafter trained with another vocabulary: the same target read through another meta.pkl
+    # (the same symbols in another order)
+    other = tmp_path / 'meta.pkl'
+    itos = dict(enumerate(reversed(chars)))
+    other.write_bytes(pickle.dumps(dict(vocab_size=len(chars), itos=itos, stoi={c: i for i, c in itos.items()})))
+    one_error_line(run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--heads', 'out-tiny_char/heads.pt',
+                       '--meta', other, '--prompt', 'x', '--device', 'cpu', cwd=cwd), 'different vocabulary')
