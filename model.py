@@ -18,6 +18,7 @@ import pickle
 import sys
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -315,14 +316,21 @@ def save_checkpoint(obj, path):
     os.replace(tmp, path)
 
 
+# numpy scalars, as a checkpoint may hold them (a learning rate computed with numpy, a loss): data
+# whose unpickling runs nothing but numpy's own constructors, so weights_only loading allows them
+NUMPY_SCALARS = [getattr(np, '_core', np.core).multiarray.scalar, np.dtype] + [
+    type(np.dtype(t)) for t in (np.float64, np.float32, np.float16, np.int64, np.int32, np.bool_)]
+
+
 def load_checkpoint(path, kind=None):
     """torch.load with one-line errors for a missing, corrupt or wrong-kind file. Only tensors and
-    plain Python values load (weights_only=True): a file that needs more is refused, and nothing in
-    it runs."""
+    plain Python values (and numpy scalars) load (weights_only=True): a file that needs more is
+    refused, and nothing in it runs."""
     if not os.path.isfile(path):
         raise BadInput(f"checkpoint not found: {path}")
     try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+        with torch.serialization.safe_globals(NUMPY_SCALARS):
+            ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except pickle.UnpicklingError as e:
         if 'Weights only load failed' in str(e):  # it names a class or function: refused unloaded
             raise BadInput(f"checkpoint {path} refused: it holds more than tensors and plain values "

@@ -2,13 +2,14 @@
 checkpoints against an independent GPT-2 forward, seeded sampling."""
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
 from decode import generate
-from model import GPT, GPTConfig, KVCache, load_target, save_checkpoint
+from model import GPT, BadInput, GPTConfig, KVCache, load_target, save_checkpoint
 
 TOL = 1e-10
 
@@ -276,6 +277,27 @@ def test_our_checkpoint_round_trip(tmp_path):
     idx = torch.randint(32, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(back(idx)[0], model(idx)[0])
+
+
+def test_checkpoint_with_numpy_scalars_loads_and_code_does_not(tmp_path):
+    """A training script may leave numpy scalars in a checkpoint (a learning rate computed with
+    numpy in the optimizer's state, a loss): they load with weights_only. Anything that names other
+    code is still refused, and does not run."""
+    model = tiny_model(seed=15, vocab_size=32, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=float(np.float64(1e-3)))
+    opt.param_groups[0]['lr'] = np.float64(1e-3) * np.cos(np.float64(0.5))
+    path = tmp_path / 'ckpt.pt'
+    torch.save(dict(model=model.state_dict(), model_args=vars(model.config), optimizer=opt.state_dict(),
+                    best_val_loss=np.float32(1.5), iter_num=np.int64(3)), path)
+    assert load_target(str(path)).fingerprint() == model.fingerprint()
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(tmp_path / 'ran'), 'w'))
+    torch.save(dict(model=model.state_dict(), model_args=vars(model.config), extra=Payload()), tmp_path / 'evil.pt')
+    with pytest.raises(BadInput, match='refused'):
+        load_target(str(tmp_path / 'evil.pt'))
+    assert not (tmp_path / 'ran').exists()
 
 
 # --------------------------------------------------------------------------- sampling
