@@ -43,6 +43,43 @@ def test_training_steps_lower_the_loss(tmp_path):
     assert saved == [30]          # the closing checkpoint, at the final iteration
 
 
+class Poisoned(torch.nn.Module):
+    """The LM loss, made non-finite at step `at`: the loss itself ('loss'), or a weight while the
+    loss stays finite ('weight')."""
+
+    def __init__(self, model, at, what):
+        super().__init__()
+        self.model, self.at, self.what, self.step = model, at, what, 0
+
+    def forward(self, x, y):
+        self.step += 1
+        loss = self.model(x, y)[1]
+        if self.step >= self.at and self.what == 'loss':
+            return loss * float('nan')
+        if self.step == self.at and self.what == 'weight':
+            with torch.no_grad():
+                self.model.transformer.wpe.weight[0, 0] = float('inf')
+        return loss
+
+
+@pytest.mark.parametrize('what', ['loss', 'weight'])
+def test_a_non_finite_stage_stops_before_saving(tmp_path, what):
+    """Never replace a good checkpoint with a bad one: a NaN loss or a non-finite weight stops the
+    stage with a one-line error, and no save happens from that point on."""
+    args = train.parse_args(['--device', 'cpu', '--n-layer', '1', '--n-head', '2', '--n-embd', '16',
+                             '--block-size', '32', '--batch-size', '4', '--warmup-iters', '1',
+                             '--ckpt-interval', '2', '--out-dir', str(tmp_path)])
+    rt = train.Runtime('cpu', 0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=256, n_layer=1, n_head=2, n_embd=16))
+    data = torch.tensor(list(corpus_text(3000).encode()), dtype=torch.uint8).numpy()
+    w = windows(data, 4, 33, torch.Generator().manual_seed(0))
+    saved = []
+    with pytest.raises(BadInput, match='non-finite|nan'):
+        train.train_loop(rt, args, 'test', Poisoned(model, 5, what), lambda: (w[:, :-1], w[:, 1:]), 30,
+                         args.lr, lambda opt, it, rng: saved.append(it))
+    assert saved == [2, 4]       # the saves before step 5, none after
+
+
 # --------------------------------------------------------------------------- distillation data
 
 def test_distillation_data_is_target_greedy():
