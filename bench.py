@@ -23,6 +23,7 @@ prompts (compiled too under --compile), timed interleaved with it (round after r
 on a shared machine hits both alike.
 """
 import argparse
+import functools
 import json
 import os
 import platform
@@ -320,7 +321,8 @@ def dblast_tables(b, base, args, results):
     ck, kd = args.ckpt_dir, args.dblast_k
     heads = load_drafter(os.path.join(ck, f"heads{heads_tag(False, True)}.pt"), base)
 
-    def drafter(T, loss, K, extra=''):
+    @functools.cache   # each checkpoint loaded once: the evaluator takes the way of drafting as
+    def drafter(T, loss, K, extra=''):   # arguments, and decoded rows set it (set_drafting) first
         return load_drafter(os.path.join(ck, f'dblast_K{K}{dblast_tag(T, loss)}{extra}.pt'), base)
 
     def grid(T):   # (name, drafter, ways of drafting) of table 3 at temperature T

@@ -193,10 +193,10 @@ def read_bytes(f, flag='--data'):
 
 class Dataset:
     """train, val: 1-D arrays of token ids; vocab: the Vocab they are in, or None (a nanoGPT
-    dataset without meta.pkl: GPT-2 ids, as nanoGPT assumes)."""
+    dataset without meta.pkl: GPT-2 ids, as nanoGPT assumes); meta: the meta.pkl it was read from."""
 
-    def __init__(self, train, val, vocab, source):
-        self.train, self.val, self.vocab, self.source = train, val, vocab, source
+    def __init__(self, train, val, vocab, source, meta=None):
+        self.train, self.val, self.vocab, self.source, self.meta = train, val, vocab, source, meta
 
     def check(self, vocab_size, vocab, flag='--data'):
         """Refuse ids the model does not have, or data in another vocabulary than the model's."""
@@ -223,7 +223,9 @@ def load_dataset(data, cache_dir):
                 raise BadInput(f"--data {data}: {split}.bin holds too few tokens")
             arrays.append(np.memmap(p, dtype=np.uint16, mode='r'))
         meta = os.path.join(data, 'meta.pkl')
-        return Dataset(*arrays, read_meta(meta) if os.path.isfile(meta) else None, data)
+        if not os.path.isfile(meta):
+            return Dataset(*arrays, None, data)
+        return Dataset(*arrays, read_meta(meta), data, meta)
     files, skipped = corpus_files(data)
     # the cache key names the files and their sizes and dates: edit the corpus, get a new cache
     h = hashlib.sha1()

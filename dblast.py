@@ -48,9 +48,8 @@ from data import PROMPT_LEN
 from heads import BlockHeads
 from model import LayerNorm, sample, tempered, upcast
 
-BRANCHES = ('greedy', 'sampled')
-VERIFY = ('mixture', 'branch')
-LOSSES = ('al', 'al-branch', 'nll')
+VERIFY = ('mixture', 'branch')          # what drafts are verified against (DBlastDrafter.verify)
+LOSSES = ('al', 'al-branch', 'nll')     # DBlastDrafter.loss kinds
 
 
 # ----------------------------------------------------------------------------- the mixture's math
@@ -139,7 +138,6 @@ def expected_tau(drafter, model, data, k, temperature, branches, verify, zt=1.0,
         total += float(expected_accepted(drafter, h.to(model.lm_head.weight.dtype), bonus, model, x, log_px,
                                          temperature, branches, verify, zt).sum())
     return 1 + total / len(r)
-
 
 
 # ----------------------------------------------------------------------------- the drafter

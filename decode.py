@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from data import Vocab, vocab_for
-from dblast import DBlastDrafter
+from dblast import VERIFY, DBlastDrafter
 from heads import BlockHeads
 from model import (ArgumentParser, BadInput, GPTConfig, check_finite, check_number, load_checkpoint,
                    run_script, sample, target_from, tempered, upcast)
@@ -415,7 +415,7 @@ def main(argv=None):
     ap.add_argument('--sample-drafts', action=argparse.BooleanOptionalAction, default=None,
                     help="under sampling, draw each draft from the drafter's q (default) or take its argmax "
                          "(--no-sample-drafts; DBlast: greedy branches, the paper's inference)")
-    ap.add_argument('--verify', default=None, choices=['mixture', 'branch'],
+    ap.add_argument('--verify', default=None, choices=VERIFY,
                     help="DBlast: verify against the mixture's conditionals (default), or the drawn branch's "
                          "alone (ablation)")
     ap.add_argument('--no-color', action='store_true', help='plain text even on a terminal')
@@ -439,14 +439,16 @@ def check_cli(args):
     if args.k is not None:
         check_number('--k', args.k, lo=2)
     parse_accept(args.accept, cli=True)
-    unused = [(args.k is not None, '--k'), (args.accept != 'exact', '--accept')] if not drafter else []
-    unused += [(args.zt is not None, '--zt'), (args.verify is not None, '--verify')] if not args.drafter else []
-    unused += [(args.sample_drafts is not None, '--[no-]sample-drafts')] if not drafter or args.temperature == 0 else []
-    for given, flag in unused:
+    meaningless = [   # (given, flag, what it applies to)
+        (args.k is not None and not drafter, '--k', '--heads or --drafter'),
+        (args.accept != 'exact' and not drafter, '--accept', '--heads or --drafter'),
+        (args.zt is not None and not args.drafter, '--zt', 'a DBlast --drafter'),
+        (args.verify is not None and not args.drafter, '--verify', 'a DBlast --drafter'),
+        (args.sample_drafts is not None and (not drafter or args.temperature == 0), '--[no-]sample-drafts',
+         'sampling with a drafter')]
+    for given, flag, applies_to in meaningless:
         if given:
-            raise BadInput(f"{flag} means nothing here: it applies to "
-                           + ('sampling with a drafter' if 'sample' in flag else
-                              'a DBlast --drafter' if flag in ('--zt', '--verify') else '--heads or --drafter'))
+            raise BadInput(f"{flag} means nothing here: it applies to {applies_to}")
 
 
 def run_cli(args):
@@ -466,12 +468,12 @@ def run_cli(args):
     max_new = args.max_new_tokens
     if max_new is None:
         max_new = min(200, room)
-        if max_new < 200:
-            print(f"note: generating {max_new} tokens, what fits the model's context of "
-                  f"{model.config.block_size} after the {prompt.size(1)}-token prompt", file=sys.stderr)
         if max_new < 1:
             raise BadInput(f"the prompt ({prompt.size(1)} tokens) fills the model's context of "
                            f"{model.config.block_size} tokens")
+        if max_new < 200:
+            print(f"note: generating {max_new} tokens, what fits the model's context of "
+                  f"{model.config.block_size} after the {prompt.size(1)}-token prompt", file=sys.stderr)
     drafter = None
     if args.heads or args.drafter:
         drafter = load_drafter(args.heads or args.drafter, model, 'heads' if args.heads else 'dblast', vocab)

@@ -32,11 +32,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from data import PROMPT_LEN, Vocab, check_out_dir, heldout_prompts, load_dataset, newline_id, vocab_for, windows
-from dblast import DBlastDrafter, anchors, expected_tau
+from dblast import LOSSES, DBlastDrafter, anchors, expected_tau
 from decode import demo, generate, load_drafter, pick_device
 from heads import BlockHeads
 from model import (GPT, ArgumentParser, BadInput, GPTConfig, check_finite, check_number, load_checkpoint,
-                   run_script, save_checkpoint, target_from)
+                   run_script, save_checkpoint, target_from, tempered)
 
 # Presets, picked by device. CPU: the whole `python train.py` in about 10 minutes on 2 cores.
 PRESETS = {
@@ -367,7 +367,7 @@ def dblast_data(rt, model, text, n, temperature, seed, desc, cache_dir=None):
         s = seqs[i:i + 64]
         with rt.autocast:
             h = model.hidden(s)
-            logp = torch.log_softmax(model.lm_head(h).float() / temperature, -1)
+            logp = torch.log_softmax(tempered(model.lm_head(h).float(), temperature), -1)
         hs.append(h.float())
         lps.append(logp[:, :-1].gather(-1, s[:, 1:, None]).squeeze(-1))
     return seqs, torch.cat(hs), torch.cat(lps)
@@ -526,10 +526,10 @@ def build_parser():
     g = ap.add_argument_group('DBlast')
     g.add_argument('--K', type=int, default=4, help='latent branches (the K=1 baseline is trained too)')
     g.add_argument('--dblast-k', type=int, default=4, help='block size of the DBlast drafters')
-    g.add_argument('--dblast-loss', default='al', choices=['al', 'al-branch', 'nll'],
+    g.add_argument('--dblast-loss', default='al', choices=LOSSES,
                    help="al: acceptance-length surrogate on the mixture's conditionals (default); "
                         "al-branch: on branch-conditional acceptance (ablation); nll: mixture NLL")
-    g.add_argument('--baseline-loss', default='nll', choices=['al', 'al-branch', 'nll', 'none'],
+    g.add_argument('--baseline-loss', default='nll', choices=LOSSES + ('none',),
                    help='loss of the K=1 baseline (default nll: the independent drafter DBlast compares with; '
                         'none: no baseline)')
     g.add_argument('--tau-threshold', type=float, default=0.01, help='AL surrogate: keep prefixes with a_j >= log tau')
@@ -586,12 +586,12 @@ def parse_args(argv=None):
 
 def check_plan(args, block_size):
     """Block sizes against the context they must fit in (before any stage runs or writes)."""
-    need = {'heads': (args.k, '--k'), 'dblast': (args.dblast_k + 1, '--dblast-k')}
-    for stage, (k, flag) in need.items():
-        if stage in args.stages and block_size < PROMPT_LEN + k + 2:
+    need = {'heads': ('--k', args.k, args.k), 'dblast': ('--dblast-k', args.dblast_k, args.dblast_k + 1)}
+    for stage, (flag, value, block) in need.items():
+        if stage in args.stages and block_size < PROMPT_LEN + block + 2:
             raise BadInput(f"a context of {block_size} tokens is too short for the {stage} stage with {flag} "
-                           f"{getattr(args, flag[2:].replace('-', '_'))}: it needs a {PROMPT_LEN}-token prompt "
-                           f"plus the block (at least {PROMPT_LEN + k + 2}; see --block-size)")
+                           f"{value}: it needs a {PROMPT_LEN}-token prompt plus the block (at least "
+                           f"{PROMPT_LEN + block + 2}; see --block-size)")
 
 
 # ----------------------------------------------------------------------------- main
@@ -626,8 +626,6 @@ def train_all(rt, args):
     check_out_dir(args.out_dir)
     ds = load_dataset(args.data, os.path.join(args.out_dir, 'data'))
     base_path = os.path.join(args.out_dir, 'ckpt.pt')
-    meta = args.meta or (os.path.join(args.data, 'meta.pkl') if ds.vocab is not None and ds.vocab.kind == 'char'
-                         and args.data and os.path.isdir(args.data) else None)
     if 'base' in args.stages:   # the target's vocabulary is the data's (GPT-2's for ids without meta.pkl)
         vocab = ds.vocab or Vocab('gpt2')
         args.vocab_size = {'bytes': 256, 'gpt2': 50304}.get(vocab.kind, vocab.size)
@@ -635,7 +633,7 @@ def train_all(rt, args):
     else:
         ckpt = load_checkpoint(base_path)
         model = target_from(ckpt, base_path, rt.device)
-        vocab = vocab_for(ckpt, base_path, model.config.vocab_size, meta)
+        vocab = vocab_for(ckpt, base_path, model.config.vocab_size, args.meta or ds.meta)
         args.block_size, args.vocab_size = model.config.block_size, model.config.vocab_size
         del ckpt
     ds.check(args.vocab_size, vocab)
