@@ -1,7 +1,7 @@
 """
 The papers' findings at small scale, measured on this machine.
 
-    python bench.py            # CPU-sized default (about half an hour on 2 cores)
+    python bench.py            # CPU-sized default (about 40 minutes on 2 cores)
     python bench.py --quick    # a few minutes: smaller models, fewer prompts and repeats
     python bench.py --full --device cuda   # the one-GPU sweep
     python bench.py --gpu-check --device cuda --compile   # minutes: the speed table only
@@ -40,10 +40,10 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import train
-from data import PROMPT_LEN, check_out_dir, heldout_prompts, load_dataset, newline_id
+from data import (PROMPT_LEN, ArgumentParser, BadInput, check_number, check_out_dir, heldout_prompts, load_checkpoint,
+                  load_dataset, load_target, newline_id, run_script)
 from dblast import expected_tau
-from decode import generate, load_drafter, pick_device, set_drafting
-from model import ArgumentParser, BadInput, check_number, load_checkpoint, load_target, run_script
+from decode import generate, load_drafter, pick_device
 
 BPD_KS = [2, 4, 6, 8, 10]
 TEMPS = [0.7, 1.0, 1.5]
@@ -106,8 +106,8 @@ class Bench:
                                        master=True, autocast=nullcontext())
             self.heldout[T] = train.dblast_data(rt, model, self.val, self.args.eval_samples, T, self.args.seed + 2,
                                                 f'held-out samples at T={T}', os.path.join(self.args.ckpt_dir, 'data'))
-        branches, verify = DRAFTING[way]
-        return expected_tau(drafter, model, self.heldout[T], self.args.dblast_k, T, branches, verify, zt)
+        sample_drafts, verify = DRAFTING[way]
+        return expected_tau(drafter, model, self.heldout[T], self.args.dblast_k, T, sample_drafts, verify, zt)
 
     def plain(self, model, temperature):
         """Plain decoding's output and stats (the reference each row is compared with)."""
@@ -308,9 +308,11 @@ def lossy_table(b, base, args, results):
     print(md_table(['accept', 'tau', 'agreement with greedy', 'output NLL (original model)', 'speedup'], table))
 
 
-DRAFTING = {'sampled': ('sampled', 'mixture'), 'argmax': ('greedy', 'mixture'),
-            'sampled, branch-cond.': ('sampled', 'branch'), 'greedy, branch-cond.': ('greedy', 'branch'),
-            'greedy, mixture': ('greedy', 'mixture'), 'sampled, mixture': ('sampled', 'mixture')}
+# table 3's ways of drafting -> (sample_drafts, verify): the drafter contract's one setting, and
+# what a mixture verifies against (for one branch, as BPD heads and K = 1 have, both are the same)
+DRAFTING = {'sampled': (True, 'mixture'), 'argmax': (False, 'mixture'),
+            'sampled, branch-cond.': (True, 'branch'), 'greedy, branch-cond.': (False, 'branch'),
+            'greedy, mixture': (False, 'mixture'), 'sampled, mixture': (True, 'mixture')}
 
 
 def dblast_tables(b, base, args, results):
@@ -322,7 +324,7 @@ def dblast_tables(b, base, args, results):
     heads = load_drafter(os.path.join(ck, f"heads{heads_tag(False, True)}.pt"), base)
 
     @functools.cache   # each checkpoint loaded once: the evaluator takes the way of drafting as
-    def drafter(T, loss, K, extra=''):   # arguments, and decoded rows set it (set_drafting) first
+    def drafter(T, loss, K, extra=''):   # arguments, and decoded rows set it on the drafter first
         return load_drafter(os.path.join(ck, f'dblast_K{K}{dblast_tag(T, loss)}{extra}.pt'), base)
 
     def grid(T):   # (name, drafter, ways of drafting) of table 3 at temperature T
@@ -355,7 +357,7 @@ def dblast_tables(b, base, args, results):
         for name, d, way in [('independent K=1 NLL', drafter(T, 'nll', 1), 'sampled'),
                              ('DBlast K=4 AL', drafter(T, 'al', 4), 'sampled, mixture'),
                              ('DBlast K=4 AL', drafter(T, 'al', 4), 'greedy, mixture')]:
-            set_drafting(d, *DRAFTING[way])
+            d.sample_drafts, d.verify = DRAFTING[way]
             r, _, _ = b.row(base, d, kd, temperature=T)
             r.update(T=T, drafter=name, drafts=way, expected_tau=b.expected_tau(base, d, T, way))
             decoded.append(r)

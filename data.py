@@ -1,6 +1,10 @@
 """
-Text in, token ids out: the vocabularies, the training corpus and the held-out prompts, for
-decode.py, train.py and bench.py alike.
+What comes in from outside the program, and how bad input is refused: command-line numbers,
+checkpoint files, vocabularies, corpora and held-out prompts, for decode.py, train.py and bench.py
+alike. Every user error is a `BadInput`, which the scripts print as one `error:` line.
+
+Checkpoints (`load_checkpoint`, `save_checkpoint`, `load_target`): written atomically, read with
+`weights_only=True` (tensors and plain values only: nothing in a file runs), finite weights only.
 
 Vocabularies (`Vocab`):
   bytes   UTF-8 bytes, 256 ids: this project's own models (the default)
@@ -13,20 +17,127 @@ Corpora (`load_dataset`): a text file or folder of text files (bytes; by default
 standard library), or a nanoGPT dataset folder: train.bin / val.bin (uint16 ids) and optionally
 meta.pkl.
 """
+import argparse
 import functools
 import hashlib
+import math
 import os
 import pickle
 import stat
+import sys
 import sysconfig
 
 import numpy as np
 import torch
 
-from model import BadInput
+from model import GPT
 
 PROMPT_LEN = 32       # corpus prompt in front of each generated training sequence
 GPT2_SIZES = (50257, 50304)   # GPT-2's vocabulary, and nanoGPT's padded one
+
+
+# ----------------------------------------------------------------------------- errors and flags
+
+class BadInput(ValueError):
+    """A user error (bad argument, missing or mismatched file): the scripts print its message as
+    one line and exit non-zero instead of showing a traceback."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors (unknown flag, not a number, ...) are one `error:` line too."""
+
+    def error(self, message):
+        raise BadInput(message)
+
+
+def check_number(flag, value, lo=None, hi=None, open_lo=False, open_hi=False, note=''):
+    """A flag's number is finite and within its bounds (open_lo / open_hi: the bound itself is
+    excluded): else a one-line BadInput naming the flag and what is allowed."""
+    ok = (isinstance(value, int) or math.isfinite(value)) and (lo is None or value > lo or (value == lo and not open_lo)) \
+        and (hi is None or value < hi or (value == hi and not open_hi))
+    if not ok:
+        allowed = ' and '.join([f"{'>' if open_lo else '>='} {lo}"] * (lo is not None)
+                               + [f"{'<' if open_hi else '<='} {hi}"] * (hi is not None)) or 'finite'
+        raise BadInput(f"{flag} {value}: must be {allowed}" + (f" ({note})" if note else ''))
+    return value
+
+
+def run_script(main, interrupted='interrupted'):
+    """Run a script's main(): a BadInput ends it with one `error: ...` line and exit code 2; Ctrl-C
+    with one line (the KeyboardInterrupt's own message, else `interrupted`) and exit code 130."""
+    try:
+        main()
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt as e:   # a script may raise its own, saying what was saved
+        print(f"\n{str(e) or interrupted}", file=sys.stderr)
+        sys.exit(130)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def check_finite(module, what):
+    """Refuse weights with a NaN or an inf: they would decode garbage or poison a checkpoint."""
+    bad = [n for n, t in module.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise BadInput(f"{what}: non-finite weights in {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ''))
+
+
+def save_checkpoint(obj, path):
+    """Write atomically: a temporary file beside the target, then a rename. An interrupted write
+    leaves the previous checkpoint intact."""
+    tmp = f"{path}.tmp"
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+# numpy scalars, as a checkpoint may hold them (a learning rate computed with numpy, a loss): data
+# whose unpickling runs nothing but numpy's own constructors, so weights_only loading allows them
+NUMPY_SCALARS = [getattr(np, '_core', np.core).multiarray.scalar, np.dtype] + [
+    type(np.dtype(t)) for t in (np.float64, np.float32, np.float16, np.int64, np.int32, np.bool_)]
+
+
+def load_checkpoint(path, kind=None):
+    """torch.load with one-line errors for a missing, corrupt or wrong-kind file. Only tensors and
+    plain Python values (and numpy scalars) load (weights_only=True): a file that needs more is
+    refused, and nothing in it runs."""
+    if not os.path.isfile(path):
+        raise BadInput(f"checkpoint not found: {path}")
+    try:
+        with torch.serialization.safe_globals(NUMPY_SCALARS):
+            ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except pickle.UnpicklingError as e:
+        if 'Weights only load failed' in str(e):  # it names a class or function: refused unloaded
+            raise BadInput(f"checkpoint {path} refused: it holds more than tensors and plain values "
+                           f"(nothing in it was run)")
+        raise BadInput(f"checkpoint {path} is unreadable ({type(e).__name__}); re-train or re-copy it")
+    except Exception as e:  # truncated zip, pickle garbage, ...
+        raise BadInput(f"checkpoint {path} is unreadable ({type(e).__name__}); re-train or re-copy it")
+    if not isinstance(ckpt, dict):
+        raise BadInput(f"checkpoint {path} is not a checkpoint dict")
+    have = ckpt.get('kind', 'target')
+    if kind is not None and have != kind:
+        raise BadInput(f"checkpoint {path} holds a {have!r}, expected a {kind!r}")
+    return ckpt
+
+
+def load_target(path, device='cpu'):
+    """A target GPT from a checkpoint of ours or nanoGPT's."""
+    return target_from(load_checkpoint(path), path, device)
+
+
+def target_from(ckpt, path, device='cpu'):
+    """The target GPT of a loaded checkpoint dict (path: for messages); non-finite weights refused."""
+    if 'model' not in ckpt or 'model_args' not in ckpt:
+        raise BadInput(f"checkpoint {path} has no 'model'/'model_args': not a GPT checkpoint")
+    try:
+        model = GPT.from_checkpoint(ckpt)
+    except Exception as e:  # any malformed content: shapes, types, impossible sizes
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise BadInput(f"checkpoint {path}: weights do not fit its config ({first})")
+    check_finite(model, f"checkpoint {path}")
+    return model.to(device).eval()
 
 
 # ----------------------------------------------------------------------------- vocabularies
@@ -142,6 +253,12 @@ def vocab_for(ckpt, path, vocab_size, meta=None):
     if vocab.size > vocab_size:
         raise BadInput(f"{path}: its model has {vocab_size} token ids, fewer than the {vocab}")
     return vocab
+
+
+def load_vocab(path, meta=None):
+    """The vocabulary of the target checkpoint at `path`, found as `vocab_for` finds it."""
+    ckpt = load_checkpoint(path)
+    return vocab_for(ckpt, path, target_from(ckpt, path).config.vocab_size, meta)
 
 
 # ----------------------------------------------------------------------------- corpora

@@ -1,5 +1,6 @@
 """
-DBlast: dependent block drafting for speculative *sampling* (our reading of the paper).
+DBlast: dependent block drafting for speculative *sampling* (our reading of "DBlast: Dependent
+Block Drafting for Stochastic Speculative Decoding").
 
 An independent block drafter proposes each position from its own marginal. When the target
 samples at a high temperature, several continuations are plausible and a product of marginals
@@ -11,9 +12,9 @@ mixes them into drafts no single continuation would produce. DBlast adds a laten
     q_i(. | u_z)                                     the BPD block head of heads.py on u_z
 
 The proposal. At inference z ~ pi' = softmax(log pi / Z_T) (Z_T = 0: the argmax branch), and
-branch z drafts its k-1 tokens in one pass, greedily (the paper's choice) or by sampling. Write
-q~_i(. | z) for what branch z drafts with: q_i itself when sampled, the one-hot of its argmax when
-greedy. The drafts are then one sample of the mixture
+branch z drafts its k-1 tokens in one pass, by sampling or greedily (its argmax path, the paper's
+choice). Write q~_i(. | z) for what branch z drafts with: q_i itself when sampled, the one-hot of
+its argmax when greedy. The drafts are then one sample of the mixture
 
     Q(x_1..x_{k-1}) = sum_z pi'_z prod_i q~_i(x_i | z)
 
@@ -22,9 +23,9 @@ proposal's own conditional given the drafts before it:
 
     Q_i(.) = sum_z w_{i,z} q~_i(. | z),     w_{i,z} ∝ pi'_z prod_{l<i} q~_l(d_l | z)
 
-(the posterior of z given the drafts so far; `posterior`, `DBlastDrafter.draft`). The drafter
-evaluates all K branches in the one pass, so this costs no extra call. With greedy branches Q is
-a mixture of K point-mass paths: up to K candidate continuations verified at once.
+(the posterior of z given the drafts so far; `posterior`, `conditionals`). The drafter evaluates
+all K branches in the one pass, so this costs no extra call. With greedy branches Q is a mixture
+of K point-mass paths: up to K candidate continuations verified at once.
 
 Verifying against the drawn branch's q~(. | z) alone ("branch-conditional", `verify="branch"`) is
 also lossless, but its expected accepted length is sum_z pi'_z AL(branch z): linear in the prior,
@@ -37,15 +38,20 @@ The acceptance-length identity (used by the AL loss and by `expected_accepted`):
 
 because sum_x prod_i min(Q_i, p_i) is symmetric in p and Q. Summed over j it is the expected
 number of accepted drafts, exactly, for any proposal: sampled branches (q~ = q) and greedy ones.
+
+Names: n = k-1 drafts; log_prior is log pi', the prior the branch is drawn from (training views
+the target's samples as drawn at Z_T = 1, where pi' = pi).
 """
 import math
+from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from data import PROMPT_LEN
-from heads import BlockHeads
+from heads import BlockHeads, Drafter
 from model import LayerNorm, sample, tempered, upcast
 
 VERIFY = ('mixture', 'branch')          # what drafts are verified against (DBlastDrafter.verify)
@@ -55,11 +61,30 @@ LOSSES = ('al', 'al-branch', 'nll')     # DBlastDrafter.loss kinds
 # ----------------------------------------------------------------------------- the mixture's math
 
 def prior(log_pi, zt):
-    """log pi' = log_softmax(log pi / Z_T), (N, K). Z_T = 0: a point mass on the argmax branch."""
+    """log pi' = log_softmax(log pi / Z_T), (N, K). Z_T = 1 leaves pi as it is; Z_T = 0 puts all
+    the mass on the argmax branch."""
+    if zt == 1:
+        return log_pi
     if zt == 0:
         top = F.one_hot(log_pi.argmax(-1), log_pi.size(-1)).bool()
         return torch.where(top, 0.0, -math.inf).to(log_pi.dtype)
     return F.log_softmax(log_pi / zt, dim=-1)
+
+
+def branch_log_probs(logits, temperature, sample_drafts):
+    """log q~_i(. | z) (N, K, n, V) from the branches' logits (N, K, n, V): the tempered
+    log-softmax for sampled branches; for greedy ones the one-hot of the argmax (0 there, -inf
+    elsewhere), the point mass a greedy branch drafts from."""
+    if sample_drafts:
+        return F.log_softmax(tempered(logits, temperature), dim=-1)
+    top = logits.argmax(-1, keepdim=True)
+    return torch.full_like(logits, -math.inf).scatter_(-1, top, 0.0)
+
+
+def branch_log_q(logits, x, temperature, sample_drafts):
+    """log q~_i(x_i | z) (N, K, n) at a block x (N, n): branch_log_probs read at x."""
+    log_q = branch_log_probs(logits, temperature, sample_drafts)
+    return log_q.gather(-1, x[:, None, :, None].expand(-1, logits.size(1), -1, 1)).squeeze(-1)
 
 
 def posterior(log_prior, log_qd):
@@ -68,6 +93,15 @@ def posterior(log_prior, log_qd):
     w_{i,z} ∝ pi'_z prod_{l<i} q~_l(d_l | z): position i conditions on the drafts before it only."""
     before = F.pad(log_qd.cumsum(-1)[..., :-1], (1, 0))            # sum_{l<i}, exclusive
     return F.log_softmax(log_prior.unsqueeze(-1) + before, dim=1).transpose(1, 2)
+
+
+def conditionals(log_prior, log_q, drafts):
+    """Q_i(.) = sum_z w_{i,z} q~_i(. | z), (N, n, V): the mixture's conditional at each drafted
+    position given the drafts before it. log_q (N, K, n, V) = branch_log_probs; drafts (N, n)."""
+    N, K, n, V = log_q.shape
+    log_qd = log_q.gather(-1, drafts.view(N, 1, n, 1).expand(N, K, n, 1)).squeeze(-1)   # (N, K, n)
+    w = posterior(log_prior, log_qd).exp()                                             # (N, n, K)
+    return torch.einsum('nik,nkiv->niv', w, log_q.exp())
 
 
 def log_conditionals(log_prior, log_qx):
@@ -91,60 +125,108 @@ def prefix_log_accept(log_prior, log_qx, log_px, verify='mixture'):
     return torch.logsumexp(log_prior.unsqueeze(-1) + l.cumsum(-1), dim=1)
 
 
-def branch_log_q(logits, x, temperature, branches):
-    """log q~_i(x_i | z) (N, K, n) from branch logits (N, K, n, V): the tempered softmax for sampled
-    branches, 0 / -inf (the one-hot of the argmax) for greedy ones."""
-    if branches == 'greedy':
-        return torch.where(logits.argmax(-1) == x.unsqueeze(1), 0.0, -math.inf).to(logits.dtype)
-    lq = F.log_softmax(tempered(logits, temperature), dim=-1)
-    return lq.gather(-1, x[:, None, :, None].expand(-1, logits.size(1), -1, 1)).squeeze(-1)
+def al_surrogate(a, nll, tau_threshold):
+    """The acceptance-length surrogate per row (DBlast's AL loss, our reading; MATH.md §6), from the
+    prefix log-acceptance a (N, n) of prefix_log_accept:
 
+        t_j = logsumexp_{j' >= j} a_j'       a_j plus the log of the accepted length after j
+        L   = -(1/|S|) sum_{j in S} t_j      S = {j : a_j >= log tau_threshold}, chosen without gradient
+
+    A row with an empty S falls back to its nll (N,). The tail t_j runs past S, so positions after
+    S get gradient through t_j for j in S; positions where Q_i(x_i) >= p_i(x_i) get none (the
+    clamp in a_j)."""
+    tail = torch.logcumsumexp(a.flip(-1), dim=-1).flip(-1)              # t_j
+    log_tau = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_tau                                        # S, no gradient
+    n_keep = keep.sum(-1)
+    al = -torch.where(keep, tail, 0.0).sum(-1) / n_keep.clamp(min=1)
+    return torch.where(n_keep > 0, al, nll)
+
+
+# ----------------------------------------------------------------------------- the target's samples
+
+class TargetSamples(NamedTuple):
+    """The target's own samples at temperature T, and what the DBlast losses and the evaluator read
+    of them (made by `of`, read by `anchors`):
+
+        seqs (n, S)      a corpus prompt of PROMPT_LEN tokens and the target's sampled continuation
+        H    (n, S, C)   the frozen target's final hidden states over seqs
+        LP   (n, S-1)    LP[:, r] = log p_T(seqs[:, r+1] | seqs[:, <=r]), at the temperature T
+    """
+    seqs: torch.Tensor
+    H: torch.Tensor
+    LP: torch.Tensor
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, model, seqs, temperature, autocast=nullcontext(), chunk=64):
+        """H and LP of the sequences seqs (n, S), chunk rows at a time."""
+        hs, lps = [], []
+        for i in range(0, len(seqs), chunk):
+            s = seqs[i:i + chunk]
+            with autocast:
+                h = model.hidden(s)
+                logp = torch.log_softmax(tempered(model.lm_head(h).float(), temperature), -1)
+            hs.append(h.float())
+            lps.append(logp[:, :-1].gather(-1, s[:, 1:, None]).squeeze(-1))
+        return cls(seqs, torch.cat(hs), torch.cat(lps))
+
+    def positions(self, k):
+        """The anchor positions r with a full block: PROMPT_LEN - 1 <= r < S - k (the bonus s[r+1] is
+        sampled, not prompt, and the k-1 tokens after it fit), as the range (lo, hi)."""
+        return PROMPT_LEN - 1, self.seqs.size(1) - k
+
+
+def anchors(samples, k, rows, pos):
+    """The training examples and evaluation points at rows, positions pos (both (N,)) of
+    `samples`: h after s[pos] (N, C), the bonus s[pos+1] (N,), the block after it
+    x = s[pos+2 .. pos+k] (N, k-1) (what the drafts should be), and the target's log-probabilities
+    of it log_px (N, k-1)."""
+    seqs, H, LP = samples
+    offs = torch.arange(k - 1, device=seqs.device)
+    at = pos[:, None] + offs                                            # (N, k-1)
+    return H[rows, pos], seqs[rows, pos + 1], seqs[rows[:, None], at + 2], LP[rows[:, None], at + 1]
+
+
+# ----------------------------------------------------------------------------- the exact evaluator
 
 @torch.no_grad()
-def expected_accepted(drafter, h, bonus, target, x, log_px, temperature, branches, verify, zt=1.0):
+def expected_accepted(drafter, h, bonus, target, x, log_px, temperature, sample_drafts, verify, zt=1.0):
     """The expected number of accepted drafts per anchor (N,), by the identity above: sum_j exp(a_j)
     at target samples x (N, n) with the target's log-probabilities log_px (N, n). In each context
     (prefix and bonus) its expectation over x is exactly the decoder's, with far less variance (no
     drafts or coins are drawn). Works for any drafter with `mixture_logits` (BPD heads: K = 1)."""
-    log_pi, logits = drafter.mixture_logits(h, bonus, target, x.size(1))
-    log_qx = branch_log_q(upcast(logits), x, temperature, branches)
+    log_pi, logits = drafter.mixture_logits(h, bonus, target, x.size(1) + 1)
+    log_qx = branch_log_q(upcast(logits), x, temperature, sample_drafts)
     a = prefix_log_accept(prior(log_pi, zt), log_qx, log_px, verify)
     return a.exp().sum(-1)
 
 
-def anchors(data, k, r, t):
-    """Anchors of target samples (train.dblast_data: seqs, H, LP) at rows r, positions t (both (N,)):
-    h after s[t], the bonus s[t+1], the k-1 drafts' targets s[t+2 .. t+k] and their target
-    log-probabilities. Valid t: PROMPT_LEN - 1 <= t < S - k (the bonus is sampled, the block fits)."""
-    seqs, H, LP = data
-    offs = torch.arange(k - 1, device=seqs.device)
-    return H[r, t], seqs[r, t + 1], seqs[r[:, None], t[:, None] + 2 + offs], LP[r[:, None], t[:, None] + 1 + offs]
-
-
 @torch.no_grad()
-def expected_tau(drafter, model, data, k, temperature, branches, verify, zt=1.0, chunk=2048):
+def expected_tau(drafter, model, samples, k, temperature, sample_drafts, verify, zt=1.0, chunk=2048):
     """Expected tau (bonus included), averaged over every anchor of held-out target samples, by the
     acceptance-length identity (expected_accepted): the cheap, low-variance measure of a
     drafter's acceptance. Exact per context; decoding averages over the positions its blocks start
     at instead of every position, so the two can differ a little where acceptance varies along
     the text (MATH.md §7). Decoding measures speed."""
-    seqs = data[0]
-    lo, hi = PROMPT_LEN - 1, seqs.size(1) - k
-    r = torch.arange(len(seqs), device=seqs.device).repeat_interleave(hi - lo)
-    t = torch.arange(lo, hi, device=seqs.device).repeat(len(seqs))
+    seqs = samples.seqs
+    lo, hi = samples.positions(k)
+    rows = torch.arange(len(seqs), device=seqs.device).repeat_interleave(hi - lo)
+    pos = torch.arange(lo, hi, device=seqs.device).repeat(len(seqs))
     total = 0.0
-    for i in range(0, len(r), chunk):
-        h, bonus, x, log_px = anchors(data, k, r[i:i + chunk], t[i:i + chunk])
+    for i in range(0, len(rows), chunk):
+        h, bonus, x, log_px = anchors(samples, k, rows[i:i + chunk], pos[i:i + chunk])
         total += float(expected_accepted(drafter, h.to(model.lm_head.weight.dtype), bonus, model, x, log_px,
-                                         temperature, branches, verify, zt).sum())
-    return 1 + total / len(r)
+                                         temperature, sample_drafts, verify, zt).sum())
+    return 1 + total / len(rows)
 
 
 # ----------------------------------------------------------------------------- the drafter
 
-class DBlastDrafter(nn.Module):
+class DBlastDrafter(Drafter):
+    ARGS = ('k', 'K', 'd_hidden')   # what a checkpoint records to rebuild it (decode.load_drafter)
 
-    def __init__(self, config, k, K, d_hidden=None, branches='sampled', verify='mixture'):
+    def __init__(self, config, k, K, d_hidden=None, sample_drafts=True, verify='mixture', zt=1.0):
         super().__init__()
         if K < 1:
             raise ValueError(f"K={K}: need at least one branch")
@@ -166,9 +248,9 @@ class DBlastDrafter(nn.Module):
         # modes instead of one each (the phrase test in tests/test_dblast.py).
         nn.init.normal_(self.g_fc.weight, std=C ** -0.5)
         nn.init.normal_(self.g_proj.weight, std=0.5 * C ** -0.5)
-        # inference settings (not weights): category temperature Z_T, how a branch drafts, and
-        # what the drafts are verified against
-        self.zt, self.branches, self.verify = 1.0, branches, verify
+        # inference settings, not weights: how a branch drafts (the contract's one name), and what
+        # only a mixture has: what the drafts are verified against, and the category temperature
+        self.sample_drafts, self.verify, self.zt = sample_drafts, verify, zt
 
     def anchor(self, h, bonus, target):
         """h (N, C), bonus (N,) -> log pi (N, K), branch states u_z (N, K, C)."""
@@ -177,76 +259,53 @@ class DBlastDrafter(nn.Module):
         u_z = u.unsqueeze(1) + self.g_proj(F.relu(self.g_fc(u))).view(-1, self.K, self.n_embd)
         return log_pi, u_z
 
-    def mixture_logits(self, h, bonus, target, n):
-        """log pi (N, K) and every branch's logits (N, K, n, V) for the n drafts, in one pass."""
+    def mixture_logits(self, h, bonus, target, k):
+        """log pi (N, K) and every branch's logits (N, K, k-1, V) for the k-1 drafts, in one pass."""
         log_pi, u_z = self.anchor(h, bonus, target)
-        return log_pi, self.block(u_z, target.lm_head, n)
+        return log_pi, self.block(u_z, target.lm_head, k - 1)
 
     def log_q(self, h, bonus, target, x, temperature=1.0):
-        """Training view. x (N, k-1): the block after the bonus.
-        Returns log pi (N, K) and log q_i(x_i | u_z) (N, K, k-1) at `temperature` (the temperature
-        decoding applies to q)."""
-        log_pi, logits = self.mixture_logits(h, bonus, target, x.size(1))
-        return log_pi, branch_log_q(upcast(logits), x, temperature, 'sampled')
+        """Training view. x (N, k-1): the block after the bonus, a sample of the target at
+        `temperature` (the temperature decoding applies to q). Returns log pi' (N, K) at Z_T = 1
+        (that is log pi) and log q_i(x_i | u_z) (N, K, k-1) of sampled branches."""
+        log_pi, logits = self.mixture_logits(h, bonus, target, x.size(1) + 1)
+        return prior(log_pi, 1.0), branch_log_q(upcast(logits), x, temperature, True)
 
     @staticmethod
-    def nll(log_pi, log_qx):
-        """Mixture NLL per row: -log sum_z pi_z prod_i q_i(x_i | u_z). K = 1: sum of CEs."""
-        return -torch.logsumexp(log_pi + log_qx.sum(-1), dim=-1)
+    def nll(log_prior, log_qx):
+        """Mixture NLL per row: -log sum_z pi'_z prod_i q_i(x_i | u_z). K = 1: sum of CEs."""
+        return -torch.logsumexp(log_prior + log_qx.sum(-1), dim=-1)
 
     def loss(self, h, bonus, target, x, log_px, temperature=1.0, kind='al',
              tau_threshold=0.01, nll_weight=0.0):
         """Mean loss over rows. x (N, k-1) sampled from the target at `temperature`, log_px (N, k-1)
         the target's log-probabilities of them (detached).
 
-        kind='nll': mixture NLL. kind='al': the acceptance-length surrogate on the mixture's
-        conditionals (what mixture verification of sampled branches accepts; our reading of
-        DBlast's AL loss); kind='al-branch': the same on branch-conditional acceptance (ablation).
-        t_j = logsumexp_{j' >= j} a_j' (a_j plus the log of the expected accepted length after j),
-        L = -(1/|S|) sum_{j in S} t_j over S = {j : a_j >= log tau_threshold} (chosen without
-        gradient); a row with an empty S falls back to its NLL. nll_weight adds that much NLL."""
-        log_pi, log_qx = self.log_q(h, bonus, target, x, temperature)
-        nll = self.nll(log_pi, log_qx)
+        kind='nll': mixture NLL. kind='al': the acceptance-length surrogate (al_surrogate) on the
+        mixture's conditionals (what mixture verification of sampled branches accepts; our reading
+        of DBlast's AL loss); kind='al-branch': the same on branch-conditional acceptance
+        (ablation). nll_weight adds that much NLL."""
+        log_prior, log_qx = self.log_q(h, bonus, target, x, temperature)
+        nll = self.nll(log_prior, log_qx)
         if kind == 'nll':
             return nll.mean()
-        a = prefix_log_accept(log_pi, log_qx, log_px, 'mixture' if kind == 'al' else 'branch')
-        t = torch.logcumsumexp(a.flip(-1), dim=-1).flip(-1)                 # tail sums
-        log_tau = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
-        keep = a.detach() >= log_tau                                        # S, no gradient
-        n_keep = keep.sum(-1)
-        al = -torch.where(keep, t, 0.0).sum(-1) / n_keep.clamp(min=1)
-        per_row = torch.where(n_keep > 0, al, nll)
-        return per_row.mean() + nll_weight * nll.mean()
+        a = prefix_log_accept(log_prior, log_qx, log_px, 'mixture' if kind == 'al' else 'branch')
+        return al_surrogate(a, nll, tau_threshold).mean() + nll_weight * nll.mean()
 
     @torch.no_grad()
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
-        """Drafter interface: h (N, C) at the bonus's position, bonus (N,) -> drafts (N, k-1) and
-        the proposal's conditionals Q (N, k-1, V) given the drafted prefix, or None for a point
-        mass (greedy decoding, or greedy branches verified branch by branch). All K branches in
-        one pass; z ~ pi', then branch z drafts."""
-        n = k - 1
-        log_pi, logits = self.mixture_logits(h, bonus, target, n)
-        logits = upcast(logits)                                             # (N, K, n, V)
-        N, K, _, V = logits.shape
+        """The drafter contract (heads.Drafter). z ~ pi', then branch z drafts the k-1 tokens from
+        q~(. | z): sampled from it, or its argmax path. All K branches come out of the one pass."""
+        log_pi, logits = self.mixture_logits(h, bonus, target, k)
+        N, K, n, V = logits.shape
         log_prior = prior(log_pi, self.zt)                                  # (N, K) log pi'
-        z = sample(log_prior.exp(), generator)                              # (N,)
-        if temperature == 0.0 or self.branches == 'greedy':
-            paths = logits.argmax(-1)                                       # (N, K, n)
-            drafts = paths.gather(1, z.view(N, 1, 1).expand(N, 1, n)).squeeze(1)
-            if temperature == 0.0 or self.verify == 'branch' or K == 1:
-                return drafts, None                                         # point mass
-            # Q_i: the posterior weight of every branch whose path passes through the drafts so
-            # far, placed on that branch's token at i (a mixture of K point-mass paths)
-            log_qd = torch.where(paths == drafts.unsqueeze(1), 0.0, -math.inf).to(logits.dtype)
-            w = posterior(log_prior, log_qd).exp()                          # (N, n, K)
-            Q = torch.zeros(N, n, V, dtype=w.dtype, device=w.device)
-            return drafts, Q.scatter_add_(-1, paths.transpose(1, 2), w)
-        lq = F.log_softmax(tempered(logits, temperature), dim=-1)           # (N, K, n, V)
-        q = lq.exp()
-        q_z = q.gather(1, z.view(N, 1, 1, 1).expand(N, 1, n, V)).squeeze(1)  # (N, n, V)
-        drafts = sample(q_z, generator)                                     # (N, n)
+        z = sample(log_prior.exp(), generator)                              # (N,) the drawn branch
+        sampled = self.sample_drafts and temperature > 0
+        log_q = branch_log_probs(upcast(logits), temperature, sampled)      # (N, K, n, V) log q~
+        q_z = log_q.gather(1, z.view(N, 1, 1, 1).expand(N, 1, n, V)).squeeze(1).exp()  # (N, n, V)
+        drafts = sample(q_z, generator) if sampled else q_z.argmax(-1)      # (N, n)
+        if temperature == 0.0:
+            return drafts, None       # greedy decoding: verification compares argmaxes only
         if self.verify == 'branch':
-            return drafts, q_z
-        log_qd = lq.gather(-1, drafts.view(N, 1, n, 1).expand(N, K, n, 1)).squeeze(-1)  # (N, K, n)
-        w = posterior(log_prior, log_qd).exp()                              # (N, n, K)
-        return drafts, torch.einsum('nik,nkiv->niv', w, q)
+            return drafts, q_z        # the drawn branch alone (the ablation)
+        return drafts, conditionals(log_prior, log_q, drafts)              # the mixture's Q_i

@@ -4,8 +4,9 @@ speculative sampling with a block drafter (BPD heads or DBlast).
 
 Everything runs through one function, `merged_step` (MATH.md §2): the pending block
 [bonus, d_1 .. d_{k-1}] goes through the target in one call; the same call verifies the drafts,
-picks the next bonus and drafts the next block from the hidden state at the first rejection.
-Plain decoding is the same step with k = 1 and no drafter.
+picks the next bonus and drafts the next block from H_{n_acc}, the target's state after the last
+committed token. Plain decoding is the same step with k = 1 and no drafter. Drafters follow one
+contract (heads.Drafter).
 
     python decode.py --ckpt out/ckpt.pt --prompt "def " --max-new-tokens 200
     python decode.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8
@@ -20,14 +21,18 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 
-from data import Vocab, vocab_for
+from data import (ArgumentParser, BadInput, Vocab, check_finite, check_number, load_checkpoint, run_script,
+                  target_from, vocab_for)
 from dblast import VERIFY, DBlastDrafter
 from heads import BlockHeads
-from model import (ArgumentParser, BadInput, GPTConfig, check_finite, check_number, load_checkpoint,
-                   run_script, sample, target_from, tempered, upcast)
+from model import GPTConfig, sample, tempered, upcast
 
 
-# ------------------------------------------------------------------------- sampling helpers
+# ------------------------------------------------------------------------- verification
+# One decoding step verifies the pending block [bonus, d_1 .. d_{k-1}] in three small pieces, each
+# named once here and used by merged_step: which drafts pass (a greedy acceptance rule, or the
+# lossless test of speculative sampling), the bonus after a rejection (the residual), and what is
+# committed (the accepted prefix). Exercises replace exactly these.
 
 def span(name):
     """A named region for torch.profiler (bench.py splits a step's time by these); near free
@@ -35,6 +40,77 @@ def span(name):
     if torch.compiler.is_compiling():
         return nullcontext()
     return torch.profiler.record_function('step.' + name)
+
+
+# Greedy acceptance rules (BPD §3, and the lossy ones of BPD §5). A rule reads the target's logits
+# after every block position (B, k, V) and the drafts (B, k-1), and says which drafts it lets
+# through: ok (B, k-1) bool, where ok[:, j] judges draft j+1 by the logits after position j. Only
+# the prefix before the first refusal is committed (accept_prefix), and the bonus is the target's
+# argmax after it, so every rule keeps at least the target's own token.
+
+def exact(logits, drafts, param=None):
+    """BPD §3: draft j+1 is the target's argmax after position j (lossless)."""
+    return drafts == logits[:, :-1].argmax(-1)
+
+
+def top_n(logits, drafts, size):
+    """BPD §5: any draft among the target's `size` most likely tokens (topk:N, N = size)."""
+    return (logits[:, :-1].topk(size, dim=-1).indices == drafts.unsqueeze(-1)).any(-1)
+
+
+def min_block(logits, drafts, size):
+    """BPD §5: the first size-1 drafts are taken whatever they are, the rest as `exact`, so a step
+    commits at least `size` tokens (minblock:N, N = size)."""
+    first = torch.arange(1, drafts.size(1) + 1, device=drafts.device) < size
+    return exact(logits, drafts) | first
+
+
+def whole_number(text, vocab_size, upto_vocab=False):
+    """A rule's parameter N >= 1 (and < 2^31; <= vocab_size when upto_vocab)."""
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) < 2 ** 31):
+        raise ValueError("need a whole number N >= 1 (and < 2^31)")
+    if upto_vocab and vocab_size is not None and int(text) > vocab_size:
+        raise ValueError(f"N must be <= the vocabulary size {vocab_size}")
+    return int(text)
+
+
+# name -> (rule, how to read 'name:param' (text, vocab_size) -> param, or None: no parameter).
+# A new rule is one more entry; every rule but 'exact' is lossy, so greedy-only.
+ACCEPT = {
+    'exact': (exact, None),
+    'topk': (top_n, lambda text, V: whole_number(text, V, upto_vocab=True)),
+    'minblock': (min_block, whole_number),
+}
+
+
+def named(name, value, cli=False):
+    """How an error names what the user gave: 'k=9' to a Python caller, '--k 9' on the command line."""
+    return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
+
+
+def parse_accept(accept, vocab_size=None, cli=False):
+    """'exact' | 'topk:N' | 'minblock:N' | any entry of ACCEPT -> (rule, param). Without a
+    vocab_size only what the text itself says is checked (decode.py does it before loading)."""
+    name, colon, text = accept.partition(':')
+    usage = ', '.join(n if read is None else f"{n}:N" for n, (_, read) in ACCEPT.items())
+    if name not in ACCEPT or (ACCEPT[name][1] is None) != (not colon):
+        raise BadInput(f"{named('accept', accept, cli)}: use one of {usage}")
+    rule, read = ACCEPT[name]
+    try:
+        return rule, None if read is None else read(text, vocab_size)
+    except ValueError as e:
+        raise BadInput(f"{named('accept', accept, cli)}: {e} (use one of {usage})")
+
+
+def accept_sampled(p, q, drafts, generator=None):
+    """Lossless speculative sampling's test (Leviathan et al. / Chen et al.): draft j+1 is accepted
+    with probability min(1, P_j(d) / Q_{j+1}(d)). p (B, k-1, V): the target's distributions after
+    positions 0..k-2; q (B, k-1, V): the proposal's conditionals the drafts were drawn from, or
+    None for point-mass drafts (Q(d) = 1); drafts (B, k-1). Returns ok (B, k-1) bool."""
+    p_d = p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_d = 1.0 if q is None else q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    u = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
+    return u * q_d < p_d
 
 
 def residual(p, q, drafts):
@@ -50,72 +126,56 @@ def residual(p, q, drafts):
     return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
 
 
-def named(name, value, cli=False):
-    """How an error names what the user gave: 'k=9' to a Python caller, '--k 9' on the command line."""
-    return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
-
-
-def parse_accept(accept, cli=False):
-    """'exact' | 'topk:N' | 'minblock:N' -> (mode, N)."""
-    mode, _, n = accept.partition(':')
-    if mode == 'exact' and not n:
-        return mode, 0
-    if mode in ('topk', 'minblock') and n.isascii() and n.isdigit() and 1 <= int(n) < 2 ** 31:
-        return mode, int(n)
-    raise BadInput(f"{named('accept', accept, cli)}: use 'exact', 'topk:N' or 'minblock:N' with N >= 1 (and < 2^31)")
+def accept_prefix(ok, candidates):
+    """What a step keeps (BPD §3): the drafts before the first one refused, then the bonus there.
+    ok (B, k-1) bool; candidates (B, k): the bonus to take after each block position. Returns
+    accepted (B, k-1) bool (False from the first refusal on), n_acc (B,) accepted drafts, and the
+    bonus candidates[:, n_acc] (B,)."""
+    accepted = ok.long().cumprod(-1).bool()                 # nothing counts past a rejection
+    n_acc = accepted.sum(-1)
+    return accepted, n_acc, candidates.gather(1, n_acc[:, None]).squeeze(1)
 
 
 # ------------------------------------------------------------------------- the merged step
 
 def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
-                accept=('exact', 0), generator=None):
+                accept=(exact, None), generator=None):
     """One target call: verify `block` (B, k) = [bonus, drafts], commit, propose the next block.
 
     q_block (B, k-1, V): the proposal's conditionals Q_i(.) given the drafts before position i,
     as the drafter returned them (for a mixture they depend on the drafted prefix; for independent
     drafts they are the drafter's own q), or None for point-mass drafts. The step does not know
     which drafter it has: any proposal verified against its own conditionals is lossless.
-    active (B,) bool: rows still generating; the others do not advance.
-    Returns (n_acc (B,), accepted (B, k-1) bool, next block (B, k), its q).
+    accept: (rule, param) of ACCEPT, for greedy decoding. active (B,) bool: rows still generating;
+    the others do not advance.
+    Returns (n_acc (B,), accepted (B, k-1) bool, next block (B, k), its Q).
     Static shapes, no Python loop over positions, no host sync.
     """
     B, k = block.shape
     with span('target_forward'):
         h = model.forward_cached(block, cache)                  # (B, k, C)  BPD §3: one call
-        logits = upcast(model.lm_head(h))
+        logits = upcast(model.lm_head(h))                       # (B, k, V) after each position
     with span('verify'):
         drafts = block[:, 1:]                                   # (B, k-1)
         if temperature == 0.0:
-            # BPD §3 verify: draft j+1 must be the target's argmax after position j
-            target = logits.argmax(-1)                          # (B, k)
-            mode, n = accept
-            if mode == 'topk':       # BPD §5: accept any draft inside the target's top-n
-                ok = (logits[:, :-1].topk(n, dim=-1).indices == drafts.unsqueeze(-1)).any(-1)
-            else:
-                ok = drafts == target[:, :-1]
-                if mode == 'minblock':  # BPD §5: the first n-1 drafts are taken whatever they are
-                    ok = ok | (torch.arange(1, k, device=block.device) < n)
-            candidates = target                                 # bonus after each position
+            rule, param = accept
+            ok = rule(logits, drafts, param)                    # BPD §3 / §5
+            candidates = logits.argmax(-1)                      # the greedy bonus after each position
         else:
-            # Lossless speculative sampling (MATH.md §4), the same temperature on p and q
+            # lossless speculative sampling (MATH.md §4), the same temperature on p and Q
             p = F.softmax(tempered(logits, temperature), dim=-1)  # (B, k, V) p_target
-            p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-            q_d = 1.0 if q_block is None else q_block.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-            u = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
-            ok = u * q_d < p_d                                  # accept w.p. min(1, p/q)
+            ok = accept_sampled(p[:, :-1], q_block, drafts, generator)
             # every position's candidate bonus is drawn now, so the step stays one call without
             # a sync: residual after a rejection at j, a plain sample from p after the last one
             weights = torch.cat([residual(p[:, :-1], q_block, drafts), p[:, -1:]], dim=1)
             candidates = sample(weights, generator)             # (B, k)
-        accepted = ok.long().cumprod(-1).bool()                 # nothing counts past a rejection
-        n_acc = accepted.sum(-1)                                # (B,) accepted drafts
-        bonus = candidates.gather(1, n_acc[:, None]).squeeze(1)  # (B,)
+        accepted, n_acc, bonus = accept_prefix(ok, candidates)
     with span('cache'):
-        cache.lengths += (n_acc + 1) * active                   # commit b, d_1 .. d_{n_acc}
+        cache.commit((n_acc + 1) * active)                      # b, d_1 .. d_{n_acc}
     if drafter is None:
         return n_acc, accepted, bonus[:, None], None
     with span('draft'):
-        # BPD §3 merged propose: draft from the hidden state of the last accepted position.
+        # BPD §3 merged propose: draft from H_{n_acc}, the state after the last committed token.
         # Gathering that row first and drafting once equals drafting at every j, then gathering.
         h_acc = h.gather(1, n_acc[:, None, None].expand(B, 1, h.size(-1))).squeeze(1)  # (B, C)
         new_drafts, q = drafter.draft(h_acc, bonus, model, k, temperature, generator)
@@ -134,10 +194,8 @@ def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, c
         raise BadInput(f"{named('max_new_tokens', max_new_tokens, cli)}: the prompt ({prompt.size(1)} tokens) "
                        f"and {max_new_tokens} new tokens exceed the model's context of {limit} tokens")
     check_number('--temperature' if cli else 'temperature', temperature, lo=0.0, note='0 = greedy')
-    mode, n = parse_accept(accept, cli)
-    if mode == 'topk' and n > model.config.vocab_size:
-        raise BadInput(f"{named('accept', accept, cli)}: N must be <= the vocabulary size {model.config.vocab_size}")
-    if mode != 'exact' and temperature > 0:
+    rule, param = parse_accept(accept, model.config.vocab_size, cli)
+    if rule is not exact and temperature > 0:
         raise BadInput(f"{named('accept', accept, cli)} is lossy and greedy-only; with temperature > 0 "
                        f"use exact acceptance")
     if drafter is not None:
@@ -145,7 +203,7 @@ def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, c
             raise BadInput(f"{named('k', k, cli)}: a drafter needs k >= 2 (1 bonus + at least one draft)")
         if k > drafter.k:
             raise BadInput(f"{named('k', k, cli)}: the drafter was trained for k <= {drafter.k}")
-    return mode, n
+    return rule, param
 
 
 _COMPILED = {}
@@ -209,10 +267,12 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
              accept="exact", generator=None, compile=False):
     """Generate max_new_tokens after prompt (B, T0) -> (out (B, T0 + max_new_tokens), stats).
 
-    drafter=None: plain decoding, one target call per token. With a drafter (BlockHeads or
-    DBlastDrafter) every call verifies a block of k = 1 bonus + k-1 drafts. Greedy (temperature 0)
-    output equals plain greedy exactly under accept='exact'; sampled output has exactly the
-    target's distribution.
+    drafter=None: plain decoding, one target call per token. With a drafter (any heads.Drafter:
+    BlockHeads, DBlastDrafter, your own) every call verifies a block of k = 1 bonus + k-1 drafts.
+    The rules are exact: greedy output under accept='exact' is plain greedy decoding's, and sampled
+    output has the target's distribution. In floating point a k-token verification pass and a
+    one-token step round differently, so a near-tie between two tokens can break the other way
+    (MATH.md §2); bench.py and decode.py measure agreement with plain greedy instead of assuming it.
     stats: calls (prefill included), accept_lengths (tau of every step of every row, bonus
     included), accept_rate (per draft position, share of steps it was accepted).
     compile=True runs the step compiled (the first calls pay the compilation: warm up first).
@@ -233,7 +293,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
 
     # prefill (call 1): the prompt's last hidden state gives the first bonus and drafts
     h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
-    cache.lengths += T0
+    cache.commit(T0)
     logits = upcast(model.lm_head(h))
     if temperature == 0.0:
         bonus = logits.argmax(-1)
@@ -272,7 +332,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
 
     act = torch.stack(actives).cpu()                            # (steps, B)
     tau = torch.stack(taus).cpu()[act]
-    acc = torch.stack(accs).cpu()[act]                          # (n, k-1)
+    acc = torch.stack(accs).cpu()[act]                          # (steps, k-1)
     stats = dict(calls=calls, accept_lengths=tau.tolist(),
                  accept_rate=acc.float().mean(0).tolist() if k > 1 else [])
     return out[:, :total], stats
@@ -280,30 +340,20 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
 
 # ------------------------------------------------------------------------- loading drafters
 
-def set_drafting(drafter, branches='sampled', verify='mixture', zt=None):
-    """How a drafter drafts under sampling: 'sampled' from its q (DBlast: sampled branches) or
-    'greedy' by argmax (DBlast: greedy branches); for DBlast also what the drafts are verified
-    against ('mixture' or 'branch') and Z_T. Returns the drafter."""
-    if hasattr(drafter, 'branches'):
-        drafter.branches, drafter.verify = branches, verify
-        if zt is not None:
-            drafter.zt = zt
-    else:
-        drafter.sample_drafts = branches == 'sampled'
-    return drafter
+# A drafter checkpoint's 'kind' -> its class; the class's ARGS name the checkpoint fields its
+# constructor takes after the target's config. A new kind of drafter is one more entry.
+DRAFTERS = {'heads': BlockHeads, 'dblast': DBlastDrafter}
+WHAT = {'heads': 'BPD heads', 'dblast': 'DBlast drafter'}
 
 
 def load_drafter(path, target, kind=None, vocab=None):
-    """A BlockHeads or DBlastDrafter checkpoint, checked against the target it was trained for
-    (weights fingerprint, and the vocabulary when both record one). kind: 'heads' or 'dblast' to
-    refuse the other."""
+    """A drafter checkpoint of any kind in DRAFTERS, checked against the target it was trained for
+    (weights fingerprint, and the vocabulary when both record one). kind: the one kind to accept."""
     ckpt = load_checkpoint(path)
     have = ckpt.get('kind')
-    if have not in ('heads', 'dblast') or (kind is not None and have != kind):
-        want = {'heads': 'a BPD heads checkpoint (heads.pt)', 'dblast': 'a DBlast checkpoint (dblast_K4.pt)',
-                None: 'a drafter checkpoint (heads.pt or dblast_K4.pt)'}[kind]
-        what = 'BPD heads' if have == 'heads' else 'a DBlast drafter' if have == 'dblast' else 'a target model'
-        raise BadInput(f"{path} is not {want}: it holds {what}")
+    if have not in DRAFTERS or (kind is not None and have != kind):
+        raise BadInput(f"{path} is not a {WHAT.get(kind, 'drafter')} checkpoint (it is a "
+                       f"{WHAT.get(have, have or 'target model')} checkpoint)")
     if ckpt.get('base_fingerprint') != target.fingerprint():
         raise BadInput(f"{path} was trained for another base model (fingerprint "
                        f"{ckpt.get('base_fingerprint')} != {target.fingerprint()}); retrain it")
@@ -311,12 +361,9 @@ def load_drafter(path, target, kind=None, vocab=None):
     if vocab is not None and trained_with and trained_with != vocab:
         raise BadInput(f"{path} was trained with a different vocabulary ({trained_with}) than the "
                        f"target's ({vocab}); give the target's --meta or retrain the drafter")
+    cls = DRAFTERS[have]
     try:
-        cfg = GPTConfig.from_dict(ckpt['model_args'])
-        if have == 'heads':
-            drafter = BlockHeads(cfg, ckpt['k'], ckpt['d_hidden'])
-        else:
-            drafter = DBlastDrafter(cfg, ckpt['k'], ckpt['K'], ckpt['d_hidden'])
+        drafter = cls(GPTConfig.from_dict(ckpt['model_args']), **{a: ckpt[a] for a in cls.ARGS})
         drafter.load_state_dict(ckpt['drafter'])
     except Exception as e:  # missing fields, wrong shapes
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -361,9 +408,16 @@ def timed_generate(*args, **kw):
     return out, stats, time.perf_counter() - t0
 
 
+def agreement(out, base, T0):
+    """'n/m tokens': how many generated tokens of `out` equal plain decoding's `base` (B, T)."""
+    same = (out[:, T0:] == base[:, T0:])
+    return f"{int(same.sum())}/{same.numel()} tokens"
+
+
 def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print):
     """tau and wall-clock speedup over plain decoding of the same model and prompts, one request
-    at a time (latency, as the papers measure it), timed in the same run. Returns the outputs."""
+    at a time (latency, as the papers measure it), timed in the same run; under greedy decoding,
+    how many tokens equal plain greedy's. Returns the outputs."""
     def run(**extra):  # -> outputs, stats of every prompt, seconds in all
         g = torch.Generator(device=prompts.device).manual_seed(0)
         runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, **extra)
@@ -375,10 +429,25 @@ def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print)
     base, _, dt0 = run()
     taus = [t for s in stats for t in s['accept_lengths']]
     calls = sum(s['calls'] for s in stats)
-    same = f", identical to greedy: {bool((out == base).all())}" if temperature == 0 else ''
+    same = f", same as plain greedy: {agreement(out, base, prompts.size(1))}" if temperature == 0 else ''
     log(f"{label}: mean tau {sum(taus) / len(taus):.2f} at k={k}, {calls} calls for {len(prompts)} prompts "
         f"x {max_new} tokens (plain: {len(prompts) * (max_new + 1)}), speedup {dt0 / dt:.2f}x{same}")
     return out
+
+
+def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print):
+    """train.py's closing demos on held-out prompts: BPD heads against plain greedy, then each
+    (label, drafter) of `dblast` against plain sampling at `temperature`."""
+    max_new = min(128, model.config.block_size - prompts.size(1) - max(k, dblast_k))
+    if heads is not None:
+        log("\n=== blockwise parallel decoding, held-out prompts, greedy")
+        out = demo(model, prompts, heads, k, 0.0, "BPD heads", max_new, log)
+        log(f"--- sample ---\n{vocab.decode(out[0].tolist())}\n--------------")
+    if dblast:
+        log(f"\n=== speculative sampling at T={temperature}, held-out prompts: the dependent drafter "
+            f"against the independent one (sampled drafts, mixture verification)")
+    for label, drafter in dblast:
+        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log)
 
 
 # ------------------------------------------------------------------------- CLI
@@ -477,8 +546,10 @@ def run_cli(args):
     drafter = None
     if args.heads or args.drafter:
         drafter = load_drafter(args.heads or args.drafter, model, 'heads' if args.heads else 'dblast', vocab)
-        set_drafting(drafter, 'greedy' if args.sample_drafts is False else 'sampled', args.verify or 'mixture',
-                     args.zt)
+        drafter.sample_drafts = args.sample_drafts is not False
+        if args.drafter:   # a DBlast mixture (check_cli refused --verify and --zt otherwise)
+            drafter.verify = args.verify or drafter.verify
+            drafter.zt = drafter.zt if args.zt is None else args.zt
     check_args(model, prompt, max_new, drafter, args.k or (drafter.k if drafter else 1), args.temperature,
                args.accept, cli=True)
     kw = dict(temperature=args.temperature, compile=args.compile)
@@ -497,7 +568,7 @@ def run_cli(args):
     gen(**spec)  # warm-up both paths so neither pays first-call costs in the timing
     gen()
     out, stats, dt = gen(**spec)
-    _, base_stats, dt_base = gen()
+    base, base_stats, dt_base = gen()
     colour = sys.stdout.isatty() and not args.no_color
     T0 = prompt.size(1)
     print(vocab.decode(out[0, :T0].tolist()) + colour_blocks(vocab, out[0, T0:].tolist(), stats['accept_lengths'], colour))
@@ -507,6 +578,8 @@ def run_cli(args):
           f"{stats['calls']} calls (plain: {base_stats['calls']}), "
           f"{max_new / dt:.1f} tokens/s vs {max_new / dt_base:.1f} plain {plain}: speedup {dt_base / dt:.2f}x")
     print("acceptance per draft position: " + " ".join(f"{a:.2f}" for a in stats['accept_rate']))
+    if args.temperature == 0:   # measured: the rule is exact, floating point need not be (MATH.md §2)
+        print(f"same as plain greedy decoding: {agreement(out, base, T0)}")
 
 
 if __name__ == '__main__':

@@ -1,17 +1,27 @@
 """
-Blockwise Parallel Decoding's k-offset heads (Stern, Shazeer & Uszkoreit 2018, §4 / p.5).
+The drafter contract, and its first drafter: Blockwise Parallel Decoding's k-offset heads
+(Stern, Shazeer & Uszkoreit 2018, §4 / p.5).
 
-From the target's final hidden state h at position t (after ln_f) the heads propose the tokens at
-t+2 .. t+k. The token at t+1 (the bonus) is the target's own LM head: the paper's head "1" is the
-identity here, so a frozen target keeps exact greedy equivalence.
+The contract (`Drafter`) is what decode.py asks of every drafter: the BPD heads here, the DBlast
+mixture and its K = 1 baseline in dblast.py, and a student's own. Decoding hands a drafter the
+target's state after the last committed token and the bonus token the target chose from it; the
+drafter proposes the k-1 tokens after the bonus, and says which distribution they were drawn from,
+since lossless verification needs exactly that (MATH.md §4).
+
+BPD's heads. From the target's final hidden state h at position t (after ln_f) they propose the
+tokens at t+2 .. t+k. The token at t+1 (the bonus) is the target's own LM head: the paper's head
+"1" is the identity here, so a frozen target keeps exact greedy equivalence.
 
     a   = relu(W1 h + c1)               width (k-1) * d_hidden, one layer shared by all heads
     o   = W2 a + c2                     width (k-1) * C, reshaped into k-1 groups o_1 .. o_{k-1}
     z_i = h + o_i                       residual from h
     logits_i = lm_head(ln(z_i))         the target's own (tied) unembedding
 
-W2 and c2 start at zero, so every head starts as a copy of the next-token head (up to the heads'
-own LayerNorm, which re-normalises h): training only has to learn the offsets.
+Our reading, where the paper differs or is silent (MATH.md §8): the paper's layer is k·d_hidden
+wide and also transforms head "1"; here head "1" is untouched, so the layer has k-1 groups. The
+heads' own LayerNorm `ln` before the tied unembedding is ours (the paper does not say how z_i
+reaches the softmax). W2 and c2 start at zero, so every head starts as a copy of the next-token
+head (up to that LayerNorm, which re-normalises h): training only has to learn the offsets.
 """
 import torch
 import torch.nn as nn
@@ -20,9 +30,35 @@ import torch.nn.functional as F
 from model import LayerNorm, sample, tempered, upcast
 
 
-class BlockHeads(nn.Module):
+class Drafter(nn.Module):
+    """The drafter contract. decode.generate and merged_step use nothing else:
 
-    def __init__(self, config, k, d_hidden=None):
+        drafter.k               the largest block it drafts for (1 bonus + k-1 drafts)
+        drafter.sample_drafts   under sampling (temperature > 0): True draws each draft from the
+                                drafter's own distribution at that temperature, False takes its
+                                argmax (a point mass); at temperature 0 drafts are always argmax
+        drafts, Q = drafter.draft(h, bonus, target, k, temperature=0.0, generator=None)
+
+    h (N, C): the target's final hidden state after the last committed token (the state the bonus
+    was predicted from); bonus (N,): the token the target chose there, about to be committed;
+    target: the GPT (its lm_head and embedding may be shared). Returns drafts (N, k-1), the tokens
+    proposed after the bonus, and Q (N, k-1, V): the proposal's conditional at each drafted
+    position given the drafts before it, at `temperature` (row i of Q is what draft i was drawn
+    from), or None when the drafts are a point mass (argmax drafting, or greedy decoding, where
+    verification only compares argmaxes). The draws come from `generator`. No host sync, no
+    Python loop over positions: the step that calls it runs as one CUDA graph.
+    """
+    k: int
+    sample_drafts: bool = True
+
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        raise NotImplementedError
+
+
+class BlockHeads(Drafter):
+    ARGS = ('k', 'd_hidden')   # what a checkpoint records to rebuild it (decode.load_drafter)
+
+    def __init__(self, config, k, d_hidden=None, sample_drafts=True):
         super().__init__()
         if k < 2:
             raise ValueError(f"k={k}: block heads need k >= 2 (1 bonus + at least one draft)")
@@ -37,21 +73,21 @@ class BlockHeads(nn.Module):
         nn.init.zeros_(self.c_fc.bias)
         nn.init.zeros_(self.c_proj.weight)  # every head starts as the next-token head
         nn.init.zeros_(self.c_proj.bias)
-        # under sampling: True samples each position from q = softmax(logits / T) (independent
-        # block sampling, the better of the two in bench.py's table 3); False drafts by argmax (a
-        # point mass, as greedy BPD does)
-        self.sample_drafts = True
+        # sampled drafts (independent block sampling) are the better of the two under sampling in
+        # bench.py's table 3; argmax drafts are what greedy BPD verifies
+        self.sample_drafts = sample_drafts
 
     def hidden(self, h, n_heads=None):
         """h (..., C) -> z (..., n_heads, C), the first n_heads of the k-1 offset heads."""
-        n = self.k - 1 if n_heads is None else n_heads
+        n_heads = self.k - 1 if n_heads is None else n_heads
         a = F.relu(self.c_fc(h))
-        # only the first n groups of W2's output are needed: slice the rows, not the result
-        o = F.linear(a, self.c_proj.weight[:n * self.n_embd], self.c_proj.bias[:n * self.n_embd])
-        return h.unsqueeze(-2) + o.view(*h.shape[:-1], n, self.n_embd)
+        # only the first n_heads groups of W2's output are needed: slice the rows, not the result
+        rows = n_heads * self.n_embd
+        o = F.linear(a, self.c_proj.weight[:rows], self.c_proj.bias[:rows])
+        return h.unsqueeze(-2) + o.view(*h.shape[:-1], n_heads, self.n_embd)
 
     def forward(self, h, lm_head, n_heads=None):
-        """Logits (..., n_heads, vocab): entry i predicts the token i+1 positions after the bonus."""
+        """Logits (..., n_heads, vocab): head i predicts the token i+1 positions after the bonus."""
         return lm_head(self.ln(self.hidden(h, n_heads)))
 
     def head_logits(self, h, lm_head, i):
@@ -68,10 +104,10 @@ class BlockHeads(nn.Module):
         """Cross-entropy of the heads on a sequence (BPD §4.2).
 
         h (B, T, C) are the target's hidden states over idx[:, :T]; idx (B, T + k) holds the tokens,
-        -1 where a position carries no target. Head i (0-based) at position t predicts idx[t+i+2].
-        offset=None: the full loss, the mean over the k-1 heads. offset=i (int or 0-dim tensor):
-        only head i's loss; drawn uniformly per minibatch, its expectation (and its gradient's) is
-        the full loss.
+        -1 where a position carries no label. Head i (0-based) at position t predicts idx[t+i+2].
+        offset=None: the full loss, the mean over the k-1 heads (the paper sums: a constant factor).
+        offset=i (int or 0-dim tensor): only head i's loss; drawn uniformly per minibatch, its
+        expectation (and its gradient's) is the full loss.
         """
         T = h.size(1)
         shifted = idx.unfold(1, T, 1)                        # (B, k+1, T): row j is idx[:, j:j+T]
@@ -79,23 +115,23 @@ class BlockHeads(nn.Module):
         losses = []
         for i in heads:
             sel = torch.as_tensor(i, device=idx.device).view(1)
-            target = shifted.index_select(1, sel + 2)
+            labels = shifted.index_select(1, sel + 2)
             logits = upcast(self.head_logits(h, lm_head, sel))
-            losses.append(F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-1))
+            losses.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1))
         return torch.stack(losses).mean()
 
-    def mixture_logits(self, h, bonus, target, n):
+    def mixture_logits(self, h, bonus, target, k):
         """The heads as a one-branch mixture (the view dblast.expected_accepted takes): log pi = 0
-        (N, 1) and logits (N, 1, n, V). The bonus is not an input of BPD heads."""
-        return h.new_zeros(h.size(0), 1), self(h, target.lm_head, n).unsqueeze(1)
+        (N, 1) and the logits of the k-1 drafts (N, 1, k-1, V). The bonus is not an input of BPD
+        heads."""
+        return h.new_zeros(h.size(0), 1), self(h, target.lm_head, k - 1).unsqueeze(1)
 
     @torch.no_grad()
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
-        """Drafter interface: h (N, C) at the bonus's position -> drafts (N, k-1) and their q.
-        Argmax drafts are a point mass (q None); with sample_drafts under sampling, each position
-        is drawn from its own q = softmax(logits / T), and that q is the proposal's conditional
-        (the positions are independent given h)."""
-        logits = self(h, target.lm_head, k - 1)
+        """The drafter contract (Drafter). Argmax drafts are a point mass (Q None); sampled, each
+        position is drawn from its own q_i = softmax(logits_i / T), and since the positions are
+        independent given h, Q_i = q_i whatever was drafted before."""
+        logits = self(h, target.lm_head, k - 1)                             # (N, k-1, V)
         if temperature == 0.0 or not self.sample_drafts:
             return logits.argmax(-1), None
         q = F.softmax(tempered(upcast(logits), temperature), dim=-1)

@@ -1,24 +1,24 @@
 """
 The target: a small GPT-2 style language model, with a static KV cache built for speculative
-decoding from day one.
+decoding from day one, and the sampling primitives every decoder and drafter shares.
 
 The module layout and parameter names follow nanoGPT (transformer.wte / wpe / h.N.attn.c_attn /
-... / ln_f, lm_head tied to wte), so a nanoGPT `ckpt.pt` loads with `GPT.from_checkpoint`.
+... / ln_f, lm_head tied to wte), so a nanoGPT `ckpt.pt` loads with `GPT.from_checkpoint`
+(files, errors and checks live in data.py).
 
 Two ways to run the network:
   model(idx, targets)            full causal forward over (B, T), used for training and as reference
   model.forward_cached(idx, c)   a block of L new tokens per row on top of a KVCache, written at
                                  each row's own positions; returns final hidden states h (after ln_f)
+
+Words: a *block* is what one decoding step feeds the target (a bonus token and its drafts).
+`block_size` is nanoGPT's name for the context length; it is kept because every nanoGPT checkpoint
+stores it under that name.
 """
-import argparse
 import hashlib
 import math
-import os
-import pickle
-import sys
 from dataclasses import dataclass, fields
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
-    block_size: int = 256      # longest sequence the learned position table covers
+    block_size: int = 256      # the context: longest sequence the position table covers (nanoGPT's name)
     vocab_size: int = 256      # bytes
     n_layer: int = 4
     n_head: int = 4
@@ -81,9 +81,11 @@ class LayerNorm(nn.Module):
 
 
 class KVCache:
-    """Static KV cache in the gpt-fast style: buffers are preallocated once, a forward writes its
-    keys/values at positions, and rollback only moves a row's length back (rejected entries are
-    overwritten by the next block; nothing is concatenated or sliced).
+    """Static KV cache in the gpt-fast style: buffers are preallocated once and a forward writes a
+    block's keys/values at positions past each row's committed length without moving it.
+    `commit` then moves the length over the tokens that were kept; the entries past it stay in the
+    buffer, hidden by the attention mask, until the next block overwrites them. Rejecting drafts
+    therefore needs no rollback and no copy: nothing is concatenated or sliced.
 
     k, v: (n_layer, B, n_head, max_len, head_dim); lengths: (B,) committed tokens per row.
     """
@@ -96,9 +98,18 @@ class KVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
 
-    def rollback(self, lengths):
-        """Forget everything past `lengths` (B,) per row: the entries stay, they are just ignored."""
-        self.lengths.copy_(lengths)
+    def write(self, layer_idx, k, v, pos):
+        """Store one layer's keys and values k, v (B, nh, L, hs) of a block at positions pos (B, L)
+        (each row's own, past its committed length); returns that layer's whole buffers
+        (B, nh, max_len, hs) for attention to read."""
+        idx = pos[:, None, :, None].expand_as(k)
+        self.k[layer_idx].scatter_(2, idx, k.to(self.k.dtype))
+        self.v[layer_idx].scatter_(2, idx, v.to(self.v.dtype))
+        return self.k[layer_idx], self.v[layer_idx]
+
+    def commit(self, n):
+        """Keep the first n (B,) tokens of the block just written, per row (n may be 0)."""
+        self.lengths += n
 
 
 class CausalSelfAttention(nn.Module):
@@ -114,7 +125,7 @@ class CausalSelfAttention(nn.Module):
         self.n_embd = config.n_embd
         self.dropout = config.dropout
 
-    def forward(self, x, cache=None, layer=None, write_pos=None, mask=None):
+    def forward(self, x, cache=None, layer_idx=None, write_pos=None, mask=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
@@ -126,11 +137,8 @@ class CausalSelfAttention(nn.Module):
         else:
             # write this block's keys/values at each row's own positions, then attend over the
             # whole buffer; `mask` hides what is not (yet) part of that row's sequence
-            idx = write_pos[:, None, :, None].expand(B, self.n_head, T, C // self.n_head)
-            cache.k[layer].scatter_(2, idx, k.to(cache.k.dtype))
-            cache.v[layer].scatter_(2, idx, v.to(cache.v.dtype))
-            K, V = cache.k[layer].to(q.dtype), cache.v[layer].to(q.dtype)  # (B, nh, max_len, hs)
-            y = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+            K, V = cache.write(layer_idx, k, v, write_pos)                   # (B, nh, max_len, hs)
+            y = F.scaled_dot_product_attention(q, K.to(q.dtype), V.to(q.dtype), attn_mask=mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # re-assemble all head outputs
         return self.resid_dropout(self.c_proj(y))
 
@@ -148,7 +156,8 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
-class Block(nn.Module):
+class Layer(nn.Module):
+    """One transformer layer: attention then MLP, each behind a LayerNorm (nanoGPT's `Block`)."""
 
     def __init__(self, config):
         super().__init__()
@@ -172,7 +181,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
             drop=nn.Dropout(config.dropout),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Layer(config) for _ in range(config.n_layer)]),
             ln_f=LayerNorm(config.n_embd, bias=config.bias),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
@@ -199,8 +208,8 @@ class GPT(nn.Module):
         assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
         pos = torch.arange(T, dtype=torch.long, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x)
+        for layer in self.transformer.h:
+            x = layer(x)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None):
@@ -222,7 +231,8 @@ class GPT(nn.Module):
 
         idx (B, L): row b's tokens go to positions cache.lengths[b] + 0..L-1, and their keys and
         values are written there. cache.lengths is NOT advanced: the caller decides how many of
-        the block it keeps (all of it for a prefill, tau tokens after a verification).
+        the block it keeps with `cache.commit` (all of it for a prefill, tau tokens after a
+        verification).
         Returns h (B, L, C), the final hidden states after ln_f; logits are `self.lm_head(h)`.
         """
         B, L = idx.shape
@@ -236,8 +246,8 @@ class GPT(nn.Module):
         keys = torch.arange(cache.max_len, device=idx.device)
         mask = keys[None, None, :] <= write_pos[:, :, None]                    # (B, L, max_len)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, cache=cache, layer=i, write_pos=write_pos, mask=mask[:, None])
+        for i, layer in enumerate(self.transformer.h):
+            x = layer(x, cache=cache, layer_idx=i, write_pos=write_pos, mask=mask[:, None])
         return self.transformer.ln_f(x)
 
     # ---------------------------------------------------------------- checkpoints
@@ -260,105 +270,3 @@ class GPT(nn.Module):
             h.update(name.encode())
             h.update(t.detach().to('cpu', torch.float32).contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
-
-
-# -------------------------------------------------------------------- checkpoint files
-
-class BadInput(ValueError):
-    """A user error (bad argument, missing or mismatched file): the scripts print its message as
-    one line and exit non-zero instead of showing a traceback."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors (unknown flag, not a number, ...) are one `error:` line too."""
-
-    def error(self, message):
-        raise BadInput(message)
-
-
-def check_number(flag, value, lo=None, hi=None, open_lo=False, open_hi=False, note=''):
-    """A flag's number is finite and within its bounds (open_lo / open_hi: the bound itself is
-    excluded): else a one-line BadInput naming the flag and what is allowed."""
-    ok = (isinstance(value, int) or math.isfinite(value)) and (lo is None or value > lo or (value == lo and not open_lo)) \
-        and (hi is None or value < hi or (value == hi and not open_hi))
-    if not ok:
-        allowed = ' and '.join([f"{'>' if open_lo else '>='} {lo}"] * (lo is not None)
-                               + [f"{'<' if open_hi else '<='} {hi}"] * (hi is not None)) or 'finite'
-        raise BadInput(f"{flag} {value}: must be {allowed}" + (f" ({note})" if note else ''))
-    return value
-
-
-def check_finite(module, what):
-    """Refuse weights with a NaN or an inf: they would decode garbage or poison a checkpoint."""
-    bad = [n for n, t in module.state_dict().items() if t.is_floating_point() and not torch.isfinite(t).all()]
-    if bad:
-        raise BadInput(f"{what}: non-finite weights in {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ''))
-
-
-def run_script(main, interrupted='interrupted'):
-    """Run a script's main(): a BadInput ends it with one `error: ...` line and exit code 2; Ctrl-C
-    with one line (the KeyboardInterrupt's own message, else `interrupted`) and exit code 130."""
-    try:
-        main()
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt as e:   # a script may raise its own, saying what was saved
-        print(f"\n{str(e) or interrupted}", file=sys.stderr)
-        sys.exit(130)
-
-
-def save_checkpoint(obj, path):
-    """Write atomically: a temporary file beside the target, then a rename. An interrupted write
-    leaves the previous checkpoint intact."""
-    tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-# numpy scalars, as a checkpoint may hold them (a learning rate computed with numpy, a loss): data
-# whose unpickling runs nothing but numpy's own constructors, so weights_only loading allows them
-NUMPY_SCALARS = [getattr(np, '_core', np.core).multiarray.scalar, np.dtype] + [
-    type(np.dtype(t)) for t in (np.float64, np.float32, np.float16, np.int64, np.int32, np.bool_)]
-
-
-def load_checkpoint(path, kind=None):
-    """torch.load with one-line errors for a missing, corrupt or wrong-kind file. Only tensors and
-    plain Python values (and numpy scalars) load (weights_only=True): a file that needs more is
-    refused, and nothing in it runs."""
-    if not os.path.isfile(path):
-        raise BadInput(f"checkpoint not found: {path}")
-    try:
-        with torch.serialization.safe_globals(NUMPY_SCALARS):
-            ckpt = torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError as e:
-        if 'Weights only load failed' in str(e):  # it names a class or function: refused unloaded
-            raise BadInput(f"checkpoint {path} refused: it holds more than tensors and plain values "
-                           f"(nothing in it was run)")
-        raise BadInput(f"checkpoint {path} is unreadable ({type(e).__name__}); re-train or re-copy it")
-    except Exception as e:  # truncated zip, pickle garbage, ...
-        raise BadInput(f"checkpoint {path} is unreadable ({type(e).__name__}); re-train or re-copy it")
-    if not isinstance(ckpt, dict):
-        raise BadInput(f"checkpoint {path} is not a checkpoint dict")
-    have = ckpt.get('kind', 'target')
-    if kind is not None and have != kind:
-        raise BadInput(f"checkpoint {path} holds a {have!r}, expected a {kind!r}")
-    return ckpt
-
-
-def load_target(path, device='cpu'):
-    """A target GPT from a checkpoint of ours or nanoGPT's."""
-    return target_from(load_checkpoint(path), path, device)
-
-
-def target_from(ckpt, path, device='cpu'):
-    """The target GPT of a loaded checkpoint dict (path: for messages); non-finite weights refused."""
-    if 'model' not in ckpt or 'model_args' not in ckpt:
-        raise BadInput(f"checkpoint {path} has no 'model'/'model_args': not a GPT checkpoint")
-    try:
-        model = GPT.from_checkpoint(ckpt)
-    except Exception as e:  # any malformed content: shapes, types, impossible sizes
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise BadInput(f"checkpoint {path}: weights do not fit its config ({first})")
-    check_finite(model, f"checkpoint {path}")
-    return model.to(device).eval()

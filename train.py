@@ -31,12 +31,13 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from data import PROMPT_LEN, Vocab, check_out_dir, heldout_prompts, load_dataset, newline_id, vocab_for, windows
-from dblast import LOSSES, DBlastDrafter, anchors, expected_tau
-from decode import demo, generate, load_drafter, pick_device
+from data import (PROMPT_LEN, ArgumentParser, BadInput, Vocab, check_finite, check_number, check_out_dir,
+                  heldout_prompts, load_checkpoint, load_dataset, newline_id, run_script, save_checkpoint,
+                  target_from, vocab_for, windows)
+from dblast import LOSSES, DBlastDrafter, TargetSamples, anchors, expected_tau
+from decode import closing_demos, generate, load_drafter, pick_device
 from heads import BlockHeads
-from model import (GPT, ArgumentParser, BadInput, GPTConfig, check_finite, check_number, load_checkpoint,
-                   run_script, save_checkpoint, target_from, tempered)
+from model import GPT, GPTConfig
 
 # Presets, picked by device. CPU: the whole `python train.py` in about 10 minutes on 2 cores.
 PRESETS = {
@@ -283,16 +284,17 @@ class HeadsObjective(nn.Module):
         for p in model.parameters():
             p.requires_grad_(joint)
 
-    def forward(self, tokens, targets, offset=None):
-        """offset: the random-offset loss's head, a 0-dim tensor drawn with the batch (outside a
-        compiled step: as a Python int each value would compile a graph of its own)."""
-        T = tokens.size(1) - self.heads.k            # positions with a target for every head
+    def forward(self, tokens, labels, offset=None):
+        """tokens (B, S) and their labels (tokens, -1 where nothing is to be learnt). offset: the
+        random-offset loss's head, a 0-dim tensor drawn with the batch (outside a compiled step:
+        as a Python int each value would compile a graph of its own)."""
+        T = tokens.size(1) - self.heads.k            # positions with a label for every head
         with nullcontext() if self.joint else torch.no_grad():
             h = self.model.hidden(tokens[:, :T])
-        loss = self.heads.loss(h, self.model.lm_head, targets, offset)
+        loss = self.heads.loss(h, self.model.lm_head, labels, offset)
         if self.joint:
             lm = self.model.lm_head(h).float()
-            loss = loss + nn.functional.cross_entropy(lm.flatten(0, 1), targets[:, 1:T + 1].flatten(),
+            loss = loss + nn.functional.cross_entropy(lm.flatten(0, 1), labels[:, 1:T + 1].flatten(),
                                                       ignore_index=-1)
         return loss
 
@@ -310,8 +312,8 @@ def stage_heads(rt, args, model, train, vocab):
     if args.distill:
         seqs = self_generated(rt, model, train, args.distill_samples, args.block_size - PROMPT_LEN,
                               0.0, args.seed, 'distill (greedy continuations)', os.path.join(args.out_dir, 'data'))
-        targets = seqs.clone()
-        targets[:, :PROMPT_LEN] = -1     # only the target's own output is a training target
+        labels = seqs.clone()
+        labels[:, :PROMPT_LEN] = -1      # only the target's own output is learnt
     heads = BlockHeads(model.config, args.k, args.d_hidden)
     if resume is not None:
         heads.load_state_dict(resume['drafter'])
@@ -327,7 +329,7 @@ def stage_heads(rt, args, model, train, vocab):
             offset = torch.tensor(random.randrange(args.k - 1), device=rt.device)
         if args.distill:
             ix = torch.randint(len(seqs), (B,), generator=rt.gen)
-            return seqs[ix], targets[ix], offset
+            return seqs[ix], labels[ix], offset
         w = windows(train, B, S, rt.gen).to(rt.device)
         return w, w, offset
 
@@ -355,22 +357,12 @@ def stage_heads(rt, args, model, train, vocab):
 
 # ----------------------------------------------------------------------------- stage 3: DBlast
 
-@torch.no_grad()
 def dblast_data(rt, model, text, n, temperature, seed, desc, cache_dir=None):
-    """The target's own samples at `temperature` after corpus prompts (DBlast: self-distillation at
-    temperature T), with the frozen target's hidden states and the log-probabilities of what it
-    sampled: seqs (n, S), H (n, S, C), LP (n, S-1) with LP[:, t] = log p_T(seqs[t+1] | seqs[<=t])."""
+    """DBlast's training data (self-distillation at temperature T): the target's own samples after
+    corpus prompts, with its hidden states and log-probabilities (dblast.TargetSamples)."""
     seqs = self_generated(rt, model, text, n, model.config.block_size - PROMPT_LEN, temperature, seed, desc,
                           cache_dir)
-    hs, lps = [], []
-    for i in range(0, len(seqs), 64):
-        s = seqs[i:i + 64]
-        with rt.autocast:
-            h = model.hidden(s)
-            logp = torch.log_softmax(tempered(model.lm_head(h).float(), temperature), -1)
-        hs.append(h.float())
-        lps.append(logp[:, :-1].gather(-1, s[:, 1:, None]).squeeze(-1))
-    return seqs, torch.cat(hs), torch.cat(lps)
+    return TargetSamples.of(model, seqs, temperature, rt.autocast)
 
 
 def dblast_path(args, K):
@@ -414,16 +406,16 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
         drafter.load_state_dict(resume['drafter'])
         history = resume.get('history', [])
     drafter.to(rt.device).train()
-    lo, hi = PROMPT_LEN - 1, data[0].size(1) - k          # anchors t in [lo, hi), see anchors()
+    lo, hi = data.positions(k)
     B = args.batch_size * 8
 
     def batch():
-        r = torch.randint(len(data[0]), (B,), generator=rt.gen).to(rt.device)
-        t = torch.randint(lo, hi, (B,), generator=rt.gen).to(rt.device)
-        return anchors(data, k, r, t)
+        rows = torch.randint(len(data.seqs), (B,), generator=rt.gen).to(rt.device)
+        pos = torch.randint(lo, hi, (B,), generator=rt.gen).to(rt.device)
+        return anchors(data, k, rows, pos)
 
     def evaluate(it):
-        tau = expected_tau(drafter, model, get_heldout(), k, args.temperature, 'sampled', 'mixture')
+        tau = expected_tau(drafter, model, get_heldout(), k, args.temperature, True, 'mixture')
         history.append((it, tau))
         return tau
 
@@ -444,104 +436,102 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
 # ----------------------------------------------------------------------------- demos
 
 def run_demos(rt, args, model, heads, ds, vocab):
-    """BPD heads against plain greedy; the DBlast drafter against the independent K = 1 one at
-    --temperature (decode.demo: tau and speedup, one request at a time)."""
-    max_new = min(128, model.config.block_size - PROMPT_LEN - max(args.k, args.dblast_k))
+    """decode.closing_demos on 8 held-out prompts, with the drafters this run trained."""
     prompts = heldout_prompts(ds.val, 8, PROMPT_LEN, newline_id(vocab)).to(rt.device)
-    if heads is not None:
-        rt.print("\n=== blockwise parallel decoding, held-out prompts, greedy")
-        out = demo(model, prompts, heads, args.k, 0.0, "BPD heads", max_new, rt.print)
-        rt.print(f"--- sample ---\n{vocab.decode(out[0].tolist())}\n--------------")
     drafters = dblast_drafters(args)
+    dblast = []
     if 'dblast' in args.stages and all(os.path.exists(dblast_path(args, K)) for K, _ in drafters):
-        rt.print(f"\n=== speculative sampling at T={args.temperature}, held-out prompts: the dependent "
-                 f"drafter against the independent one (sampled drafts, mixture verification)")
-        for K, loss in drafters:
-            d = load_drafter(dblast_path(args, K), model)
-            demo(model, prompts, d, args.dblast_k, args.temperature,
-                 f"DBlast K={K} ({loss})" if K > 1 else f"independent K=1 ({loss})", max_new, rt.print)
+        dblast = [(f"DBlast K={K} ({loss})" if K > 1 else f"independent K=1 ({loss})",
+                   load_drafter(dblast_path(args, K), model)) for K, loss in drafters]
+    closing_demos(model, prompts, vocab, heads, args.k, dblast, args.dblast_k, args.temperature, rt.print)
 
 
 # ----------------------------------------------------------------------------- arguments
 
-STAGE_FLAGS = {   # flags that only mean something when their stage runs
-    'base': ('n_layer', 'n_head', 'n_embd', 'block_size', 'dropout', 'bias', 'max_iters', 'lr', 'eval_iters'),
-    'heads': ('k', 'joint', 'loss', 'distill', 'heads_iters', 'heads_lr', 'distill_samples'),
-    'dblast': ('K', 'dblast_k', 'dblast_loss', 'baseline_loss', 'tau_threshold', 'nll_weight', 'temperature',
-               'dblast_iters', 'dblast_lr', 'dblast_samples', 'dblast_eval_samples'),
-}
-
-
-# what every number may be: check_number's lo / hi, open_lo / open_hi (the bound excluded)
-BOUNDS = dict(**{n: dict(lo=1) for n in ('n_layer', 'n_head', 'n_embd', 'batch_size', 'max_iters', 'eval_interval',
-                                         'eval_iters', 'ckpt_interval', 'd_hidden', 'heads_iters', 'distill_samples',
-                                         'dblast_iters', 'dblast_samples', 'dblast_eval_samples')},
-              **{n: dict(lo=0.0, open_lo=True) for n in ('lr', 'heads_lr', 'dblast_lr', 'temperature')},
-              **{n: dict(lo=0.0) for n in ('weight_decay', 'grad_clip', 'nll_weight')}, warmup_iters=dict(lo=0),
-              block_size=dict(lo=2), k=dict(lo=2, hi=64), dblast_k=dict(lo=2, hi=64), K=dict(lo=1, hi=256),
-              dropout=dict(lo=0.0, hi=1.0, open_hi=True), tau_threshold=dict(lo=0.0, hi=1.0),
-              seed=dict(lo=0, hi=2 ** 63 - 1))
+POS, GE0, GT0 = dict(lo=1), dict(lo=0.0), dict(lo=0.0, open_lo=True)
+# Every flag, once: (name, the stage it belongs to (None: any run), type, default, the bounds
+# check_number holds it to, help). A default of None is the preset's (PRESETS; --d-hidden: n_embd).
+# type: int, float, str, a tuple of choices, bool (--x / --no-x), 'switch' (--x) or 'frozen|joint'.
+# A stage's flag given when that stage does not run is refused.
+FLAGS = [
+    ('data', None, str, None, None, 'text file or folder of text files (default: the stdlib .py files), '
+                                    'or a nanoGPT dataset folder (train.bin, val.bin, meta.pkl)'),
+    ('meta', None, str, None, None, "nanoGPT meta.pkl of the target (default: the dataset's, or where "
+                                    "nanoGPT's sample.py looks)"),
+    ('out_dir', None, str, 'out', None, 'checkpoints, and the cached corpus and target samples'),
+    ('stages', None, str, 'base,heads,dblast', None, 'comma list of base, heads, dblast'),
+    ('preset', None, ('auto', 'cpu', 'gpu'), 'auto', None, 'defaults by device'),
+    ('device', None, str, None, None, 'cpu | cuda | mps (default: best available)'),
+    ('compile', None, 'switch', False, None, 'torch.compile the training step'),
+    ('resume', None, 'switch', False, None, 'continue interrupted stages, skip finished ones'),
+    ('seed', None, int, 1337, dict(lo=0, hi=2 ** 63 - 1), None),
+    ('tag', None, str, '', None, 'suffix of the drafter checkpoint names (heads{tag}.pt, dblast_K4{tag}.pt)'),
+    ('batch_size', None, int, None, POS, None),
+    ('warmup_iters', None, int, None, dict(lo=0), None),
+    ('eval_interval', None, int, None, POS, None),
+    ('weight_decay', None, float, 0.1, GE0, None),
+    ('grad_clip', None, float, 1.0, GE0, '0 = no clipping'),
+    ('ckpt_interval', None, int, 250, POS, None),
+    ('d_hidden', None, int, None, POS, "the drafters' hidden width per head (default: n_embd)"),
+    ('no_demo', None, 'switch', False, None, 'skip the closing demos'),
+    ('n_layer', 'base', int, None, POS, None),
+    ('n_head', 'base', int, None, POS, None),
+    ('n_embd', 'base', int, None, POS, None),
+    ('block_size', 'base', int, None, dict(lo=2), 'the context, in tokens'),
+    ('dropout', 'base', float, 0.0, dict(lo=0.0, hi=1.0, open_hi=True), None),
+    ('bias', 'base', bool, True, None, None),
+    ('max_iters', 'base', int, None, POS, None),
+    ('lr', 'base', float, None, GT0, None),
+    ('eval_iters', 'base', int, None, POS, None),
+    ('k', 'heads', int, 8, dict(lo=2, hi=64), 'block size: 1 bonus + k-1 drafted tokens'),
+    ('joint', 'heads', 'frozen|joint', False, None, None),
+    ('loss', 'heads', ('random-offset', 'full'), 'random-offset', None, None),
+    ('distill', 'heads', bool, True, None, "train on the target's own greedy continuations (default on)"),
+    ('heads_iters', 'heads', int, None, POS, None),
+    ('heads_lr', 'heads', float, 1e-3, GT0, None),
+    ('distill_samples', 'heads', int, None, POS, None),
+    ('K', 'dblast', int, 4, dict(lo=1, hi=256), 'latent branches (the K=1 baseline is trained too)'),
+    ('dblast_k', 'dblast', int, 4, dict(lo=2, hi=64), 'block size of the DBlast drafters'),
+    ('dblast_loss', 'dblast', LOSSES, 'al', None, "al: acceptance-length surrogate on the mixture's "
+                                                  "conditionals (default); al-branch: on branch-conditional "
+                                                  "acceptance (ablation); nll: mixture NLL"),
+    ('baseline_loss', 'dblast', LOSSES + ('none',), 'nll', None, 'loss of the K=1 baseline (default nll: the '
+                                                                  'independent drafter DBlast compares with; '
+                                                                  'none: no baseline)'),
+    ('tau_threshold', 'dblast', float, 0.01, dict(lo=0.0, hi=1.0), 'AL surrogate: keep prefixes with a_j >= log tau'),
+    ('nll_weight', 'dblast', float, 0.2, GE0, 'weight of the mixture NLL added to the AL loss (keeps every '
+                                              'branch learning)'),
+    ('temperature', 'dblast', float, 1.5, GT0, 'sampling temperature of the training blocks'),
+    ('dblast_iters', 'dblast', int, None, POS, None),
+    ('dblast_lr', 'dblast', float, 3e-3, GT0, None),
+    ('dblast_samples', 'dblast', int, None, POS, 'target samples to train on'),
+    ('dblast_eval_samples', 'dblast', int, None, POS, 'held-out target samples for the expected-tau evaluation'),
+]
+STAGES = ('base', 'heads', 'dblast')
 
 
 def build_parser():
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    a = ap.add_argument
-    a('--data', default=None, help='text file or folder of text files (default: the stdlib .py files), '
-                                   'or a nanoGPT dataset folder (train.bin, val.bin, meta.pkl)')
-    a('--meta', default=None, help="nanoGPT meta.pkl of the target (default: the dataset's, or where "
-                                   "nanoGPT's sample.py looks)")
-    a('--out-dir', default='out')
-    a('--stages', default='base,heads,dblast', help='comma list of base, heads, dblast')
-    a('--preset', default='auto', choices=['auto', 'cpu', 'gpu'], help='defaults by device')
-    a('--device', default=None, help='cpu | cuda | mps (default: best available)')
-    a('--compile', action='store_true', help='torch.compile the training step')
-    a('--resume', action='store_true', help='continue interrupted stages, skip finished ones')
-    a('--seed', type=int, default=1337)
-    a('--tag', default='', help='suffix of the drafter checkpoint names (heads{tag}.pt, dblast_K4{tag}.pt)')
-    g = ap.add_argument_group('model (default: preset)')
-    for name in ('n_layer', 'n_head', 'n_embd', 'block_size'):
-        g.add_argument('--' + name.replace('_', '-'), type=int, default=None)
-    g.add_argument('--dropout', type=float, default=0.0)
-    g.add_argument('--bias', action=argparse.BooleanOptionalAction, default=True)
-    g = ap.add_argument_group('training (default: preset)')
-    for name, typ in (('batch_size', int), ('max_iters', int), ('lr', float), ('warmup_iters', int),
-                      ('eval_interval', int), ('eval_iters', int)):
-        g.add_argument('--' + name.replace('_', '-'), type=typ, default=None)
-    g.add_argument('--weight-decay', type=float, default=0.1)
-    g.add_argument('--grad-clip', type=float, default=1.0, help='0 = no clipping')
-    g.add_argument('--ckpt-interval', type=int, default=250)
-    g = ap.add_argument_group('BPD heads')
-    g.add_argument('--k', type=int, default=8, help='block size: 1 bonus + k-1 drafted tokens')
-    g.add_argument('--d-hidden', type=int, default=None, help='hidden width per head (default n_embd)')
-    mode = g.add_mutually_exclusive_group()
-    mode.add_argument('--frozen', dest='joint', action='store_false', help='train only the heads (default)')
-    mode.add_argument('--joint', dest='joint', action='store_true', help='fine-tune the target too')
-    g.set_defaults(joint=False)
-    g.add_argument('--loss', default='random-offset', choices=['random-offset', 'full'])
-    g.add_argument('--distill', action=argparse.BooleanOptionalAction, default=True,
-                   help="train on the target's own greedy continuations (default on)")
-    g.add_argument('--heads-iters', type=int, default=None)
-    g.add_argument('--heads-lr', type=float, default=1e-3)
-    g.add_argument('--distill-samples', type=int, default=None)
-    g = ap.add_argument_group('DBlast')
-    g.add_argument('--K', type=int, default=4, help='latent branches (the K=1 baseline is trained too)')
-    g.add_argument('--dblast-k', type=int, default=4, help='block size of the DBlast drafters')
-    g.add_argument('--dblast-loss', default='al', choices=LOSSES,
-                   help="al: acceptance-length surrogate on the mixture's conditionals (default); "
-                        "al-branch: on branch-conditional acceptance (ablation); nll: mixture NLL")
-    g.add_argument('--baseline-loss', default='nll', choices=LOSSES + ('none',),
-                   help='loss of the K=1 baseline (default nll: the independent drafter DBlast compares with; '
-                        'none: no baseline)')
-    g.add_argument('--tau-threshold', type=float, default=0.01, help='AL surrogate: keep prefixes with a_j >= log tau')
-    g.add_argument('--nll-weight', type=float, default=0.2,
-                   help='weight of the mixture NLL added to the AL loss (keeps every branch learning)')
-    g.add_argument('--temperature', type=float, default=1.5, help='sampling temperature of the training blocks')
-    g.add_argument('--dblast-iters', type=int, default=None)
-    g.add_argument('--dblast-lr', type=float, default=3e-3)
-    g.add_argument('--dblast-samples', type=int, default=None, help='target samples to train on')
-    g.add_argument('--dblast-eval-samples', type=int, default=None,
-                   help='held-out target samples for the expected-tau evaluation')
-    g.add_argument('--no-demo', action='store_true', help='skip the closing demos')
+    groups = {None: ap, 'base': ap.add_argument_group('base stage (the target; default: preset)'),
+              'heads': ap.add_argument_group('heads stage (BPD heads)'),
+              'dblast': ap.add_argument_group('dblast stage (DBlast drafters)')}
+    for name, stage, typ, default, _, text in FLAGS:
+        g, flag = groups[stage], '--' + name.replace('_', '-')
+        if default is None and name in PRESETS['cpu']:
+            text = f"{text + ' ' if text else ''}(default: preset)"
+        if typ == 'frozen|joint':
+            mode = g.add_mutually_exclusive_group()
+            mode.add_argument('--frozen', dest='joint', action='store_false', help='train only the heads (default)')
+            mode.add_argument('--joint', dest='joint', action='store_true', help='fine-tune the target too')
+            g.set_defaults(joint=False)
+        elif typ == 'switch':
+            g.add_argument(flag, action='store_true', help=text)
+        elif typ is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        elif isinstance(typ, tuple):
+            g.add_argument(flag, choices=typ, default=default, help=text)
+        else:
+            g.add_argument(flag, type=typ, default=default, help=text)
     return ap
 
 
@@ -557,13 +547,11 @@ def parse_args(argv=None):
     for dest in dests - given:
         setattr(args, dest, ap.get_default(dest))
     args.stages = [s.strip() for s in args.stages.split(',') if s.strip()]
-    bad = set(args.stages) - set(STAGE_FLAGS)
-    if bad or not args.stages:
+    if set(args.stages) - set(STAGES) or not args.stages:
         raise BadInput(f"--stages {','.join(args.stages) or repr('')}: allowed: base, heads, dblast (comma list)")
-    for stage, flags in STAGE_FLAGS.items():
-        stray = [f for f in flags if f in given and stage not in args.stages]
-        if stray:
-            raise BadInput(f"--{stray[0].replace('_', '-')} means nothing here: it applies to the {stage} stage, "
+    for name, stage, *_ in FLAGS:
+        if name in given and stage is not None and stage not in args.stages:
+            raise BadInput(f"--{name.replace('_', '-')} means nothing here: it applies to the {stage} stage, "
                            f"which --stages {','.join(args.stages)} does not run")
     preset = args.preset
     if preset == 'auto':
@@ -572,8 +560,8 @@ def parse_args(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, v)
     args.preset = preset
-    for name, bounds in BOUNDS.items():
-        if getattr(args, name) is not None:   # --d-hidden may stay None (n_embd)
+    for name, _, _, _, bounds, _ in FLAGS:
+        if bounds is not None and getattr(args, name) is not None:   # --d-hidden may stay None (n_embd)
             check_number('--' + name.replace('_', '-'), getattr(args, name), **bounds)
     if args.n_embd % args.n_head:
         raise BadInput(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")

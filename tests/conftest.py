@@ -1,10 +1,14 @@
 """Shared helpers for the tests: the repo root on sys.path, tiny seeded models, a tiny corpus,
 the greedy reference and randomised BPD heads, and the helpers that run the scripts' command lines
-(a real process, or the script's `__main__` block in this process)."""
+(a real process, or the script's main in this process)."""
+import importlib
+import io
 import os
-import runpy
+import random
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
+from unittest import mock
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from data import run_script  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 # one intra-op thread: on a busy 2-core machine a thread pool mostly waits on itself
@@ -102,11 +107,10 @@ def randomise(heads, seed, std=1.0):
 
 
 # ----------------------------------------------------------------------------- command lines
-# A real process per case costs a torch import (~2 s), so most command-line cases run the script's
-# own `__main__` block in this process (`cli`: runpy, with sys.argv set): the same argument parsing,
-# the same try/except that turns BadInput into `error: ...` and exit code 2. An exception that
-# escapes it would be a traceback in a real run; here it is reported as one. A few cases also run
-# as real processes (`run_py`), to pin the exit code and stderr end to end.
+# A real process per case costs a torch import (~2 s), so most command-line cases run a script's
+# main(argv) in this process (`in_process`, `cli`), wrapped in the same run_script that turns
+# BadInput into `error: ...` and exit code 2. A few cases also run as real processes (`run_py`), to
+# pin the exit code and stderr end to end.
 
 def env():
     e = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1', PYTHONFAULTHANDLER='1')
@@ -120,6 +124,50 @@ def run_py(args, timeout=120):
                           text=True, timeout=timeout)
 
 
+def sigint_at_default(argv):
+    """`python argv`, started with SIGINT at its default. A shell starts a background job with SIGINT
+    ignored, and its children inherit that; Python then installs no KeyboardInterrupt handler, and a
+    Ctrl-C a test sends would do nothing. Resetting it here makes the test about the script, not
+    about how the suite was started."""
+    reset = ('import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); '
+             'os.execv(sys.executable, [sys.executable] + sys.argv[1:])')
+    return [sys.executable, '-c', reset, *argv]
+
+
+def in_process(main, cwd=ROOT):
+    """Run main() in this process, in the folder cwd, the way a script's `__main__` block runs it
+    (data.run_script) -> (exit code, stdout, stderr). CUDA is hidden, so that '--device cuda' is
+    refused on any machine; the RNGs, the working directory and torchrun's variables are restored
+    afterwards. An exception that run_script lets through would be a traceback in a real run: it
+    comes back as one, with exit code 1."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    home, py_state = os.getcwd(), random.getstate()
+    ddp = {n: os.environ.pop(n) for n in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK') if n in os.environ}
+    try:
+        with redirect_stdout(out), redirect_stderr(err), torch.random.fork_rng(devices=[]), \
+                mock.patch('torch.cuda.is_available', return_value=False), \
+                mock.patch('torch.cuda.device_count', return_value=0):
+            os.chdir(cwd)
+            try:
+                run_script(main)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception as e:
+                err.write(f"Traceback (in-process): {type(e).__name__}: {e}\n")
+                code = 1
+    finally:
+        os.chdir(home)
+        random.setstate(py_state)
+        os.environ.update(ddp)
+    return code, out.getvalue(), err.getvalue()
+
+
+def cli(script, args, cwd=ROOT):
+    """`python script args`, run from cwd, in this process -> (exit code, stdout, stderr)."""
+    module = importlib.import_module(script.removesuffix('.py'))
+    return in_process(lambda: module.main([str(a) for a in args]), cwd)
+
+
 def assert_clean_error(proc, *needles):
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert 'Traceback' not in proc.stderr, proc.stderr
@@ -130,23 +178,6 @@ def assert_clean_error(proc, *needles):
     for n in needles:
         assert n in last, last
     return last
-
-
-def cli(script, args, capsys, monkeypatch):
-    """Run `python script args` in-process -> (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, 'argv', [script] + [str(a) for a in args])
-    monkeypatch.chdir(ROOT)
-    capsys.readouterr()
-    code = 0
-    try:
-        runpy.run_path(os.path.join(ROOT, script), run_name='__main__')
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except Exception as e:  # what a real process would show as a traceback
-        out, err = capsys.readouterr()
-        return 1, out, err + f"Traceback (in-process): {type(e).__name__}: {e}\n"
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 class Proc:

@@ -1,8 +1,6 @@
 """
-train.py, decode.py and bench.py given bad input, each run as a real process, the way a user
-runs them.
-
-Every row of CASES is one command line and what it must do:
+train.py, decode.py and bench.py given bad input, the way a user gives it: every row of CASES is one
+command line and what it must do.
 
   refused      exit code 2; stderr has exactly one line starting with `error:` (no argparse usage
                dump), that line names the flag or file the user gave, and there is no Traceback;
@@ -11,18 +9,23 @@ Every row of CASES is one command line and what it must do:
   interrupted  Ctrl-C (SIGINT) while it works: exit code 130, no Traceback, and a last line that
                says what to do next; the checkpoint written so far still loads
 
-No process may hang: each one gets TIMEOUT seconds, and running out of time fails its case.
-A crafted pickle (a checkpoint or meta.pkl whose unpickling would create a marker file) must be
-refused without running: the marker file must not exist afterwards.
+Most cases run in this process, through the same `main(argv)` and `run_script` a script runs
+(stdout and stderr captured, CUDA hidden, the RNGs and working directory restored afterwards): an
+exception that escapes would be a traceback in a real run, and is reported as one. Real processes
+(`process=True`) are kept for what only they show: Ctrl-C, the exit code and stderr end to end, a
+crafted pickle whose payload must not run on load, and FIFOs, where a regression would hang (a
+process gets TIMEOUT seconds; running out of time fails its case). A crafted pickle (a checkpoint
+or meta.pkl whose unpickling would create a marker file) must be refused without running: the
+marker file must not exist afterwards.
 
 How it runs: one tiny training run (ckpt.pt, heads.pt, dblast_K4.pt, dblast_K1.pt) and the crafted
 files are made once for the module (the `paths` fixture); the `results` fixture then runs every
-selected case, three processes at a time, and stores what each did; each case is its own test id
-that asserts on its stored result. Cases that could write get their own folder: a fresh copy of the
-trained run ('copy') or an empty folder ('fresh'); the others may only read the shared trained run,
-whose checkpoints are checked after every case and at the end.
+selected case, the real processes two at a time beside the in-process ones, and stores what each
+did; each case is its own test id that asserts on its stored result. Cases that could write get
+their own folder: a fresh copy of the trained run ('copy') or an empty folder ('fresh'); the others
+may only read the shared trained run, whose checkpoints are checked after every case and at the end.
 
-    python -m pytest -q tests/test_cli.py                 # everything (about two minutes on 2 cores)
+    python -m pytest -q tests/test_cli.py                 # everything (under a minute on 2 cores)
     python -m pytest -q tests/test_cli.py -k decode       # only decode.py's cases (only they run)
 """
 import hashlib
@@ -44,12 +47,16 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, corpus_text
+from bench import main as bench_main
+from conftest import ROOT, corpus_text, in_process, sigint_at_default
 from data import Vocab
+from decode import main as decode_main
 from model import GPT, GPTConfig
+from train import main as train_main
 
 TIMEOUT = 90          # seconds any one process may take; more is a hang
-WORKERS = 3           # processes at a time
+WORKERS = 2           # real processes at a time (beside the in-process cases)
+MAINS = {'train.py': train_main, 'decode.py': decode_main, 'bench.py': bench_main}
 IS_ROOT = hasattr(os, 'geteuid') and os.geteuid() == 0
 
 
@@ -72,6 +79,11 @@ class Case:
     output_has: Optional[str] = None        # stdout + stderr must contain this
     after: Optional[Callable] = None        # after(paths): more checks once the process is done
     needs_non_root: bool = False            # permission bits mean nothing to root
+    process: bool = False                   # run as a real process (see the module's docstring)
+
+    def __post_init__(self):   # what only a real process shows
+        fifo = any('fifo' in a for a in self.argv if isinstance(a, str))
+        self.process = self.process or bool(self.interrupt or self.marker) or fifo
 
     def __repr__(self):
         return f"Case({self.id!r})"
@@ -219,7 +231,7 @@ CASES = [
     ] for name, value in values.items()],
     train_refused('n-embd-not-divisible', ['--n-embd', '30', '--n-head', '4'], '--n-embd'),
     train_refused('batch-size-not-a-number', ['--batch-size', 'abc'], '--batch-size'),
-    train_refused('unknown-flag', ['--bogus-flag', '3'], '--bogus-flag'),
+    train_refused('unknown-flag', ['--bogus-flag', '3'], '--bogus-flag', process=True),   # end to end
     # ------------------------------------------------------------------ train.py: choices and names
     train_refused('stages-empty', ['--stages', ''], '--stages'),
     train_refused('stages-bogus', ['--stages', 'bogus'], '--stages'),
@@ -294,7 +306,7 @@ CASES = [
     decode_refused('zt-with-heads', ['--heads', '{heads}', '--zt', '1'], '--zt'),
     decode_refused('verify-with-heads', ['--heads', '{heads}', '--verify', 'mixture'], '--verify'),
     decode_refused('sample-drafts-greedy', ['--heads', '{heads}', '--sample-drafts'], 'sample-drafts'),
-    decode_refused('unknown-flag', ['--bogus-flag'], '--bogus-flag'),
+    decode_refused('unknown-flag', ['--bogus-flag'], '--bogus-flag', process=True),
     decode_refused('empty-prompt', ['--prompt', ''], '--prompt'),
     decode_refused('device-bogus', ['--device', 'bogus'], '--device'),
     decode_refused('device-cuda', ['--device', 'cuda'], '--device'),
@@ -335,7 +347,7 @@ CASES = [
     bench_refused('max-new-zero', ['--max-new', '0'], '--max-new'),
     bench_refused('max-new-beyond-context', ['--max-new', '100000'], '--max-new', within=30),
     bench_refused('tables-empty', ['--tables', ''], '--tables'),
-    bench_refused('tables-bogus', ['--tables', 'bogus'], '--tables'),
+    bench_refused('tables-bogus', ['--tables', 'bogus'], '--tables', process=True),
     bench_refused('tables-time-alone', ['--tables', 'time'], '--tables'),
     bench_refused('dblast-k-one', ['--dblast-k', '1'], '--dblast-k'),
     bench_refused('seed-neg', ['--seed', '-1'], '--seed'),
@@ -406,7 +418,7 @@ def case_paths(paths, case):
 
 
 def run_case(case, paths):
-    """Run one case as a real process in its own folder; what it did, as a Result."""
+    """Run one case in its own folder, as a real process or in this one; what it did, as a Result."""
     p = case_paths(paths, case)
     work = p['work']
     os.makedirs(work)
@@ -416,11 +428,25 @@ def run_case(case, paths):
         case.prepare(p)
     watched = {'run': p['run'], 'copy': p['copy'], 'fresh': p['out']}[case.out]
     before = tree_hashes(watched)
-    argv = [sys.executable] + [fill(a, p) for a in case.argv]
+    argv = [fill(a, p) for a in case.argv]
+    t0 = time.monotonic()
+    if case.process:
+        code, stdout, stderr = run_process(case, argv, p)
+    else:
+        script, *args = [os.fsdecode(a) for a in argv]   # bytes arrive as Python decodes a real argv
+        code, stdout, stderr = in_process(lambda: MAINS[script](args))
+    return Result(code, stdout, stderr, time.monotonic() - t0, before, tree_hashes(watched),
+                  bool(case.marker) and os.path.exists(fill(case.marker, p)))
+
+
+def run_process(case, argv, p):
+    """`python argv` in the case's folder -> (exit code or None after TIMEOUT seconds, stdout, stderr)."""
+    work = p['work']
     t0 = time.monotonic()
     with open(os.path.join(work, 'stdout'), 'wb') as out, open(os.path.join(work, 'stderr'), 'wb') as err:
         # output to files, not pipes: a long run's progress bars would fill a pipe nobody reads yet
-        proc = subprocess.Popen(argv, cwd=ROOT, env=script_env(), stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        proc = subprocess.Popen(sigint_at_default(argv), cwd=ROOT, env=script_env(), stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=err)
         try:
             if case.interrupt:
                 case.interrupt(proc, p)
@@ -431,14 +457,12 @@ def run_case(case, paths):
             proc.kill()
             proc.wait()
             code = None
-    seconds = time.monotonic() - t0
 
     def read(name):
         with open(os.path.join(work, name), 'rb') as f:
             return f.read().decode('utf-8', errors='replace')
 
-    return Result(code, read('stdout'), read('stderr'), seconds, before, tree_hashes(watched),
-                  bool(case.marker) and os.path.exists(fill(case.marker, p)))
+    return code, read('stdout'), read('stderr')
 
 
 def lines_of(text):
@@ -588,10 +612,8 @@ def paths(tmp_path_factory):
              files=os.path.join(root, 'files'), cases=os.path.join(root, 'cases'))
     with open(p['corpus'], 'w') as f:
         f.write(corpus_text())
-    argv = train(out=p['run'])
-    proc = subprocess.run([sys.executable] + [fill(a, p) for a in argv], cwd=ROOT, env=script_env(),
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, err = in_process(lambda: train_main([fill(a, p) for a in train(out=p['run'])[1:]]))
+    assert code == 0, err[-3000:]
     p.update(ckpt=os.path.join(p['run'], 'ckpt.pt'), heads=os.path.join(p['run'], 'heads.pt'),
              dblast=os.path.join(p['run'], 'dblast_K4.pt'))
     assert sorted(tree_hashes(p['run'])) == ['ckpt.pt', 'dblast_K1.pt', 'dblast_K4.pt', 'heads.pt']
@@ -606,15 +628,16 @@ def paths(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def results(paths, request):
-    """Every case selected for this session (-k), run WORKERS at a time: {case id: Result}.
-    The slow ones (interrupted, accepted) start first."""
+    """Every case selected for this session (-k): {case id: Result}. The real processes run WORKERS
+    at a time, the slow ones (interrupted, accepted) first, while this thread runs the others."""
     selected = {item.callspec.params['case'].id for item in request.session.items
                 if isinstance(getattr(item, 'callspec', None) and item.callspec.params.get('case'), Case)}
     todo = [c for c in CASES if c.id in selected and not (c.needs_non_root and IS_ROOT)]
     todo.sort(key=lambda c: c.code == 2)
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        futures = {c.id: pool.submit(run_case, c, paths) for c in todo}
-        return Results((cid, f.result()) for cid, f in futures.items())
+        futures = {c.id: pool.submit(run_case, c, paths) for c in todo if c.process}
+        done = {c.id: run_case(c, paths) for c in todo if not c.process}
+        return Results(done, **{cid: f.result() for cid, f in futures.items()})
 
 
 # ----------------------------------------------------------------------------- tests

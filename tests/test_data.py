@@ -6,17 +6,15 @@ import os
 import pickle
 import re
 import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, corpus_text
-from data import Vocab, load_dataset, read_meta, regular_files, vocab_for
+from conftest import Proc, cli, corpus_text
+from data import BadInput, Vocab, load_dataset, load_target, read_meta, regular_files, vocab_for
 from decode import generate
-from model import GPT, BadInput, GPTConfig, load_target
+from model import GPT, GPTConfig
 
 TEXT = corpus_text(4000) + "Hello, World! 42\n"
 
@@ -58,10 +56,8 @@ def nanogpt_checkpoint(path, vocab_size, dataset, steps=150, ids=None):
 
 
 def run(script, *args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1')
-    env.pop('RANK', None)
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *map(str, args)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    """`python script args` from the folder cwd, as a user in nanoGPT's folder runs it (in-process)."""
+    return Proc(*cli(script, args, cwd))
 
 
 def one_error_line(proc, *needles):

@@ -2,6 +2,7 @@
 expected-acceptance evaluator, and the paper's point on a multimodal toy task.
 
 Losslessness of every proposal under verification is tested by chi-square in test_sampling.py."""
+import copy
 import itertools
 import math
 import types
@@ -13,9 +14,10 @@ import torch.nn.functional as F
 
 import train
 from conftest import V8, V8_PROMPT, peaky
-from dblast import (DBlastDrafter, anchors, expected_accepted, log_conditionals, posterior, prefix_log_accept,
-                    prior)
+from dblast import (DBlastDrafter, al_surrogate, anchors, expected_accepted, log_conditionals, posterior,
+                    prefix_log_accept, prior)
 from decode import generate
+from heads import BlockHeads
 from model import GPT, GPTConfig
 
 V, CFG, PROMPT = V8.vocab_size, V8, V8_PROMPT   # the enumerable world (conftest)
@@ -27,9 +29,8 @@ def target(v8_target):
 
 
 def drafter_of(K, branches='sampled', verify='mixture', seed=2, k=4, zt=1.0):
-    d = peaky(DBlastDrafter(CFG, k, K, branches=branches, verify=verify), 0.3, seed)
-    d.zt = zt
-    return d
+    """branches: 'sampled' or 'greedy' (sample_drafts True or False)."""
+    return peaky(DBlastDrafter(CFG, k, K, sample_drafts=branches == 'sampled', verify=verify, zt=zt), 0.3, seed)
 
 
 @torch.no_grad()
@@ -46,7 +47,9 @@ def enumerate_blocks(model, n, temperature):
 
 
 def first_step_accepted(model, drafter, temperature, n, seed=0):
-    """Accepted drafts of every row's first decoding step (mean, standard error)."""
+    """Accepted drafts of every row's first decoding step (mean, standard error), decoded in float32
+    as for real: a Monte Carlo estimate needs no float64 (what it is compared with is exact)."""
+    model, drafter = copy.deepcopy(model).float(), copy.deepcopy(drafter).float()
     _, stats = generate(model, PROMPT.expand(n, -1), 4, drafter=drafter, temperature=temperature,
                         generator=torch.Generator().manual_seed(seed))
     first = torch.tensor(stats['accept_lengths'][:n], dtype=torch.float64) - 1  # step 1 of each row
@@ -66,7 +69,7 @@ def test_expected_accepted_matches_decoding(target, K, branches, verify):
     T, zt = 1.0, (1.0 if K == 1 or branches == 'sampled' else 0.5)
     d = drafter_of(K, branches, verify, zt=zt)
     lp, h, bonus, x = enumerate_blocks(target, 3, T)
-    per_block = expected_accepted(d, h, bonus, target, x, lp[:, 1:], T, branches, verify, zt)
+    per_block = expected_accepted(d, h, bonus, target, x, lp[:, 1:], T, branches == 'sampled', verify, zt)
     if branches == 'sampled':   # the loss's view gives the same numbers
         log_pi, log_qx = d.log_q(h, bonus, target, x, T)
         a = prefix_log_accept(log_pi, log_qx, lp[:, 1:], verify)
@@ -79,12 +82,10 @@ def test_expected_accepted_matches_decoding(target, K, branches, verify):
 
 def test_expected_accepted_for_bpd_heads_matches_decoding(target):
     """The evaluator takes BPD heads as a one-branch mixture (sampled drafts)."""
-    from heads import BlockHeads
     heads = peaky(BlockHeads(CFG, 4), 0.3, 1)
-    heads.sample_drafts = True
     lp, h, bonus, x = enumerate_blocks(target, 3, 1.0)
     expected = (lp.sum(-1).exp() * expected_accepted(heads, h, bonus, target, x, lp[:, 1:], 1.0,
-                                                     'sampled', 'mixture')).sum().item()
+                                                     True, 'mixture')).sum().item()
     mean, se = first_step_accepted(target, heads, 1.0, 20000)
     assert abs(mean - expected) < 4 * se, (mean, expected, se)
 
@@ -99,12 +100,12 @@ def test_mixture_accepts_the_first_draft_at_least_as_often_as_branch(target, bra
     d = drafter_of(4, branches, seed=seed, zt=zt)
     lp, h, bonus, x = enumerate_blocks(target, 1, T)         # (V*V) rows: bonus, x_1
     p_x = lp[:, 1].exp()
-    acc = {v: p_x * expected_accepted(d, h, bonus, target, x, lp[:, 1:], T, branches, v, zt)
+    acc = {v: p_x * expected_accepted(d, h, bonus, target, x, lp[:, 1:], T, branches == 'sampled', v, zt)
            for v in ('mixture', 'branch')}
     acc = {v: a.view(V, V).sum(-1) for v, a in acc.items()}  # per bonus: P(first draft accepted)
     # direct: p (V, V) and each branch's q~_1 (V, K, V) at each bonus
     with torch.no_grad():
-        log_pi, logits = d.mixture_logits(h.view(V, V, -1)[:, 0], bonus.view(V, V)[:, 0], target, 1)
+        log_pi, logits = d.mixture_logits(h.view(V, V, -1)[:, 0], bonus.view(V, V)[:, 0], target, 2)
     q = F.softmax(logits[:, :, 0] / T, -1) if branches == 'sampled' else \
         F.one_hot(logits[:, :, 0].argmax(-1), V).double()
     w = prior(log_pi, zt).exp()                               # (V, K)
@@ -132,9 +133,9 @@ def test_greedy_branches_with_one_branch_or_zt_zero_are_point_masses(target):
     """K = 1, or Z_T = 0 (the argmax branch): the proposal is one deterministic path."""
     torch.manual_seed(0)
     h, b = torch.randn(20, CFG.n_embd, dtype=torch.float64), torch.randint(V, (20,))
-    assert drafter_of(1, 'greedy').draft(h, b, target, 4, 1.0)[1] is None
-    drafts, Q = drafter_of(4, 'greedy', zt=0.0).draft(h, b, target, 4, 1.0)
-    assert torch.equal(Q, F.one_hot(drafts, V).double())
+    for d in (drafter_of(1, 'greedy'), drafter_of(4, 'greedy', zt=0.0)):
+        drafts, Q = d.draft(h, b, target, 4, 1.0)
+        assert torch.equal(Q, F.one_hot(drafts, V).double())
 
 
 def test_posterior_is_computed_in_log_space():
@@ -165,7 +166,7 @@ def test_mixture_nll_k1_is_sum_of_cross_entropies(target):
     h = torch.randn(5, CFG.n_embd, dtype=torch.float64)
     bonus, x = torch.randint(V, (5,)), torch.randint(V, (5, 3))
     log_pi, log_qx = drafter.log_q(h, bonus, target, x, temperature=0.7)
-    _, logits = drafter.mixture_logits(h, bonus, target, 3)
+    _, logits = drafter.mixture_logits(h, bonus, target, 4)
     ce = F.cross_entropy(logits[:, 0].flatten(0, 1) / 0.7, x.flatten(), reduction='none').view(5, 3).sum(-1)
     assert torch.allclose(DBlastDrafter.nll(log_pi, log_qx), ce, atol=1e-12)
 
@@ -190,6 +191,23 @@ def test_al_loss_threshold_and_fallback(target, kind, verify):
                           -t.mean(-1).mean() + 0.5 * nll)
     other = prefix_log_accept(log_pi, log_qx, log_px, 'branch' if verify == 'mixture' else 'mixture')
     assert not torch.allclose(a, other)     # the two forms really differ for K > 1
+
+
+def test_al_surrogate_gradient_reaches_past_S_but_not_past_the_clamp():
+    """S = {1}, yet the tail t_1 = logsumexp_{j >= 1} a_j sums over every later prefix: log q at the
+    positions after S gets gradient through it (MATH.md §6 says so). Where q_i(x_i) >= p_i(x_i) the
+    clamp in a_j stops the gradient."""
+    log_qx = torch.tensor([[[-1.0, -1.0, -1.0, -3.0]]], dtype=torch.float64, requires_grad=True)  # K = 1, n = 4
+    log_px = torch.tensor([[-0.5, -0.5, -2.0, -0.5]], dtype=torch.float64)     # position 3: q above p
+    a = prefix_log_accept(torch.zeros(1, 1, dtype=torch.float64), log_qx, log_px)
+    assert torch.allclose(a.detach(), torch.tensor([[-0.5, -1.0, -1.0, -3.5]], dtype=torch.float64))
+    loss = al_surrogate(a, torch.zeros(1, dtype=torch.float64), math.exp(-0.75))    # S = {1}
+    loss.sum().backward()
+    grad = log_qx.grad[0, 0]
+    assert grad[0] < 0 and grad[1] < 0 and grad[3] < 0, grad      # positions 2 and 4 lie after S
+    assert grad[2] == 0, grad                                      # the clamp
+    # and the value: -t_1
+    assert torch.allclose(loss, -torch.logsumexp(a.detach()[0], 0).reshape(1))
 
 
 # --------------------------------------------------------------------------- the paper's point
@@ -231,7 +249,7 @@ def test_dependent_drafter_splits_the_modes_of_a_multimodal_block():
     text = phrase_corpus(1, 20000, gen)[0].numpy().astype('uint8')
     data = train.dblast_data(rt, model, text, 256, args.temperature, 0, 'samples')
     k = 4
-    lo, hi = train.PROMPT_LEN - 1, data[0].size(1) - k
+    lo, hi = data.positions(k)
     marker = phrase_corpus(1, 10, gen)[:, :3]                    # filler, filler, marker
     phrases = {(2, 3, 4), (5, 6, 7), (8, 9, 10), (11, 12, 13)}
     taus = {}
@@ -241,19 +259,19 @@ def test_dependent_drafter_splits_the_modes_of_a_multimodal_block():
         objective = train.DBlastObjective(model, drafter, args, args.dblast_loss)
         opt = torch.optim.AdamW(drafter.parameters(), lr=args.dblast_lr)
         for _ in range(300):
-            r = torch.randint(len(data[0]), (128,), generator=gen)
-            t = torch.randint(lo, hi, (128,), generator=gen)
-            loss = objective(*anchors(data, k, r, t))
+            rows = torch.randint(len(data.seqs), (128,), generator=gen)
+            pos = torch.randint(lo, hi, (128,), generator=gen)
+            loss = objective(*anchors(data, k, rows, pos))
             opt.zero_grad()
             loss.backward()
             opt.step()
         drafter.eval()
         if K == 4:   # the branches at the marker, bonus = the phrases' shared first token
             h = model.hidden(marker)[:, -1]
-            _, logits = drafter.mixture_logits(h, torch.tensor([1]), model, k - 1)
+            _, logits = drafter.mixture_logits(h, torch.tensor([1]), model, k)
             assert {tuple(p) for p in logits[0].argmax(-1).tolist()} == phrases
         for branches in ('greedy', 'sampled'):
-            drafter.branches = branches
+            drafter.sample_drafts = branches == 'sampled'
             _, stats = generate(model, marker.expand(2000, -1), k, drafter=drafter, temperature=1.0,
                                 generator=torch.Generator().manual_seed(0))
             taus[K, branches] = sum(stats['accept_lengths'][:2000]) / 2000

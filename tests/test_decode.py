@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import Proc, assert_clean_error, cli, naive_greedy, randomise, run_py, tiny_model
+from conftest import ROOT, Proc, assert_clean_error, cli, naive_greedy, randomise, run_py, tiny_model
+from data import BadInput, save_checkpoint
 from decode import generate, load_drafter, merged_step
 from heads import BlockHeads
-from model import GPT, BadInput, GPTConfig, save_checkpoint
+from model import GPT, GPTConfig
 
 V = 32           # vocabulary of the tiny target
 K_MAX = 8        # block size the heads are built / trained for
@@ -475,7 +476,7 @@ def test_merged_step_inactive_rows_do_not_advance(model, prompts):
     B = prompts.size(0)
     cache = model.new_cache(B, T0 + 16)
     h = model.forward_cached(prompts, cache)[:, -1]
-    cache.lengths += T0
+    cache.commit(T0)
     bonus = model.lm_head(h).argmax(-1)
     drafts, _ = heads.draft(h, bonus, model, 4)
     block = torch.cat([bonus[:, None], drafts], 1)
@@ -488,14 +489,13 @@ def test_merged_step_inactive_rows_do_not_advance(model, prompts):
 
 
 # ----------------------------------------------------------------------------- 7. the CLI
-# Most cases run decode.py's `__main__` in this process (conftest.cli); one also runs as a real
+# Most cases run decode.py's main in this process (conftest.cli); one also runs as a real
 # process, to pin the exit code and stderr end to end.
 
 @pytest.fixture
-def decode_cli(capsys, monkeypatch):
+def decode_cli():
     def run(ckpt, *extra):
-        return Proc(*cli('decode.py', ['--ckpt', ckpt, '--device', 'cpu', '--max-new-tokens', '4',
-                                       *extra], capsys, monkeypatch))
+        return Proc(*cli('decode.py', ['--ckpt', ckpt, '--device', 'cpu', '--max-new-tokens', '4', *extra]))
     return run
 
 
@@ -555,3 +555,28 @@ def test_decode_bad_arguments(good_ckpt, decode_cli, extra, needles):
     proc = decode_cli(good_ckpt, *extra)
     assert proc.returncode == 2
     assert_clean_error(proc, *needles)
+
+
+# ----------------------------------------------------------------------------- 8. the README's example
+
+def test_the_readme_python_example_runs_as_pasted(tmp_path, corpus_file, capsys):
+    """After `python train.py` (here at tiny sizes, into tmp_path/out), the README's Python block
+    runs top to bottom from that folder: it loads the target and both drafters, encodes a prompt
+    with the checkpoint's vocabulary, generates and decodes the text."""
+    readme = open(os.path.join(ROOT, 'README.md')).read()
+    code = readme.split('this block runs as pasted', 1)[1].split('```python\n', 1)[1].split('```', 1)[0]
+    tiny = ['--device', 'cpu', '--data', corpus_file, '--n-layer', '1', '--n-head', '2', '--n-embd', '16',
+            '--block-size', '160', '--max-iters', '10', '--batch-size', '4', '--eval-iters', '1', '--warmup-iters', '2',
+            '--heads-iters', '4', '--distill-samples', '4', '--dblast-iters', '4', '--dblast-samples', '4',
+            '--dblast-eval-samples', '2', '--no-demo']
+    exit_code, _, err = cli('train.py', tiny, cwd=tmp_path)
+    assert exit_code == 0, err[-2000:]
+    home = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        capsys.readouterr()
+        exec(compile(code, 'README.md', 'exec'), {'__name__': '__main__'})
+    finally:
+        os.chdir(home)
+    printed = capsys.readouterr().out
+    assert printed.startswith('def ') and ' calls; tau per step: [' in printed

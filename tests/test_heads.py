@@ -106,19 +106,20 @@ def test_draft_argmax_or_sampled_with_its_q():
 
 @torch.no_grad()
 def test_mixture_logits_is_the_one_branch_view():
-    """log pi is (N, 1) zeros (one branch, probability 1) and the branch's logits (N, 1, n, V) are
-    the heads' own for the first n heads; the bonus is not an input."""
+    """log pi is (N, 1) zeros (one branch, probability 1) and, for a block of `block` tokens, the
+    branch's logits (N, 1, block-1, V) are the heads' own for the first block-1 heads (the same k
+    as draft takes); the bonus is not an input."""
     k = 6
     model, heads, h = target_and_heads(k, seed=5)
     N = h.size(0)
     bonus = model.lm_head(h).argmax(-1)
-    for n in (1, 3, k - 1):
-        log_pi, logits = heads.mixture_logits(h, bonus, model, n)
+    for block in (2, 4, k):
+        log_pi, logits = heads.mixture_logits(h, bonus, model, block)
         assert log_pi.shape == (N, 1) and log_pi.dtype == torch.float64
         assert torch.equal(log_pi, torch.zeros(N, 1, dtype=torch.float64))
-        assert logits.shape == (N, 1, n, V)
-        assert torch.equal(logits[:, 0], heads(h, model.lm_head, n))
-        _, other = heads.mixture_logits(h, (bonus + 1) % V, model, n)
+        assert logits.shape == (N, 1, block - 1, V)
+        assert torch.equal(logits[:, 0], heads(h, model.lm_head, block - 1))
+        _, other = heads.mixture_logits(h, (bonus + 1) % V, model, block)
         assert torch.equal(other, logits)
 
 

@@ -1,4 +1,4 @@
-"""The target GPT: cached forward vs full forward, rollback, greedy through the cache, nanoGPT
+"""The target GPT: cached forward vs full forward, committing part of a block, greedy through the cache, nanoGPT
 checkpoints against an independent GPT-2 forward, seeded sampling."""
 import math
 
@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
+from data import BadInput, load_target, save_checkpoint
 from decode import generate
-from model import GPT, BadInput, GPTConfig, KVCache, load_target, save_checkpoint
+from model import GPT, GPTConfig, KVCache
 
 TOL = 1e-10
 
@@ -34,14 +35,13 @@ def test_cached_block_matches_full_forward_rows_of_different_lengths():
     with torch.no_grad():
         h = model.forward_cached(prefix, cache)
         assert cache.lengths.tolist() == [0, 0]          # forward_cached does not advance
-        cache.lengths += T0
         # the prefill itself already matches the full forward
         ref = model(prefix)[0]
         assert (model.lm_head(h) - ref).abs().max().item() < TOL
 
-        # roll row 1 back to a shorter prefix; row 0 keeps its 12 tokens
+        # row 0 keeps its 12 tokens, row 1 only 7: its last 5 stay in the buffer, masked
         keep = torch.tensor([T0, 7])
-        cache.rollback(keep)
+        cache.commit(keep)
         assert cache.lengths.tolist() == [T0, 7]
         got = model.lm_head(model.forward_cached(block, cache))    # (B, L, V)
 
@@ -67,36 +67,37 @@ def test_cached_token_by_token_matches_full_forward():
         outs = []
         for t in range(24):
             outs.append(model.lm_head(model.forward_cached(seq[:, t:t + 1], cache)))
-            cache.lengths += 1
+            cache.commit(1)
     got = torch.cat(outs, dim=1)
     assert (got - ref).abs().max().item() < TOL
 
 
-def test_rollback_then_refeed_equals_fresh_run():
+def test_rejected_entries_are_overwritten_as_if_never_written():
+    """A block written and only partly committed (what verification does): the next block
+    overwrites the rejected entries, and everything equals a fresh run over the kept tokens."""
     model = tiny_model(seed=4, vocab_size=64, std=0.2)
     g = torch.Generator().manual_seed(5)
     B = 2
-    a = torch.randint(64, (B, 14), generator=g)       # what the cache saw first (later rejected)
-    b = torch.randint(64, (B, 6), generator=g)        # what replaces it
+    a = torch.randint(64, (B, 14), generator=g)       # a block, of which only a prefix is kept
+    b = torch.randint(64, (B, 6), generator=g)        # what follows the kept prefix
     c = torch.randint(64, (B, 3), generator=g)        # one more block on top
     keep = torch.tensor([4, 9])
 
     with torch.no_grad():
         used = model.new_cache(B, 32)
         model.forward_cached(a, used)
-        used.lengths += a.size(1)
-        used.rollback(keep)
+        used.commit(keep)
         h_b = model.forward_cached(b, used)
-        used.lengths += b.size(1)
+        used.commit(b.size(1))
         h_c = model.forward_cached(c, used)
 
         for r in range(B):
             fresh = model.new_cache(1, 32)
             pre = a[r:r + 1, :keep[r]]
             model.forward_cached(pre, fresh)
-            fresh.lengths += pre.size(1)
+            fresh.commit(pre.size(1))
             f_b = model.forward_cached(b[r:r + 1], fresh)
-            fresh.lengths += b.size(1)
+            fresh.commit(b.size(1))
             f_c = model.forward_cached(c[r:r + 1], fresh)
             assert (h_b[r] - f_b[0]).abs().max().item() < TOL
             assert (h_c[r] - f_c[0]).abs().max().item() < TOL

@@ -9,9 +9,9 @@ import torch
 
 from conftest import Proc, assert_clean_error, cli, corpus_text, naive_greedy, run_py, tiny_model
 import train
-from data import PROMPT_LEN, windows
+from data import PROMPT_LEN, BadInput, load_checkpoint, load_target, save_checkpoint, windows
 from decode import generate
-from model import BadInput, GPT, GPTConfig, load_checkpoint, load_target, save_checkpoint
+from model import GPT, GPTConfig
 
 TINY = ['--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '32',
         '--batch-size', '4', '--stages', 'base', '--no-demo', '--device', 'cpu',
@@ -213,13 +213,13 @@ def test_torchrun_two_gloo_ranks_end_identical(tmp_path, corpus_file):
 
 
 # --------------------------------------------------------------------------- bad inputs
-# Most cases run train.py's `__main__` in this process (conftest.cli); one also runs as a real
+# Most cases run train.py's main in this process (conftest.cli); one also runs as a real
 # process, to pin the exit code and stderr end to end.
 
 @pytest.fixture
-def train_cli(capsys, monkeypatch):
+def train_cli():
     def run(*args):
-        return Proc(*cli('train.py', [*TINY, *args], capsys, monkeypatch))
+        return Proc(*cli('train.py', [*TINY, *args]))
     return run
 
 
