@@ -29,10 +29,10 @@ from model import GPTConfig, sample, tempered, upcast
 
 
 # ------------------------------------------------------------------------- verification
-# One decoding step verifies the pending block [bonus, d_1 .. d_{k-1}] in three small pieces, each
-# named once here and used by merged_step: which drafts pass (a greedy acceptance rule, or the
-# lossless test of speculative sampling), the bonus after a rejection (the residual), and what is
-# committed (the accepted prefix). Exercises replace exactly these.
+# One decoding step verifies the pending block [bonus, d_1 .. d_{k-1}] with verify_greedy or
+# verify_sampled, each built from small pieces named once here: which drafts pass (an acceptance
+# rule of the table ACCEPT, or speculative sampling's test accept_sampled), the bonus after a
+# rejection (residual), and what is committed (accept_prefix). Exercises replace exactly these.
 
 def span(name):
     """A named region for torch.profiler (bench.py splits a step's time by these); near free
@@ -136,6 +136,26 @@ def accept_prefix(ok, candidates):
     return accepted, n_acc, candidates.gather(1, n_acc[:, None]).squeeze(1)
 
 
+def verify_greedy(logits, drafts, accept=(exact, None)):
+    """Greedy verification (BPD §3): logits (B, k, V) of the target after each block position,
+    drafts (B, k-1), accept = (rule, param) of ACCEPT. Returns accepted (B, k-1), n_acc (B,) and
+    the bonus (B,): the target's argmax after the last accepted draft."""
+    rule, param = accept
+    return accept_prefix(rule(logits, drafts, param), logits.argmax(-1))
+
+
+def verify_sampled(logits, q, drafts, temperature, generator=None):
+    """Lossless speculative sampling (MATH.md §4): the same as verify_greedy, for temperature > 0.
+    q (B, k-1, V): the proposal's conditionals the drafts were drawn from, at the same temperature
+    (None: point masses). The bonus is a sample of the residual after a rejection at j, or of p
+    after the last position when every draft passed."""
+    p = F.softmax(tempered(logits, temperature), dim=-1)      # (B, k, V) p_target
+    ok = accept_sampled(p[:, :-1], q, drafts, generator)
+    # every position's candidate bonus is drawn now, so the step stays one call without a sync
+    weights = torch.cat([residual(p[:, :-1], q, drafts), p[:, -1:]], dim=1)
+    return accept_prefix(ok, sample(weights, generator))
+
+
 # ------------------------------------------------------------------------- the merged step
 
 def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
@@ -157,19 +177,10 @@ def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
         logits = upcast(model.lm_head(h))                       # (B, k, V) after each position
     with span('verify'):
         drafts = block[:, 1:]                                   # (B, k-1)
-        if temperature == 0.0:
-            rule, param = accept
-            ok = rule(logits, drafts, param)                    # BPD §3 / §5
-            candidates = logits.argmax(-1)                      # the greedy bonus after each position
-        else:
-            # lossless speculative sampling (MATH.md §4), the same temperature on p and Q
-            p = F.softmax(tempered(logits, temperature), dim=-1)  # (B, k, V) p_target
-            ok = accept_sampled(p[:, :-1], q_block, drafts, generator)
-            # every position's candidate bonus is drawn now, so the step stays one call without
-            # a sync: residual after a rejection at j, a plain sample from p after the last one
-            weights = torch.cat([residual(p[:, :-1], q_block, drafts), p[:, -1:]], dim=1)
-            candidates = sample(weights, generator)             # (B, k)
-        accepted, n_acc, bonus = accept_prefix(ok, candidates)
+        if temperature == 0.0:                                  # BPD §3 / §5
+            accepted, n_acc, bonus = verify_greedy(logits, drafts, accept)
+        else:                                                   # the same temperature on p and Q
+            accepted, n_acc, bonus = verify_sampled(logits, q_block, drafts, temperature, generator)
     with span('cache'):
         cache.commit((n_acc + 1) * active)                      # b, d_1 .. d_{n_acc}
     if drafter is None:
@@ -195,7 +206,7 @@ def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, c
                        f"and {max_new_tokens} new tokens exceed the model's context of {limit} tokens")
     check_number('--temperature' if cli else 'temperature', temperature, lo=0.0, note='0 = greedy')
     rule, param = parse_accept(accept, model.config.vocab_size, cli)
-    if rule is not exact and temperature > 0:
+    if accept.partition(':')[0] != 'exact' and temperature > 0:
         raise BadInput(f"{named('accept', accept, cli)} is lossy and greedy-only; with temperature > 0 "
                        f"use exact acceptance")
     if drafter is not None:

@@ -9,11 +9,11 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from dblast import DBlastDrafter
 import decode
+from dblast import DBlastDrafter
 from decode import generate, merged_step, parse_accept, sample
+from exercises.harness import HostSyncs   # the host-sync detector the exercises' checks use too
 from heads import BlockHeads
 from model import GPT, GPTConfig
 from train import HeadsObjective
@@ -21,30 +21,6 @@ from train import HeadsObjective
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
-aten = torch.ops.aten
-
-# ops that make the host wait for the device: reading a value (.item(), bool(), int()), or an
-# output whose shape depends on the data (the host must read the count before allocating)
-SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-            aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_consecutive.default,
-            aten.unique_dim.default}
-
-
-class HostSyncs(TorchDispatchMode):
-    """Records every op inside the block that would stall the host on a GPU. It works on the CPU
-    too, so CI checks what set_sync_debug_mode checks on CUDA (for these ops)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        bool_index = func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
-        if func in SYNC_OPS or bool_index:
-            self.seen.append(str(func))
-        return func(*args, **kwargs)
 
 
 def setup(kind, temperature):

@@ -1,0 +1,114 @@
+"""Exercise 5's checks: the mixture's posterior and conditionals (README.md)."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from dblast import DBlastDrafter
+from exercises import harness
+
+NAMES = ('posterior', 'conditionals')
+SEAMS = {'dblast.posterior': 'posterior', 'dblast.conditionals': 'conditionals'}
+REFERENCE = {'posterior': 'dblast.posterior', 'conditionals': 'dblast.conditionals'}
+
+
+def random_mixture(N=6, K=3, n=4, V=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    log_prior = F.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64), -1)
+    log_q = F.log_softmax(torch.randn(N, K, n, V, generator=g, dtype=torch.float64) * 2, -1)
+    drafts = torch.randint(V, (N, n), generator=g)
+    return log_prior, log_q, drafts
+
+
+def brute_force(log_prior, log_q, drafts):
+    """w (N, n, K) and Q (N, n, V) from the definitions, in probability space (fine for 4 positions)."""
+    pi, q = log_prior.exp(), log_q.exp()
+    N, K, n, V = q.shape
+    qd = q.gather(-1, drafts[:, None, :, None].expand(N, K, n, 1)).squeeze(-1)   # (N, K, n)
+    w = torch.empty(N, n, K, dtype=q.dtype)
+    for i in range(n):
+        joint = pi * qd[:, :, :i].prod(-1)                                        # pi_z prod_{l<i}
+        w[:, i] = joint / joint.sum(-1, keepdim=True)
+    return w, torch.einsum('nik,nkiv->niv', w, q)
+
+
+def test_the_posterior_by_enumeration(impl):
+    """The posterior by enumeration. log w (N, n, K) equals pi'_z prod_{l<i} q~_l(d_l | z),
+    normalised, computed directly. Hint: an exclusive cumulative sum of log q over positions
+    (position 1 sees none, so w at position 1 is the prior), then log_softmax over z."""
+    log_prior, log_q, drafts = random_mixture()
+    log_qd = log_q.gather(-1, drafts[:, None, :, None].expand(-1, 3, -1, 1)).squeeze(-1)
+    log_w = impl.posterior(log_prior, log_qd)
+    assert log_w.shape == (6, 4, 3), f"log w should be (N, n, K) = (6, 4, 3), got {tuple(log_w.shape)}"
+    w, _ = brute_force(log_prior, log_q, drafts)
+    err = (log_w.exp() - w).abs().max().item()
+    assert err < 1e-12, f"the posterior differs from the definition by {err:.1e} (position 1 must be the prior)"
+
+
+def test_the_conditionals_by_enumeration(impl):
+    """The conditionals by enumeration. Q_i = sum_z w_{i,z} q~_i(. | z) for sampled branches, and
+    for greedy ones (one-hot q~, log 0 = -inf): a distribution at every position, no NaN.
+    Hint: -inf in log q~ is fine in log space (logsumexp, log_softmax); it is 0 * inf that is not."""
+    log_prior, log_q, drafts = random_mixture(seed=1)
+    Q = impl.conditionals(log_prior, log_q, drafts)
+    assert Q.shape == (6, 4, 5), f"Q should be (N, n, V) = (6, 4, 5), got {tuple(Q.shape)}"
+    _, want = brute_force(log_prior, log_q, drafts)
+    err = (Q - want).abs().max().item()
+    assert err < 1e-12, f"Q differs from sum_z w_iz q_i(.|z) by {err:.1e}"
+    # greedy branches: each branch a path, the drafts along branch 0's path
+    paths = log_q.argmax(-1)                                                      # (N, K, n)
+    one_hot = torch.full_like(log_q, -math.inf).scatter_(-1, paths.unsqueeze(-1), 0.0)
+    Q = impl.conditionals(log_prior, one_hot, paths[:, 0])
+    assert torch.isfinite(Q).all(), "greedy branches: Q has NaN or inf"
+    assert torch.allclose(Q.sum(-1), torch.ones(6, 4, dtype=Q.dtype)), "greedy branches: Q does not sum to 1"
+    _, want = brute_force(log_prior, one_hot, paths[:, 0])
+    assert (Q - want).abs().max().item() < 1e-12, "greedy branches: Q is not the posterior mass on each path's token"
+
+
+def test_no_underflow_over_32_tokens(impl):
+    """No underflow over 32 tokens. Drafts each about e^-40 likely (a product of e^-1280, below
+    float64's range): the posterior stays finite and exact. Hint: sums of logs, never products."""
+    n = 32
+    log_qd = torch.tensor([[-40.0], [-40.3], [-41.0]], dtype=torch.float64).expand(3, n)[None]   # (1, K=3, n)
+    log_w = impl.posterior(torch.log(torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64)), log_qd)
+    w = log_w.exp()
+    assert torch.isfinite(w).all(), "the posterior underflowed: NaN or inf"
+    i = torch.arange(n, dtype=torch.float64)
+    want = torch.exp(-0.3 * i) * 0.3 / 0.2                                        # w_1 / w_0 before position i
+    assert torch.allclose(w[0, :, 1] / w[0, :, 0], want, rtol=1e-9), "the posterior is wrong far into the block"
+
+
+def test_no_host_sync(impl):
+    """No host sync."""
+    log_prior, log_q, drafts = random_mixture(seed=2)
+    with harness.HostSyncs() as syncs:
+        impl.conditionals(log_prior, log_q, drafts)
+    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}"
+
+
+def test_lossless_through_generate(impl):
+    """Lossless through decode.generate. A K = 4 DBlast drafter with sampled branches (Z_T = 1,
+    T = 1.3) and greedy branches (Z_T = 0.5, T = 0.8), verified against your Q: every 3-token
+    continuation comes out with the target's probability (chi-square, 20,000 samples).
+    Hint: the drafts were drawn from the branch z ~ pi'; Q must weigh the branches by pi' too."""
+    model = harness.target8()
+    for sample_drafts, zt, T in ((True, 1.0, 1.3), (False, 0.5, 0.8)):
+        d = harness.peaky(DBlastDrafter(model.config, 4, 4, sample_drafts=sample_drafts, zt=zt), 0.3, 2)
+        with torch.no_grad():   # sharper branches: the drafts say much about z
+            d.block.ln.weight.mul_(4.0)
+        harness.assert_lossless(model, d, T, what=f"{'sampled' if sample_drafts else 'greedy'} branches: ")
+
+
+def try_it(impl, tryout):
+    """train.py's DBlast K = 4 drafter at T = 1.5 with your posterior and conditionals, sampled and
+    greedy branches, next to the project's."""
+    d = tryout.drafter('dblast_K4.pt')
+    rows = []
+    for sample_drafts in (True, False):
+        d.sample_drafts = sample_drafts
+        for label, yours in (('project', False), ('yours', True)):
+            row = tryout.row(f"{label}, {'sampled' if sample_drafts else 'greedy'} branches", yours, 1.5, drafter=d)
+            row['p'] = f"{tryout.second_token_p(yours, d, 1.5):.3f}"
+            rows.append(row)
+    d.sample_drafts = True
+    tryout.table(rows, extra=[('p-value, 2nd token (4000 decodes)', 'p')])

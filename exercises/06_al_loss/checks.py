@@ -1,0 +1,133 @@
+"""Exercise 6's checks: the acceptance-length surrogate (README.md)."""
+import contextlib
+import itertools
+import math
+import os
+import types
+
+import torch
+import torch.nn.functional as F
+
+import train
+from dblast import DBlastDrafter, anchors, expected_accepted, expected_tau
+from exercises import harness
+
+NAMES = ('prefix_log_accept', 'al_surrogate')
+SEAMS = {'dblast.prefix_log_accept': 'prefix_log_accept', 'dblast.al_surrogate': 'al_surrogate'}
+REFERENCE = {'prefix_log_accept': 'dblast.prefix_log_accept', 'al_surrogate': 'dblast.al_surrogate'}
+
+
+def random_block(N=8, K=3, n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    log_prior = F.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64), -1)
+    log_qx = -torch.rand(N, K, n, generator=g, dtype=torch.float64) * 3
+    log_px = -torch.rand(N, n, generator=g, dtype=torch.float64) * 3
+    return log_prior, log_qx, log_px
+
+
+def test_the_prefix_weights_by_enumeration(impl):
+    """The prefix weights, directly. a_j = log prod_{i<=j} min(1, Q_i(x_i) / p_i(x_i)) with Q_i
+    the mixture's conditional, computed in probability space. Hint: log Q_i(x_i) is a difference
+    of two logsumexps over z (of the joint up to i and up to i-1); clamp each term at 0, then
+    a cumulative sum."""
+    log_prior, log_qx, log_px = random_block()
+    a = impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture')
+    assert a.shape == (8, 4), f"a should be (N, n) = (8, 4), got {tuple(a.shape)}"
+    pi, q = log_prior.exp(), log_qx.exp()
+    joint = (pi[..., None] * q.cumprod(-1)).sum(1)                                 # Q(x_1..x_i)
+    Q = joint / torch.cat([torch.ones_like(joint[:, :1]), joint[:, :-1]], 1)       # Q_i(x_i)
+    want = torch.minimum(torch.ones_like(Q), Q / log_px.exp()).cumprod(-1).log()
+    err = (a - want).abs().max().item()
+    assert err < 1e-12, f"a differs from log prod min(1, Q_i / p_i) by {err:.1e}"
+
+
+@torch.no_grad()
+def test_the_acceptance_length_identity(impl):
+    """The acceptance-length identity. E_{x ~ p}[sum_j exp(a_j)], summed exactly over every block of
+    the 8-token world, equals the accepted drafts speculative decoding measures (20,000 first steps
+    of a K = 4 drafter). Hint: if the enumeration check passes, this one does too; if it fails
+    alone, the clamp at 0 is missing or misplaced."""
+    model = harness.target8()
+    d = harness.peaky(DBlastDrafter(model.config, 4, 4), 0.3, 2)
+    T, n = 1.0, 3
+    seqs = torch.tensor(list(itertools.product(range(8), repeat=n + 1)))           # bonus, x_1..x_3
+    full = torch.cat([harness.PROMPT8.expand(len(seqs), -1), seqs], 1)
+    T0 = harness.PROMPT8.size(1)
+    h = model.hidden(full)
+    logp = F.log_softmax(model.lm_head(h) / T, -1)
+    lp = logp[:, T0 - 1:-1].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)             # (N, n+1)
+    per_block = expected_accepted(d, h[:, T0 - 1], seqs[:, 0], model, seqs[:, 1:], lp[:, 1:], T, True, 'mixture')
+    expected = float((lp.sum(-1).exp() * per_block).sum())
+    rows = 20000
+    _, stats = harness.generate(harness.float32(model), harness.PROMPT8.expand(rows, -1), 4,
+                                drafter=harness.float32(d), temperature=T, generator=torch.Generator().manual_seed(0))
+    first = torch.tensor(stats['accept_lengths'][:rows], dtype=torch.float64) - 1
+    mean, se = first.mean().item(), first.std().item() / math.sqrt(rows)
+    assert abs(mean - expected) < 4.5 * se, \
+        f"the identity gives {expected:.3f} accepted drafts, decoding measures {mean:.3f} +- {se:.3f}"
+
+
+def test_the_threshold_and_the_fallback(impl):
+    """The threshold and the fallback. Every prefix kept at tau_threshold 0 (L = -mean_j t_j); only
+    a_j >= log tau kept in between; the row's NLL where nothing is kept. Hint: t_j = logsumexp
+    over j' >= j: a flipped logcumsumexp."""
+    a = torch.tensor([[-0.1, -0.5, -2.0, -4.0], [-3.0, -3.5, -5.0, -6.0]], dtype=torch.float64)
+    nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
+    t = torch.stack([torch.logsumexp(a[:, j:], -1) for j in range(4)], -1)
+    got = impl.al_surrogate(a, nll, 0.0)
+    assert torch.allclose(got, -t.mean(-1)), f"tau_threshold 0: {got.tolist()}, want -mean t_j {(-t.mean(-1)).tolist()}"
+    got = impl.al_surrogate(a, nll, math.exp(-1.0))                               # keeps j = 1, 2 of row 0 only
+    want = torch.stack([-(t[0, 0] + t[0, 1]) / 2, nll[1]])
+    assert torch.allclose(got, want), f"tau_threshold e^-1: {got.tolist()}, want {want.tolist()} (row 2 keeps nothing)"
+
+
+def test_gradient_reaches_past_S(impl):
+    """The gradient reaches past S, not past the clamp. With S = {1}, t_1 still sums over the later
+    prefixes, so log q at positions 2.. gets gradient (MATH.md §6); where q >= p it gets none.
+    Hint: choose S on a.detach(), and keep t_j whole."""
+    log_qx = torch.tensor([[[-1.0, -1.0, -1.0, -3.0]]], dtype=torch.float64, requires_grad=True)
+    log_px = torch.tensor([[-0.5, -0.5, -2.0, -0.5]], dtype=torch.float64)
+    a = impl.prefix_log_accept(torch.zeros(1, 1, dtype=torch.float64), log_qx, log_px, 'mixture')
+    impl.al_surrogate(a, torch.zeros(1, dtype=torch.float64), math.exp(-0.75)).sum().backward()
+    grad = log_qx.grad[0, 0]
+    assert grad[1] < 0 and grad[3] < 0, f"positions after S get no gradient: {grad.tolist()}"
+    assert grad[2] == 0, f"the clamped position gets gradient: {grad.tolist()}"
+
+
+def test_the_loss_prefers_longer_acceptance(impl):
+    """The loss prefers a drafter accepted longer. Of two proposals for the same target samples,
+    the one closer to p has the larger expected acceptance and the lower AL loss."""
+    g = torch.Generator().manual_seed(3)
+    log_px = -torch.rand(500, 6, generator=g, dtype=torch.float64) * 2
+    log_prior = torch.zeros(500, 1, dtype=torch.float64)
+    losses, accepts = [], []
+    for noise in (0.2, 1.5):
+        log_qx = (log_px + noise * torch.randn(500, 6, generator=g, dtype=torch.float64)).clamp(max=0)[:, None]
+        a = impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture')
+        accepts.append(float(a.exp().sum(-1).mean()))
+        losses.append(float(impl.al_surrogate(a, -log_qx.sum((1, 2)), 0.01).mean()))
+    assert accepts[0] > accepts[1], "the closer proposal should be accepted longer (check the prefix weights)"
+    assert losses[0] < losses[1], f"AL loss {losses[0]:.3f} for the closer proposal, {losses[1]:.3f} for the farther"
+
+
+@torch.no_grad()
+def try_it(impl, tryout):
+    """train.py's DBlast drafters on held-out samples of its target at T = 1.5: the exact evaluator's
+    expected tau and the AL loss, with your functions and the project's."""
+    T, k = 1.5, 4
+    rt = types.SimpleNamespace(device=tryout.args.device, kind=tryout.args.device, master=True,
+                               autocast=contextlib.nullcontext())
+    samples = train.dblast_data(rt, tryout.model, tryout.val, 32, T, 1337 + 2, 'held-out samples',
+                                os.path.join(tryout.args.out_dir, 'data'))
+    lo, hi = samples.positions(k)
+    rows = torch.arange(len(samples.seqs)).repeat_interleave(hi - lo)
+    pos = torch.arange(lo, hi).repeat(len(samples.seqs))
+    print(f"| drafter | whose | expected tau | AL loss |\n|---|---|---|---|")
+    for name in ('dblast_K4.pt', 'dblast_K1.pt'):
+        d = tryout.drafter(name)
+        for label, yours in (('project', False), ('yours', True)):
+            with harness.plugged(tryout.checks, impl) if yours else contextlib.nullcontext():
+                tau = expected_tau(d, tryout.model, samples, k, T, True, 'mixture')
+                h, bonus, x, log_px = anchors(samples, k, rows[:4096], pos[:4096])
+                loss = d.loss(h, bonus, tryout.model, x, log_px, T)
+            print(f"| {name} | {label} | {tau:.3f} | {float(loss):.4f} |")

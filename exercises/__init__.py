@@ -1,0 +1,1 @@
+"""Coursework: exercises beside the papers, each checked on its own (see exercises/README.md)."""

@@ -1,0 +1,75 @@
+"""
+The coursework exercises (exercises/README.md).
+
+    python -m exercises                      # the list
+    python -m exercises check 2              # exercise 2's checks on your exercises/02_*/student.py
+    python -m exercises check 2 --solution   # the same checks on the reference
+    python -m exercises try 2                # your code through the real decoder, on train.py's out/
+"""
+import argparse
+import os
+import sys
+import time
+
+from exercises import harness
+from data import ArgumentParser, BadInput, run_script
+
+
+def print_list():
+    print("The exercises (statement: exercises/NN_name/README.md; your code: its student.py):\n")
+    for n, name in harness.exercises().items():
+        title = open(os.path.join(harness.HERE, name, 'README.md')).readline().lstrip('# ').strip()
+        print(f"  {n}  {name:<20} {title}")
+    print("\npython -m exercises check N       run exercise N's checks on your student.py (--solution: the reference)"
+          "\npython -m exercises try N         run your code through the decoder on train.py's checkpoints")
+
+
+def check(n, which):
+    what = {'student': f"exercises/{harness.exercises()[n]}/student.py", 'solution': 'the reference'}.get(
+        which, f"the negative control '{which}'")
+    print(f"exercise {n} ({harness.exercises()[n]}), checks on {what}:")
+    t0 = time.perf_counter()
+    results = harness.run(n, which)
+    width = max(len(r.title) for r in results)
+    for r in results:
+        print(f"  {'PASS' if r.passed else 'FAIL'}  {r.title:<{width}}  ({r.seconds:.1f}s)")
+        if not r.passed:
+            print(f"        why:  {r.reason}")
+            if r.hint and not r.not_written:
+                print(f"        hint: {r.hint}")
+    passed = sum(r.passed for r in results)
+    print(f"{passed} of {len(results)} checks pass ({time.perf_counter() - t0:.1f}s)")
+    return passed == len(results)
+
+
+def main(argv=None):
+    ap = ArgumentParser(prog='python -m exercises', description=__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('command', nargs='?', choices=['list', 'check', 'try'], default='list')
+    ap.add_argument('number', nargs='?', type=int, help='the exercise')
+    ap.add_argument('--solution', action='store_true', help='run the reference instead of student.py')
+    ap.add_argument('--control', default=None, help='check: run a negative control (a plausible wrong answer)')
+    ap.add_argument('--out-dir', default='out', help="try: train.py's checkpoints (default out/)")
+    ap.add_argument('--prompts', type=int, default=8, help='try: held-out prompts, decoded one at a time')
+    ap.add_argument('--max-new', type=int, default=128, help='try: tokens per prompt')
+    ap.add_argument('--device', default='cpu')
+    args = ap.parse_args(argv)
+    if args.command == 'list':
+        print_list()
+        return
+    numbers = harness.exercises()
+    if args.number not in numbers:
+        raise BadInput(f"exercise {args.number}: choose one of {', '.join(map(str, numbers))}")
+    if (args.solution or args.control) and harness.solution_path(args.number) is None:
+        raise BadInput(f"no exercises/solutions/{numbers[args.number]}.py here (a handout without solutions)")
+    if args.control and args.control not in harness.controls(args.number):
+        raise BadInput(f"--control {args.control!r}: exercise {args.number}'s controls are "
+                       + '; '.join(repr(c) for c in harness.controls(args.number)))
+    which = args.control or ('solution' if args.solution else 'student')
+    if args.command == 'check':
+        sys.exit(0 if check(args.number, which) else 1)
+    harness.try_out(args.number, which, args)
+
+
+if __name__ == '__main__':
+    run_script(main)

@@ -1,0 +1,445 @@
+"""
+What every exercise shares: finding a student's code or the reference, plugging it into the
+project's seams for the length of a check, running the checks and saying why one failed, and the
+small worlds and statistics the checks are built from.
+
+An exercise is a folder NN_name/ with README.md (the task), student.py (the stubs) and checks.py.
+checks.py names what the student writes (NAMES), where the project calls it (SEAMS: 'module.attr'
+-> name), the reference when it is the project's own code (REFERENCE: name -> 'module.attr'; else
+exercises/solutions/NN_name.py), and the checks: functions test_*(impl), written once, run against
+whichever implementation `impl` holds. exercises/solutions/NN_name.py also holds CONTROLS: plausible
+wrong answers ({what is wrong: {name: function}}) that the checks must catch.
+"""
+import copy
+import importlib
+import importlib.util
+import itertools
+import math
+import os
+import sys
+import time
+import traceback
+import types
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from functools import lru_cache
+from statistics import NormalDist
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from data import (PROMPT_LEN, BadInput, heldout_prompts, load_checkpoint, load_dataset, newline_id,  # noqa: E402
+                  target_from, vocab_for)
+from decode import generate, load_drafter  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+ALPHA = 1e-5   # a statistical check fails a correct answer by chance once in 100,000 runs
+
+
+# ----------------------------------------------------------------------------- finding the code
+
+def exercises():
+    """{number: folder name} of every exercise, NN_name."""
+    names = sorted(d for d in os.listdir(HERE) if d[:2].isdigit() and os.path.isdir(os.path.join(HERE, d)))
+    return {int(d[:2]): d for d in names}
+
+
+def load_file(path, name):
+    """The Python file at `path` as a module called `name` (exercise folders are not packages)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@lru_cache
+def checks_of(n):
+    """Exercise n's checks.py, loaded once (what the checks cache, such as a trained world, stays)."""
+    return load_file(os.path.join(HERE, exercises()[n], 'checks.py'), f'exercise{n:02d}_checks')
+
+
+def solution_path(n):
+    path = os.path.join(HERE, 'solutions', exercises()[n] + '.py')
+    return path if os.path.isfile(path) else None
+
+
+def resolve(dotted):
+    """'decode.verify_greedy' -> the object; 'model.KVCache.commit' -> the class's function."""
+    module, *attrs = dotted.split('.')
+    obj = importlib.import_module(module)
+    for a in attrs:
+        obj = getattr(obj, a)
+    return obj
+
+
+def implementation(n, which='student'):
+    """What the checks run against: 'student' (student.py), 'solution' (the reference), or the name
+    of a negative control (the reference with a plausible wrong answer in place)."""
+    checks = checks_of(n)
+    if which == 'student':
+        student = load_file(os.path.join(HERE, exercises()[n], 'student.py'), f'exercise{n:02d}_student')
+        return types.SimpleNamespace(**{name: getattr(student, name) for name in checks.NAMES}, which=which)
+    solution = solution_path(n)
+    if solution is None:
+        raise FileNotFoundError(f"no exercises/solutions/{exercises()[n]}.py (this is a handout without solutions)")
+    solution = load_file(solution, f'exercise{n:02d}_solution')
+    ref = {name: resolve(REFERENCE) for name, REFERENCE in getattr(checks, 'REFERENCE', {}).items()}
+    ref.update({name: getattr(solution, name) for name in checks.NAMES if name not in ref})
+    if which != 'solution':
+        ref.update(solution.CONTROLS[which])
+    return types.SimpleNamespace(**ref, which=which)
+
+
+def controls(n):
+    """The names of exercise n's negative controls."""
+    return list(load_file(solution_path(n), f'exercise{n:02d}_solution').CONTROLS)
+
+
+MISSING = object()
+
+
+@contextmanager
+def plugged(checks, impl):
+    """The project calls impl's code at its seams for the length of the block. checks.SEAMS maps
+    'module.attr' (or 'module.TABLE[key]', an entry of a table) to a name of impl, or to a tuple of
+    names (the entry becomes the tuple of those objects)."""
+    saved = []
+    try:
+        for target, names in getattr(checks, 'SEAMS', {}).items():
+            value = tuple(getattr(impl, n) for n in names) if isinstance(names, tuple) else getattr(impl, names)
+            if target.endswith(']'):
+                table, key = target[:-1].split('[')
+                owner = resolve(table)
+                saved.append((owner, key, owner.get(key, MISSING), True))
+                owner[key] = value
+            else:
+                owner, attr = target.rsplit('.', 1)
+                owner = resolve(owner)
+                saved.append((owner, attr, getattr(owner, attr), False))
+                setattr(owner, attr, value)
+        yield
+    finally:
+        for owner, key, value, item in reversed(saved):
+            if not item:
+                setattr(owner, key, value)
+            elif value is MISSING:
+                del owner[key]
+            else:
+                owner[key] = value
+
+
+# ----------------------------------------------------------------------------- running checks
+
+@dataclass
+class Result:
+    name: str          # the check's function name
+    title: str         # the first line of its docstring
+    passed: bool
+    reason: str        # why it failed, one line ('' when it passed)
+    hint: str          # the 'Hint:' paragraph of its docstring
+    seconds: float
+    not_written: bool = False   # failed on a NotImplementedError
+
+
+def check_functions(checks):
+    return [(name, fn) for name, fn in vars(checks).items() if name.startswith('test_') and callable(fn)]
+
+
+def docstring_parts(fn):
+    """A check's title (the first sentence of its docstring) and hint (its 'Hint:' paragraph)."""
+    doc = ' '.join((fn.__doc__ or '').split())
+    body, _, hint = doc.partition('Hint:')
+    title = body.split('. ')[0].rstrip('.') or fn.__name__
+    return title, hint.strip()
+
+
+def where_in_student(exc):
+    """' (student.py line N)' if the exception was raised inside a student's file, else ''."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.basename(f.filename) == 'student.py']
+    return f" (student.py line {frames[-1].lineno})" if frames else ''
+
+
+def run_check(checks, impl, name, fn):
+    title, hint = docstring_parts(fn)
+    t0 = time.perf_counter()
+    reason, not_written = '', False
+    try:
+        with plugged(checks, impl):
+            fn(impl)
+    except NotImplementedError as e:
+        reason, not_written = f"not written yet: {e or 'NotImplementedError'}", True
+    except AssertionError as e:
+        reason = (str(e).strip().splitlines() or ['an assertion failed'])[0]
+    except Exception as e:   # the code under test crashed: say what and where
+        first = (str(e).strip().splitlines() or [''])[0][:200]
+        reason = f"{type(e).__name__}: {first}{where_in_student(e)}"
+    return Result(name, title, not reason, reason, hint, time.perf_counter() - t0, not_written)
+
+
+def run(n, which='student', stop_at_first_failure=False):
+    """Every check of exercise n against `which` (see implementation), in order: [Result]."""
+    checks = checks_of(n)
+    impl = implementation(n, which)
+    results = []
+    for name, fn in check_functions(checks):
+        results.append(run_check(checks, impl, name, fn))
+        if stop_at_first_failure and not results[-1].passed:
+            break
+    return results
+
+
+# ----------------------------------------------------------------------------- small worlds
+
+# An enumerable world: a vocabulary of 8, so every continuation of a few tokens can be listed.
+V8 = GPTConfig(block_size=32, vocab_size=8, n_layer=2, n_head=2, n_embd=16)
+PROMPT8 = torch.tensor([[1, 5, 2, 7]])
+
+
+def peaky(module, std=0.3, seed=0):
+    """Random weights large enough that p and q are far from uniform (and far from each other), in
+    float64."""
+    torch.manual_seed(seed)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return module.double().eval()
+
+
+@lru_cache
+def target8(seed=0):
+    """The enumerable world's target, float64."""
+    return peaky(GPT(V8), 0.3, seed)
+
+
+@torch.no_grad()
+def continuation_probs(model, prompt, m, temperature):
+    """Exact p_T(x_1..x_m | prompt) (V**m,) of every m-token continuation, float64."""
+    V = model.config.vocab_size
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=m)))
+    full = torch.cat([prompt.expand(len(seqs), -1), seqs], dim=1)
+    logp = F.log_softmax(model.double()(full)[0] / temperature, dim=-1)
+    T0 = prompt.size(1)
+    return logp[:, T0 - 1:-1].gather(-1, seqs.unsqueeze(-1)).squeeze(-1).sum(-1).exp()
+
+
+def pearson(counts, probs):
+    """Pearson's chi-square statistic of counts against probabilities (cells expected below 5
+    pooled) and its degrees of freedom."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
+    exp = torch.cat([expected[~small], expected[small].sum(0, keepdim=True)])
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def chi_square(counts, probs, alpha=ALPHA):
+    """The statistic and its critical value at `alpha` (Wilson-Hilferty's approximation of the
+    chi-square quantile): a statistic above it fails at that level."""
+    stat, df = pearson(counts, probs)
+    z = NormalDist().inv_cdf(1 - alpha)
+    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def p_value(counts, probs):
+    """The chi-square test's p-value (Wilson-Hilferty): how likely a statistic this large is when
+    the counts do come from probs."""
+    stat, df = pearson(counts, probs)
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 1 - NormalDist().cdf(z)
+
+
+def float32(module):
+    """A float32 copy of a module (statistical checks decode at the precision decoding runs at)."""
+    return copy.deepcopy(module).float() if isinstance(module, torch.nn.Module) else module
+
+
+def sampled_continuations(model, drafter, temperature, n_rows, m=3, k=4, seed=0, decoder=generate):
+    """m-token continuations of PROMPT8 by speculative sampling, n_rows at once: counts (V**m,) of
+    each continuation, and the decoder's stats. Decoded in float32, as for real."""
+    model, drafter = float32(model), float32(drafter)
+    g = torch.Generator().manual_seed(seed)
+    out, stats = decoder(model, PROMPT8.expand(n_rows, -1), m, drafter=drafter, k=k, temperature=temperature,
+                         generator=g)
+    V = model.config.vocab_size
+    codes = (out[:, PROMPT8.size(1):] * torch.tensor([V ** (m - 1 - i) for i in range(m)])).sum(-1)
+    return torch.bincount(codes, minlength=V ** m).double(), stats
+
+
+def assert_lossless(model, drafter, temperature, n_rows=20000, m=3, k=4, seed=0, decoder=generate, what=''):
+    """The m-token continuations decoded with `drafter` follow the target's exact distribution
+    (chi-square at ALPHA), and the drafts were exercised: some accepted, some rejected."""
+    counts, stats = sampled_continuations(model, drafter, temperature, n_rows, m, k, seed, decoder)
+    stat, crit = chi_square(counts, continuation_probs(model, PROMPT8, m, temperature))
+    assert stat < crit, (f"{what}the output is not the target's distribution: chi-square {stat:.0f} > {crit:.0f} "
+                         f"(p < {ALPHA:g}) over {n_rows} samples of {m} tokens at T={temperature}")
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus > 1).any() and (taus < k).any(), "the drafts were never accepted, or never rejected: no test"
+
+
+@lru_cache
+def tiny_target(seed=0, vocab_size=32, block_size=96):
+    """A small float64 GPT far from uniform: greedy decoding of it is not one repeated token."""
+    torch.manual_seed(seed)
+    return peaky(GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32)),
+                 0.3, seed)
+
+
+@torch.no_grad()
+def plain_greedy(model, prompts, m):
+    """The reference of references: full causal recompute of every prefix, argmax, append."""
+    x = prompts
+    for _ in range(m):
+        x = torch.cat([x, model(x)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    return x
+
+
+class GreedyOracle(torch.nn.Module):
+    """A drafter that knows the target's greedy continuation `ref` (B, T) and drafts it, wrong
+    where `wrong(t, j)` says (t: the position of the last committed token, j: the draft's index),
+    so steps end at every kind of place. It finds t from h alone (the hidden state of ref nearest
+    to it), so it uses nothing but the drafter contract."""
+
+    def __init__(self, model, ref, k, wrong):
+        super().__init__()
+        self.k, self.sample_drafts, self.wrong = k, False, wrong
+        self.ref = torch.cat([ref, torch.zeros(ref.size(0), k + 1, dtype=torch.long)], 1)
+        with torch.no_grad():
+            self.H = model.hidden(ref)                                    # (B, T, C)
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        t = ((self.H - h[:, None]) ** 2).sum(-1).argmin(-1)               # (B,) where h came from
+        pos = t[:, None] + 2 + torch.arange(k - 1)                        # the drafts' positions
+        drafts = self.ref.gather(1, pos)
+        bad = torch.tensor([[self.wrong(int(ti), j) for j in range(k - 1)] for ti in t])
+        return torch.where(bad, (drafts + 1) % target.config.vocab_size, drafts), None
+
+
+# ----------------------------------------------------------------------------- host syncs
+
+aten = torch.ops.aten
+# ops that make the host wait for the device: reading a value (.item(), bool(), int()), or an
+# output whose shape depends on the data (the host must read the count before allocating)
+SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+            aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_consecutive.default,
+            aten.unique_dim.default}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records every op inside the block that would stall the host on a GPU (.item(), nonzero,
+    boolean indexing, ...). It works on the CPU too, so a check made here holds on CUDA."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        bool_index = func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
+            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
+        if func in SYNC_OPS or bool_index:
+            self.seen.append(str(func))
+        return func(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- trying it for real
+
+class Tryout:
+    """`python -m exercises try N`: the implementation under test through decode.generate, on the
+    checkpoints `python train.py` wrote, one held-out prompt at a time, next to the project's own
+    code on the same prompts. An exercise's try_it(impl, tryout) picks the rows."""
+
+    def __init__(self, checks, impl, args):
+        self.checks, self.impl, self.args = checks, impl, args
+        path = os.path.join(args.out_dir, 'ckpt.pt')
+        if not os.path.isfile(path):
+            raise BadInput(f"{path} not found: run `python train.py` first (or give --out-dir)")
+        ckpt = load_checkpoint(path)
+        self.model = target_from(ckpt, path, args.device)
+        self.vocab = vocab_for(ckpt, path, self.model.config.vocab_size)
+        ds = load_dataset((ckpt.get('config') or {}).get('data'), os.path.join(args.out_dir, 'data'))
+        self.train, self.val = ds.train, ds.val
+        self.prompts = heldout_prompts(ds.val, args.prompts, PROMPT_LEN, newline_id(self.vocab)).to(args.device)
+        self.max_new = min(args.max_new, self.model.config.block_size - PROMPT_LEN - 8)
+
+    @lru_cache
+    def drafter(self, name):
+        """'heads.pt', 'dblast_K4.pt', 'dblast_K1.pt' of --out-dir, loaded once."""
+        path = os.path.join(self.args.out_dir, name)
+        if not os.path.isfile(path):
+            raise BadInput(f"{path} not found: run `python train.py` (all stages) first")
+        return load_drafter(path, self.model)
+
+    def decode(self, yours, temperature=0.0, decoder=generate, **kw):
+        """Every prompt, one at a time: outputs, tau of every step, calls, seconds. yours=True runs
+        with the implementation under test plugged into the project's seams. decoder: generate, or
+        a decoder with its signature."""
+        g = torch.Generator(device=self.prompts.device).manual_seed(0)
+        outs, taus, calls = [], [], 0
+        with plugged(self.checks, self.impl) if yours else nullcontext():
+            t0 = time.perf_counter()
+            for p in self.prompts:
+                out, stats = decoder(self.model, p[None], self.max_new, temperature=temperature, generator=g, **kw)
+                outs.append(out)
+                taus += stats['accept_lengths']
+                calls += stats['calls']
+            seconds = time.perf_counter() - t0
+        return torch.cat(outs), taus, calls, seconds
+
+    def row(self, label, yours, temperature=0.0, **kw):
+        """One table row: tau, calls, speedup over plain decoding (each timed twice, interleaved with
+        it, the faster run of each kept), and under greedy decoding how many tokens equal plain
+        greedy's."""
+        runs = [(self.decode(False, temperature), self.decode(yours, temperature, **kw)) for _ in range(2)]
+        (base, _, base_calls, _), (out, taus, calls, _) = runs[0]
+        base_s = min(r[0][3] for r in runs)
+        seconds = min(r[1][3] for r in runs)
+        T0 = self.prompts.size(1)
+        same = (out[:, T0:] == base[:, T0:]).sum().item()
+        return dict(label=label, T=temperature, tau=sum(taus) / len(taus), calls=calls, plain_calls=base_calls,
+                    speedup=base_s / seconds, same=f"{same}/{out[:, T0:].numel()}" if temperature == 0 else '',
+                    out=out)
+
+    @torch.no_grad()
+    def second_token_p(self, yours, drafter, temperature, n=4000, k=4):
+        """The chi-square p-value of the second token of n decodes of one prompt against its exact
+        marginal sum_x1 p(x1) p(x2 | x1): the first verified token, so a biased verifier shows."""
+        prompt, V = self.prompts[:1], self.model.config.vocab_size
+        g = torch.Generator(device=prompt.device).manual_seed(1)
+        with plugged(self.checks, self.impl) if yours else nullcontext():
+            out, _ = generate(self.model, prompt.expand(n, -1), 2, drafter=drafter, k=k, temperature=temperature,
+                              generator=g)
+        p1 = F.softmax(self.model(prompt)[0][0, -1].double() / temperature, -1)
+        seqs = torch.cat([prompt.expand(V, -1), torch.arange(V, device=prompt.device)[:, None]], 1)
+        p2 = F.softmax(self.model(seqs)[0][:, -1].double() / temperature, -1)
+        return p_value(torch.bincount(out[:, -1], minlength=V).double().cpu(), (p1 @ p2).cpu())
+
+    def table(self, rows, extra=()):
+        """Print rows as a markdown table (extra: more (header, key) columns)."""
+        heads = ['', 'T', 'tau', 'calls (plain)', 'speedup', 'same as plain greedy'] + [h for h, _ in extra]
+        print('| ' + ' | '.join(heads) + ' |\n|' + '---|' * len(heads))
+        for r in rows:
+            cells = [r['label'], r['T'], f"{r['tau']:.2f}", f"{r['calls']} ({r['plain_calls']})",
+                     f"{r['speedup']:.2f}x", r['same']] + [r.get(key, '') for _, key in extra]
+            print('| ' + ' | '.join(str(c) for c in cells) + ' |')
+
+
+def try_out(n, which, args):
+    checks = checks_of(n)
+    if not hasattr(checks, 'try_it'):
+        raise BadInput(f"exercise {n} has no `try` (its checks are the whole story)")
+    who = {'student': 'your student.py', 'solution': 'the reference'}.get(which, f"the control '{which}'")
+    print(f"exercise {n} ({exercises()[n]}): {who} through the decoder on {args.out_dir}/, "
+          f"{args.prompts} held-out prompts one at a time, next to the project's own code.\n"
+          f"{' '.join(checks.try_it.__doc__.split())}\n")
+    impl = implementation(n, which)
+    try:
+        checks.try_it(impl, Tryout(checks, impl, args))
+    except NotImplementedError as e:
+        raise BadInput(f"not written yet: {e} (python -m exercises check {n} says what is missing)")

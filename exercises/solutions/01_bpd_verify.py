@@ -1,0 +1,31 @@
+"""Exercise 1's reference is the project's own decode.verify_greedy; these are the plausible wrong
+answers its checks must catch."""
+import torch
+
+
+def counts_past_the_first_rejection(logits, drafts, accept):
+    rule, param = accept
+    ok = rule(logits, drafts, param)
+    n_acc = ok.sum(-1)                                   # every accepted draft, wherever it is
+    return ok, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+
+
+def bonus_one_position_late(logits, drafts, accept):
+    rule, param = accept
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    late = (n_acc + 1).clamp(max=drafts.size(1))
+    return accepted, n_acc, logits.argmax(-1).gather(1, late[:, None]).squeeze(1)
+
+
+def argmax_whatever_the_rule(logits, drafts, accept):
+    accepted = (drafts == logits[:, :-1].argmax(-1)).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+
+
+CONTROLS = {
+    'counts past the first rejection': dict(verify_greedy=counts_past_the_first_rejection),
+    'bonus one position late': dict(verify_greedy=bonus_one_position_late),
+    'ignores the acceptance rule': dict(verify_greedy=argmax_whatever_the_rule),
+}

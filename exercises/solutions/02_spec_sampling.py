@@ -1,0 +1,46 @@
+"""Exercise 2's reference is the project's own decode.verify_sampled; these are the plausible wrong
+answers its checks must catch."""
+import torch
+import torch.nn.functional as F
+
+from decode import accept_prefix, accept_sampled, residual
+from model import sample, tempered
+
+
+def residual_without_q(logits, q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], q, drafts, generator)
+    return accept_prefix(ok, sample(p, generator))                    # the bonus from p, not p - q
+
+
+def temperature_on_the_test_only(logits, q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], q, drafts, generator)
+    p1 = F.softmax(logits, -1)                                          # the bonus at T = 1
+    weights = torch.cat([residual(p1[:, :-1], q, drafts), p1[:, -1:]], 1)
+    return accept_prefix(ok, sample(weights, generator))
+
+
+def counts_past_the_first_rejection(logits, q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], q, drafts, generator)
+    weights = torch.cat([residual(p[:, :-1], q, drafts), p[:, -1:]], 1)
+    n_acc = ok.sum(-1)
+    return ok, n_acc, sample(weights, generator).gather(1, n_acc[:, None]).squeeze(1)
+
+
+def ratio_upside_down(logits, q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_d = 1.0 if q is None else q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    ok = torch.rand(p_d.shape, generator=generator, dtype=p.dtype) * p_d < q_d   # min(1, q/p)
+    weights = torch.cat([residual(p[:, :-1], q, drafts), p[:, -1:]], 1)
+    return accept_prefix(ok, sample(weights, generator))
+
+
+CONTROLS = {
+    'residual without subtracting q': dict(verify_sampled=residual_without_q),
+    'temperature on the acceptance test only': dict(verify_sampled=temperature_on_the_test_only),
+    'counts past the first rejection': dict(verify_sampled=counts_past_the_first_rejection),
+    'acceptance ratio upside down': dict(verify_sampled=ratio_upside_down),
+}

@@ -1,0 +1,29 @@
+"""Exercise 3's reference is the project's own model.KVCache.write and commit; these are the
+plausible wrong answers its checks must catch."""
+import torch
+
+from model import KVCache
+
+project_write = KVCache.write     # taken before a check plugs anything in
+
+
+def same_length_for_every_row(cache, n):
+    cache.lengths += torch.as_tensor(n).max()          # the longest row's n for every row
+
+
+def write_at_the_start(cache, layer_idx, k, v, pos):
+    at = torch.arange(k.size(2))                        # ignores where the rows are
+    cache.k[layer_idx][:, :, at] = k.to(cache.k.dtype)
+    cache.v[layer_idx][:, :, at] = v.to(cache.v.dtype)
+    return cache.k[layer_idx], cache.v[layer_idx]
+
+
+def every_row_at_row_0s_positions(cache, layer_idx, k, v, pos):
+    return project_write(cache, layer_idx, k, v, pos[:1].expand_as(pos))   # one row's positions for all
+
+
+CONTROLS = {
+    'commits the same length for every row': dict(commit=same_length_for_every_row),
+    'writes the block at the start of the buffer': dict(write=write_at_the_start),
+    "writes every row at row 0's positions": dict(write=every_row_at_row_0s_positions),
+}

@@ -1,0 +1,50 @@
+"""Exercise 4's reference: typical acceptance as an entry of decode.ACCEPT, and plausible wrong
+answers its checks must catch."""
+import torch
+import torch.nn.functional as F
+
+
+def typical(logits, drafts, param):
+    epsilon, delta = param
+    p = F.softmax(logits[:, :-1].double(), dim=-1)                  # judged by the position before
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)              # (B, k-1); 0 log 0 = 0
+    threshold = (delta * torch.exp(-entropy)).clamp(max=epsilon)    # min(epsilon, delta e^-H)
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
+
+
+def parse_typical(text, vocab_size):
+    try:
+        epsilon, delta = (float(x) for x in text.split(','))
+    except ValueError:
+        raise ValueError("give two numbers, EPSILON,DELTA")
+    if not (0 < epsilon <= 1 and 0 < delta < 1):     # also false for nan
+        raise ValueError("need 0 < EPSILON <= 1 and 0 < DELTA < 1")
+    return epsilon, delta
+
+
+def max_instead_of_min(logits, drafts, param):
+    epsilon, delta = param
+    p = F.softmax(logits[:, :-1].double(), dim=-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    threshold = (delta * torch.exp(-entropy)).clamp(min=epsilon)
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
+
+
+def judged_one_position_late(logits, drafts, param):
+    shifted = torch.cat([logits[:, 1:], logits[:, -1:]], 1)   # draft j+1 judged by the logits after j+1
+    return typical(shifted, drafts, param)
+
+
+def exp_of_plus_entropy(logits, drafts, param):
+    epsilon, delta = param
+    p = F.softmax(logits[:, :-1].double(), dim=-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    threshold = (delta * torch.exp(entropy)).clamp(max=epsilon)
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
+
+
+CONTROLS = {
+    'max instead of min': dict(typical=max_instead_of_min),
+    'each draft judged one position late': dict(typical=judged_one_position_late),
+    'exp(+H) instead of exp(-H)': dict(typical=exp_of_plus_entropy),
+}

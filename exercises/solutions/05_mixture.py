@@ -1,0 +1,39 @@
+"""Exercise 5's reference is the project's own dblast.posterior and dblast.conditionals; these are
+the plausible wrong answers its checks must catch."""
+import torch
+import torch.nn.functional as F
+
+import dblast
+
+project_conditionals = dblast.conditionals   # taken before a check plugs anything in
+
+
+def prior_at_every_position(log_prior, log_qd):
+    return F.log_softmax(log_prior, -1).unsqueeze(1).expand(-1, log_qd.size(-1), -1)
+
+
+def conditioned_on_the_draft_itself(log_prior, log_qd):
+    return F.log_softmax(log_prior.unsqueeze(-1) + log_qd.cumsum(-1), dim=1).transpose(1, 2)   # l <= i
+
+
+def products_of_probabilities(log_prior, log_qd):
+    before = torch.cat([torch.ones_like(log_qd[..., :1]), log_qd.exp().cumprod(-1)[..., :-1]], -1)
+    joint = log_prior.exp().unsqueeze(-1) * before                                            # underflows
+    return (joint / joint.sum(1, keepdim=True)).log().transpose(1, 2)
+
+
+def with_posterior(wrong):
+    """conditionals as the project computes them, but with a wrong posterior."""
+    def conditionals(log_prior, log_q, drafts):
+        saved, dblast.posterior = dblast.posterior, wrong
+        try:
+            return project_conditionals(log_prior, log_q, drafts)
+        finally:
+            dblast.posterior = saved
+    return conditionals
+
+
+CONTROLS = {name: dict(posterior=fn, conditionals=with_posterior(fn)) for name, fn in [
+    ('the prior at every position', prior_at_every_position),
+    ('conditioned on the draft itself', conditioned_on_the_draft_itself),
+    ('products of probabilities', products_of_probabilities)]}

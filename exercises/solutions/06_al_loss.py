@@ -1,0 +1,33 @@
+"""Exercise 6's reference is the project's own dblast.prefix_log_accept and dblast.al_surrogate;
+these are the plausible wrong answers its checks must catch."""
+import math
+
+import torch
+
+import dblast
+from dblast import log_conditionals
+
+project_al_surrogate = dblast.al_surrogate   # taken before a check plugs anything in
+
+
+def no_clamp(log_prior, log_qx, log_px, verify='mixture'):
+    return (log_conditionals(log_prior, log_qx) - log_px).cumsum(-1)        # ratios above 1 count too
+
+
+def tail_without_later_prefixes(a, nll, tau_threshold):
+    log_tau = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_tau
+    n_keep = keep.sum(-1)
+    al = -torch.where(keep, a, 0.0).sum(-1) / n_keep.clamp(min=1)           # a_j where t_j belongs
+    return torch.where(n_keep > 0, al, nll)
+
+
+def every_prefix_kept(a, nll, tau_threshold):
+    return project_al_surrogate(a, nll, 0.0)                                 # the threshold ignored
+
+
+CONTROLS = {
+    'no clamp at 1': dict(prefix_log_accept=no_clamp),
+    'the tail without the later prefixes': dict(al_surrogate=tail_without_later_prefixes),
+    'every prefix kept': dict(al_surrogate=every_prefix_kept),
+}

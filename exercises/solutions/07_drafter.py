@@ -1,0 +1,78 @@
+"""Exercise 7's reference: a drafter in the style of Medusa's heads (independent per-offset heads on
+the target's last state, here with the bonus token's embedding too), and plausible wrong answers
+its checks must catch."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from heads import Drafter
+from model import LayerNorm, sample, tempered, upcast
+
+
+class MyDrafter(Drafter):
+    """u = W [h ; E(bonus)]; head i: z_i = u + MLP_i(u); logits_i = lm_head(ln(z_i)), the target's
+    own unembedding. The heads are independent given (h, bonus): Q_i = q_i."""
+
+    def __init__(self, config, k, sample_drafts=True):
+        super().__init__()
+        C = config.n_embd
+        self.k, self.sample_drafts = k, sample_drafts
+        self.w_in = nn.Linear(2 * C, C)
+        self.heads = nn.ModuleList(nn.Sequential(nn.Linear(C, 2 * C), nn.GELU(), nn.Linear(2 * C, C))
+                                   for _ in range(k - 1))
+        self.ln = LayerNorm(C, bias=True)
+
+    def logits(self, h, bonus, target, n):
+        """The first n heads' logits (N, n, V)."""
+        u = self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1))
+        z = torch.stack([u + head(u) for head in self.heads[:n]], 1)          # (N, n, C)
+        return upcast(target.lm_head(self.ln(z)))
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        logits = self.logits(h, bonus, target, k - 1)
+        if temperature == 0.0 or not self.sample_drafts:
+            return logits.argmax(-1), None
+        q = F.softmax(tempered(logits, temperature), -1)
+        return sample(q, generator), q
+
+    def loss(self, h, bonus, target, x, temperature=1.0):
+        logits = self.logits(h, bonus, target, x.size(1))
+        return F.cross_entropy(tempered(logits, temperature).flatten(0, 1), x.flatten())
+
+
+class MisTempered(MyDrafter):
+    """Drafts sampled at T, but the Q handed to the verifier is the softmax at T = 1."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        drafts, q = super().draft(h, bonus, target, k, temperature, generator)
+        return drafts, None if q is None else F.softmax(self.logits(h, bonus, target, k - 1), -1)
+
+
+class Unnormalised(MyDrafter):
+    """Q left as exp(logits / T): not a distribution."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        drafts, q = super().draft(h, bonus, target, k, temperature, generator)
+        return drafts, None if q is None else tempered(self.logits(h, bonus, target, k - 1), temperature).exp()
+
+
+class GlobalRandomness(MyDrafter):
+    """Draws with torch.multinomial from the global RNG instead of `generator`."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        logits = self.logits(h, bonus, target, k - 1)
+        if temperature == 0.0 or not self.sample_drafts:
+            return logits.argmax(-1), None
+        q = F.softmax(tempered(logits, temperature), -1)
+        return torch.multinomial(q.flatten(0, 1), 1).view(q.shape[:-1]), q
+
+
+CONTROLS = {
+    'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
+    'Q not normalised': dict(MyDrafter=Unnormalised),
+    'draws from the global RNG': dict(MyDrafter=GlobalRandomness),
+}
