@@ -12,7 +12,7 @@ import sys
 import time
 
 from exercises import harness
-from data import ArgumentParser, BadInput, run_script
+from data import ArgumentParser, BadInput, check_number, run_script
 
 
 def print_list():
@@ -58,6 +58,10 @@ def main(argv=None):
         print_list()
         return
     numbers = harness.exercises()
+    if args.number is None:
+        raise BadInput(f"{args.command}: give an exercise number ({', '.join(map(str, numbers))})")
+    check_number('--prompts', args.prompts, lo=1)
+    check_number('--max-new', args.max_new, lo=1)
     if args.number not in numbers:
         raise BadInput(f"exercise {args.number}: choose one of {', '.join(map(str, numbers))}")
     if (args.solution or args.control) and harness.solution_path(args.number) is None:

@@ -8,7 +8,9 @@ also a test of the project. Without exercises/solutions/ (an instructor's handou
 are checked."""
 import pytest
 
+from conftest import in_process
 from exercises import harness
+from exercises.__main__ import main as exercises_main
 
 EXERCISES = list(harness.exercises())
 HAVE_SOLUTIONS = all(harness.solution_path(n) for n in EXERCISES)
@@ -41,3 +43,21 @@ def test_the_checks_catch_the_negative_control(n, control):
     failed = [r for r in harness.run(n, control, stop_at_first_failure=True) if not r.passed]
     assert failed, f"exercise {n}: the wrong answer '{control}' passes every check"
     assert not failed[0].not_written, failed[0].reason
+
+
+@pytest.mark.parametrize('argv,needle', [(['check'], 'give an exercise number'), (['check', '99'], 'exercise 99'),
+                                         (['check', '1', '--control', 'bogus'], '--control'),
+                                         (['try', '1', '--prompts', '0'], '--prompts'),
+                                         (['try', '1', '--out-dir', '/nonexistent'], 'python train.py')])
+def test_the_command_refuses_bad_input_in_one_line(argv, needle):
+    code, out, err = in_process(lambda: exercises_main(argv))
+    errors = [line for line in err.splitlines() if line.startswith('error:')]
+    assert code == 2 and len(errors) == 1 and needle in errors[0] and 'Traceback' not in err, err
+
+
+def test_check_says_pass_or_fail_per_check():
+    code, out, _ = in_process(lambda: exercises_main(['check', '1']))
+    assert code == 1 and out.count('FAIL') == 5 and 'not written yet' in out and '0 of 5 checks pass' in out
+    if HAVE_SOLUTIONS:
+        code, out, _ = in_process(lambda: exercises_main(['check', '1', '--solution']))
+        assert code == 0 and out.count('PASS') == 5 and '5 of 5 checks pass' in out
