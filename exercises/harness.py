@@ -89,7 +89,7 @@ def implementation(n, which='student'):
     if solution is None:
         raise FileNotFoundError(f"no exercises/solutions/{exercises()[n]}.py (this is a handout without solutions)")
     solution = load_file(solution, f'exercise{n:02d}_solution')
-    ref = {name: resolve(REFERENCE) for name, REFERENCE in getattr(checks, 'REFERENCE', {}).items()}
+    ref = {name: resolve(dotted) for name, dotted in getattr(checks, 'REFERENCE', {}).items()}
     ref.update({name: getattr(solution, name) for name in checks.NAMES if name not in ref})
     if which != 'solution':
         ref.update(solution.CONTROLS[which])

@@ -85,11 +85,16 @@ def test_gradient_reaches_past_S(impl):
     """The gradient reaches past S, not past the clamp. With S = {1}, t_1 still sums over the later
     prefixes, so log q at positions 2.. gets gradient (MATH.md §6); where q >= p it gets none.
     Hint: choose S on a.detach(), and keep t_j whole."""
-    log_qx = torch.tensor([[[-1.0, -1.0, -1.0, -3.0]]], dtype=torch.float64, requires_grad=True)
-    log_px = torch.tensor([[-0.5, -0.5, -2.0, -0.5]], dtype=torch.float64)
+    log_qx = torch.tensor([[[-1.0, -1.0, -1.0, -3.0]]], dtype=torch.float64, requires_grad=True)   # K = 1, n = 4
+    log_px = torch.tensor([[-0.5, -0.5, -2.0, -0.5]], dtype=torch.float64)        # position 3: q above p
     a = impl.prefix_log_accept(torch.zeros(1, 1, dtype=torch.float64), log_qx, log_px, 'mixture')
-    impl.al_surrogate(a, torch.zeros(1, dtype=torch.float64), math.exp(-0.75)).sum().backward()
+    assert torch.allclose(a.detach(), torch.tensor([[-0.5, -1.0, -1.0, -3.5]], dtype=torch.float64)), \
+        f"a = {a.tolist()}, want [-0.5, -1.0, -1.0, -3.5]"
+    loss = impl.al_surrogate(a, torch.zeros(1, dtype=torch.float64), math.exp(-0.75))     # S = {1}
+    assert torch.allclose(loss, -torch.logsumexp(a.detach()[0], 0).reshape(1)), "with S = {1} the loss is -t_1"
+    loss.sum().backward()
     grad = log_qx.grad[0, 0]
+    assert grad[0] < 0, f"position 1, in S, gets no gradient: {grad.tolist()}"
     assert grad[1] < 0 and grad[3] < 0, f"positions after S get no gradient: {grad.tolist()}"
     assert grad[2] == 0, f"the clamped position gets gradient: {grad.tolist()}"
 
@@ -122,7 +127,7 @@ def try_it(impl, tryout):
     lo, hi = samples.positions(k)
     rows = torch.arange(len(samples.seqs)).repeat_interleave(hi - lo)
     pos = torch.arange(lo, hi).repeat(len(samples.seqs))
-    print(f"| drafter | whose | expected tau | AL loss |\n|---|---|---|---|")
+    print("| drafter | whose | expected tau | AL loss |\n|---|---|---|---|")
     for name in ('dblast_K4.pt', 'dblast_K1.pt'):
         d = tryout.drafter(name)
         for label, yours in (('project', False), ('yours', True)):

@@ -1,6 +1,5 @@
 """Exercise 1's reference is the project's own decode.verify_greedy; these are the plausible wrong
 answers its checks must catch."""
-import torch
 
 
 def counts_past_the_first_rejection(logits, drafts, accept):
