@@ -4,7 +4,8 @@ The papers' findings at small scale, measured on this machine.
     python bench.py            # CPU-sized default (about 40 minutes on 2 cores)
     python bench.py --quick    # a few minutes: smaller models, fewer prompts and repeats
     python bench.py --full --device cuda   # the one-GPU sweep
-    python bench.py --gpu-check --device cuda --compile   # minutes: the speed table only
+    python bench.py --gpu-check --device cuda   # minutes: what a first run on one GPU must show
+    python bench.py --tables speed --dtype bfloat16   # any table at another precision
 
 Trains what it needs when checkpoints are missing (through train.py, under --ckpt-dir), then:
   0. speed at a glance (--tables speed): tokens/s, tau and speedup, greedy k = 2..10 and sampling
@@ -13,7 +14,12 @@ Trains what it needs when checkpoints are missing (through train.py, under --ckp
   3. speculative sampling at T = 0.7, 1.0, 1.5: every drafter and way of drafting by the exact
      expected-tau evaluator; the headline rows decoded and timed; K ablation, Z_T sweep, curve
   4. where a step's time goes (BPD §6.3), t(k-token forward) / t(1-token forward), ceiling speedup
-Prints markdown tables, writes bench/results.json and (with matplotlib) bench/*.png.
+Prints markdown tables, writes bench/results.json and (with matplotlib) bench/*.png. Decoding runs at
+--dtype (default float32; bfloat16 by autocast) and, on CUDA, --tf32; training keeps train.py's own.
+
+--gpu-check runs instead a check in parts a-h (training eager and compiled, compiled decoding's
+recompiles and CUDA graphs, compiled against eager tokens, seeds, host syncs, memory, the speed
+tables) and writes OUT/gpu_check.json; --gpu-check --quick is the same at tiny sizes, for a CPU.
 
 Method: the same held-out prompts for every row, decoded one request at a time by default (--batch
 1, the papers' latency setting; a batch advances at the pace of its slowest row); with --compile
@@ -24,6 +30,7 @@ on a shared machine hits both alike.
 """
 import argparse
 import functools
+import gc
 import json
 import os
 import platform
@@ -31,19 +38,23 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 import types
-from contextlib import nullcontext
+from contextlib import contextmanager
+from unittest import mock
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
+import decode
 import train
 from data import (PROMPT_LEN, ArgumentParser, BadInput, check_number, check_out_dir, heldout_prompts, load_checkpoint,
                   load_dataset, load_target, newline_id, run_script)
 from dblast import expected_tau
-from decode import generate, load_drafter, pick_device
+from decode import DTYPES, Precision, decoding_precision, generate, load_drafter, pick_device, pick_dtype
 
 BPD_KS = [2, 4, 6, 8, 10]
 TEMPS = [0.7, 1.0, 1.5]
@@ -78,19 +89,25 @@ def timed(fns, repeats, device, warmup=True):
 
 
 class Bench:
-    def __init__(self, args, device, prompts, val):
+    """Decodes the prompts with args.compile; `precision` (decode.Precision) is what the caller
+    enters around the tables (named in their headings), not entered here."""
+
+    def __init__(self, args, device, prompts, val, precision):
         self.args, self.device, self.prompts, self.val = args, device, prompts, val
+        self.precision = precision
         self.plain_runs = {}   # (target id, temperature) -> plain decoding's (out, stats)
         self.heldout = {}      # temperature -> held-out target samples for the evaluator
 
-    def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact'):
+    def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact', seed=0, compile=None):
         """Every prompt, --batch rows per generate() call (default 1: per-request latency, as the
-        papers measure). Returns outputs and the calls' stats merged."""
-        g = torch.Generator(device=self.device).manual_seed(0)
+        papers measure), compiled as --compile says unless `compile` is given. Returns outputs and
+        the calls' stats merged."""
+        compile = self.args.compile if compile is None else compile
+        g = torch.Generator(device=self.device).manual_seed(seed)
         outs, calls, taus, acc = [], 0, [], 0.0
         for chunk in self.prompts.split(self.args.batch):
             out, s = generate(model, chunk, self.args.max_new, drafter=drafter, k=k, temperature=temperature,
-                              accept=accept, generator=g, compile=self.args.compile)
+                              accept=accept, generator=g, compile=compile)
             outs.append(out)
             calls += s['calls']
             taus += s['accept_lengths']
@@ -102,8 +119,8 @@ class Bench:
         """Expected tau of `drafter` drafting `way` (a DRAFTING key) at temperature T, exactly,
         on held-out target samples (made once per T and cached on disk)."""
         if T not in self.heldout:
-            rt = types.SimpleNamespace(device=self.device, kind=torch.device(self.device).type,
-                                       master=True, autocast=nullcontext())
+            # made at decoding's float32 whatever the table's precision (train.decoding)
+            rt = types.SimpleNamespace(device=self.device, kind=torch.device(self.device).type, master=True)
             self.heldout[T] = train.dblast_data(rt, model, self.val, self.args.eval_samples, T, self.args.seed + 2,
                                                 f'held-out samples at T={T}', os.path.join(self.args.ckpt_dir, 'data'))
         sample_drafts, verify = DRAFTING[way]
@@ -116,16 +133,29 @@ class Bench:
             self.plain_runs[key] = self.decode_all(model, temperature=temperature)
         return self.plain_runs[key]
 
-    def row(self, model, drafter, k, temperature=0.0, accept='exact'):
-        """tau, acceptance per position, calls and speedup over plain decoding, timed together."""
-        (dt, dt0), ((out, stats), (base_out, base_stats)) = timed(
-            [lambda: self.decode_all(model, drafter, k, temperature, accept),
-             lambda: self.decode_all(model, temperature=temperature)], self.args.repeats, self.device,
-            warmup=self.args.compile or str(self.device) != 'cpu')
+    def row(self, model, drafter, k, temperature=0.0, accept='exact', against_eager=False):
+        """tau, acceptance per position, calls and speedup over plain decoding, timed together.
+        against_eager (with --compile): the eager runs of both are timed in the same rounds too, so
+        that what compiling gains is a ratio inside one run (eager_seconds, plain_eager_seconds)."""
+        fns = [lambda: self.decode_all(model, drafter, k, temperature, accept),
+               lambda: self.decode_all(model, temperature=temperature)]
+        if against_eager and self.args.compile:
+            fns += [lambda: self.decode_all(model, drafter, k, temperature, accept, compile=False),
+                    lambda: self.decode_all(model, temperature=temperature, compile=False)]
+        times, results = timed(fns, self.args.repeats, self.device, warmup=self.args.compile or str(self.device) != 'cpu')
+        (dt, dt0), ((out, stats), (base_out, base_stats)) = times[:2], results[:2]
         taus = stats['accept_lengths']
-        return dict(k=k, tau=float(np.mean(taus)), accept_rate=[round(a, 4) for a in stats['accept_rate']],
-                    calls=stats['calls'], plain_calls=base_stats['calls'], seconds=dt, plain_seconds=dt0,
-                    speedup=dt0 / dt), out, base_out
+        r = dict(k=k, tau=float(np.mean(taus)), accept_rate=[round(a, 4) for a in stats['accept_rate']],
+                 calls=stats['calls'], plain_calls=base_stats['calls'], seconds=dt, plain_seconds=dt0,
+                 speedup=dt0 / dt)
+        if len(times) == 4:
+            r.update(eager_seconds=times[2], plain_eager_seconds=times[3])
+        return r, out, base_out
+
+
+def identical(out, ref, T0):
+    """Share of the generated tokens (after the T0-token prompts) equal to ref's."""
+    return float((out[:, T0:] == ref[:, T0:]).float().mean())
 
 
 @torch.no_grad()
@@ -159,21 +189,30 @@ def time_split(run, device):
         run()
         sync(device)
         total = (time.perf_counter() - t0) * 1e6
-    split = {}
-    for ev in prof.key_averages():
-        if ev.key.startswith('step.'):
-            us = ev.device_time_total if cuda and ev.key != 'step.host_sync' else ev.cpu_time_total
-            split[ev.key[5:]] = us / total
+    split = {name: us / total for name, us in step_times(prof.key_averages(), cuda).items()}
     split['other (python, prefill)'] = max(0.0, 1 - sum(split.values()))
+    return split
+
+
+def step_times(events, cuda):
+    """Microseconds in each 'step.*' region of the profiler's key_averages() rows. On CUDA a region
+    has two rows: the record_function range on the CPU side and a GPU-side user annotation
+    (device_type CUDA); only the CPU-side one is read, whatever the order. Its time on CUDA is the
+    device time of the kernels launched inside it, except for the host sync, which is the host's
+    waiting (CPU time); on a CPU, CPU time."""
+    split = {}
+    for ev in events:
+        if ev.key.startswith('step.') and ev.device_type == torch.autograd.DeviceType.CPU:
+            split[ev.key[5:]] = ev.device_time_total if cuda and ev.key != 'step.host_sync' else ev.cpu_time_total
     return split
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def train_args(args, stage, *extra):
+def train_args(args, stage, *extra, resume=True):
     """train.py argv for one stage at the bench's sizes (only that stage's flags: train.py refuses
-    flags that mean nothing for the stages it runs)."""
-    a = ['--out-dir', args.ckpt_dir, '--resume', '--no-demo', '--seed', str(args.seed), '--stages', stage]
+    flags that mean nothing for the stages it runs). resume: skip what is already trained."""
+    a = ['--out-dir', args.ckpt_dir, '--no-demo', '--seed', str(args.seed), '--stages', stage] + ['--resume'] * resume
     if args.device:
         a += ['--device', args.device]
     if args.data:
@@ -188,15 +227,26 @@ def train_args(args, stage, *extra):
     return a + list(extra)
 
 
-def ensure_checkpoints(args):
-    """Train the target and every drafter the chosen tables need (skipped when already there)."""
-    train.main(train_args(args, 'base'))
+def trainings(args, resume=True):
+    """(checkpoint name, train.py argv) of the target and every drafter the chosen tables need, in
+    order; with resume, each is skipped once trained."""
+    runs = [('ckpt', train_args(args, 'base', resume=resume))]
     heads = [(False, True)] if 'bpd' not in args.tables else [(j, d) for j in (False, True) for d in (False, True)]
     for joint, distill in heads:
-        train.main(train_args(args, 'heads', '--k', str(max(BPD_KS)), '--joint' if joint else '--frozen',
-                              '--distill' if distill else '--no-distill', '--tag', heads_tag(joint, distill)))
-    for extra in dblast_trainings(args):   # each skipped once trained
-        train.main(train_args(args, 'dblast', '--dblast-k', str(args.dblast_k), *extra))
+        runs.append((f'heads{heads_tag(joint, distill)}', train_args(
+            args, 'heads', '--k', str(max(BPD_KS)), '--joint' if joint else '--frozen',
+            '--distill' if distill else '--no-distill', '--tag', heads_tag(joint, distill), resume=resume)))
+    for extra in dblast_trainings(args):
+        K, tag = (extra[extra.index(flag) + 1] for flag in ('--K', '--tag'))
+        runs.append((f'dblast_K{K}{tag}', train_args(args, 'dblast', '--dblast-k', str(args.dblast_k), *extra,
+                                                     resume=resume)))
+    return runs
+
+
+def ensure_checkpoints(args):
+    """Train the target and every drafter the chosen tables need (skipped when already there)."""
+    for _, argv in trainings(args):
+        train.main(argv)
 
 
 def dblast_trainings(args):
@@ -239,25 +289,39 @@ def md_table(headers, rows):
 
 def speed_table(b, base, args, results):
     """The figures at a glance, one row printed as soon as it is measured: tokens/s of plain and
-    blockwise decoding, greedy with the frozen distilled heads at k = 2..10, then sampling at T=1
-    with the independent K = 1 NLL drafter and DBlast K = 4 AL (sampled drafts, mixture verification)."""
+    blockwise decoding, greedy with the frozen distilled heads at k = 2..10 (--gpu-check --quick: 8),
+    then sampling at T=1
+    with the independent K = 1 NLL drafter and DBlast K = 4 AL (sampled drafts, mixture verification).
+    Greedy rows also give the share of tokens identical to plain greedy decoding at the same
+    precision: the rule is exact, the arithmetic need not be (bf16 most of all; MATH.md §2).
+    With --compile, each row's eager runs are timed in the same rounds, and the table gives what
+    compiling gains, plain and blockwise, as ratios inside the run."""
     heads = load_drafter(os.path.join(args.ckpt_dir, f"heads{heads_tag(False, True)}.pt"), base)
     dblast = lambda K, loss: load_drafter(os.path.join(args.ckpt_dir, f"dblast_K{K}{dblast_tag(1.0, loss)}.pt"), base)
-    configs = [('BPD heads', heads, k, 0.0) for k in BPD_KS]
+    configs = [('BPD heads', heads, k, 0.0) for k in args.speed_ks]
     configs += [('independent K=1 NLL', dblast(1, 'nll'), args.dblast_k, 1.0),
                 ('DBlast K=4 AL', dblast(4, 'al'), args.dblast_k, 1.0)]
     n_tokens = args.n_prompts * args.max_new
     mode = 'compiled' if args.compile else 'eager'
-    print(f"\n### 0. Speed ({mode}, {args.n_prompts} prompts x {args.max_new} tokens, batch {args.batch})\n")
-    print(md_table(['drafter', 'T', 'k', 'plain tok/s', 'blockwise tok/s', 'tau', 'calls', 'speedup'], []), flush=True)
+    print(f"\n### 0. Speed ({mode}, {b.precision}, {args.n_prompts} prompts x {args.max_new} tokens, "
+          f"batch {args.batch})\n")
+    gains = ['plain: compiled / eager', 'blockwise: compiled / eager'] if args.compile else []
+    print(md_table(['drafter', 'T', 'k', 'plain tok/s', 'blockwise tok/s', 'tau', 'calls', 'speedup',
+                    'identical tokens'] + gains, []), flush=True)
     rows = []
     for name, drafter, k, T in configs:
-        r, _, _ = b.row(base, drafter, k, temperature=T)
-        r.update(drafter=name, T=T, plain_tok_s=n_tokens / r['plain_seconds'], tok_s=n_tokens / r['seconds'])
+        r, out, plain_out = b.row(base, drafter, k, temperature=T, against_eager=True)
+        same = identical(out, plain_out, b.prompts.size(1)) if T == 0 else None   # sampled: another stream
+        r.update(drafter=name, T=T, plain_tok_s=n_tokens / r['plain_seconds'], tok_s=n_tokens / r['seconds'],
+                 identical_tokens=same)
         rows.append(r)
+        if gains:
+            r.update(plain_compile_gain=r['plain_eager_seconds'] / r['plain_seconds'],
+                     compile_gain=r['eager_seconds'] / r['seconds'])
         print(md_row([name, T, k, f"{r['plain_tok_s']:.0f}", f"{r['tok_s']:.0f}", f"{r['tau']:.2f}", r['calls'],
-                      f"{r['speedup']:.2f}x"]), flush=True)
-    results['speed'] = dict(mode=mode, rows=rows)
+                      f"{r['speedup']:.2f}x", '' if same is None else f"{same:.3f}"]
+                     + ([f"{r['plain_compile_gain']:.2f}x", f"{r['compile_gain']:.2f}x"] if gains else [])), flush=True)
+    results['speed'] = dict(mode=mode, precision=str(b.precision), rows=rows)
 
 
 def bpd_tables(b, base, args, results):
@@ -273,10 +337,9 @@ def bpd_tables(b, base, args, results):
             for k in BPD_KS:
                 r, out, plain_out = b.row(target, heads, k)
                 ref = b.plain(base, 0.0)[0]     # the original model's greedy output
-                gen_part = slice(b.prompts.size(1), None)
                 r.update(variant=('joint' if joint else 'frozen'), data=('distilled' if distill else 'corpus'),
                          identical_to_greedy=float((out == plain_out).all(-1).float().mean()),
-                         agreement_with_original=float((out[:, gen_part] == ref[:, gen_part]).float().mean()),
+                         agreement_with_original=identical(out, ref, b.prompts.size(1)),
                          heldout_loss_change=drift)
                 rows.append(r)
                 table.append([r['variant'], r['data'], k, f"{r['tau']:.2f}",
@@ -284,7 +347,7 @@ def bpd_tables(b, base, args, results):
                               f"{r['identical_to_greedy']:.2f}", f"{r['agreement_with_original']:.2f}",
                               f"{r['heldout_loss_change']:+.3f}", r['calls'], f"{r['speedup']:.2f}x"])
     results['bpd'] = rows
-    print('\n### 1. Blockwise parallel decoding (greedy, exact acceptance)\n')
+    print(f'\n### 1. Blockwise parallel decoding (greedy, exact acceptance; {b.precision})\n')
     print(md_table(['target', 'heads data', 'k', 'tau', 'acceptance per position', 'identical to its greedy',
                     'agreement with original greedy', 'held-out loss change', 'calls', 'speedup'], table))
 
@@ -297,13 +360,13 @@ def lossy_table(b, base, args, results):
     rows, table = [], []
     for accept in ['exact', 'topk:2', 'topk:3', 'topk:5', 'minblock:2', 'minblock:3']:
         r, out, _ = b.row(base, heads, k, accept=accept)
-        r.update(accept=accept, agreement_with_greedy=float((out[:, T0:] == ref[:, T0:]).float().mean()),
+        r.update(accept=accept, agreement_with_greedy=identical(out, ref, T0),
                  output_nll=output_nll(base, out, T0))
         rows.append(r)
         table.append([accept, f"{r['tau']:.2f}", f"{r['agreement_with_greedy']:.3f}", f"{r['output_nll']:.3f}",
                       f"{r['speedup']:.2f}x"])
     results['lossy'] = dict(k=k, greedy_output_nll=output_nll(base, ref, T0), rows=rows)
-    print(f"\n### 2. Lossy acceptance (frozen distilled heads, k={k}); "
+    print(f"\n### 2. Lossy acceptance (frozen distilled heads, k={k}; {b.precision}); "
           f"greedy output NLL {results['lossy']['greedy_output_nll']:.3f}\n")
     print(md_table(['accept', 'tau', 'agreement with greedy', 'output NLL (original model)', 'speedup'], table))
 
@@ -346,7 +409,8 @@ def dblast_tables(b, base, args, results):
     results['dblast'] = grid_rows
     keys = list(dict.fromkeys((r['drafter'], r['drafts']) for r in grid_rows))
     by = {(r['drafter'], r['drafts'], r['T']): r['expected_tau'] for r in grid_rows}
-    print(f"\n### 3. Speculative sampling, k={kd}: expected tau on held-out target samples (exact evaluator)\n")
+    print(f"\n### 3. Speculative sampling, k={kd}: expected tau on held-out target samples (exact evaluator; "
+          f"{b.precision})\n")
     print(md_table(['drafter', 'drafts, verification'] + [f'T={T}' for T in TEMPS],
                    [[n, w] + [f"{by[n, w, T]:.2f}" if (n, w, T) in by else '' for T in TEMPS] for n, w in keys]))
 
@@ -409,7 +473,7 @@ def time_table(b, base, args, results):
     # the profiler's named regions do not exist inside a compiled step: split the eager one
     split = None if args.compile else time_split(lambda: b.decode_all(base, heads, 8), b.device)
     results['time'] = dict(rows=rows, split_k8=split)
-    print("\n### 4. Where the time goes (frozen distilled heads; t(k)/t(1) of the eager forward)\n")
+    print(f"\n### 4. Where the time goes (frozen distilled heads; t(k)/t(1) of the eager forward; {b.precision})\n")
     print(md_table(['k', 't(k)/t(1)', 'tau', 'ceiling tau*t(1)/t(k)', 'measured speedup'], table))
     if split:
         print("\nshare of decode time at k=8: " + ', '.join(f'{n} {v:.0%}' for n, v in split.items()))
@@ -448,6 +512,248 @@ def plots(results, out_dir):
     print(f"plot -> {path}")
 
 
+# ----------------------------------------------------------------------------- the GPU check
+# What a first run on one GPU has to show, in parts a-h, each printed as it runs and recorded
+# (status pass / fail / skipped, and its figures) in OUT/gpu_check.json; exit status 1 naming the
+# failed parts. A part that crashes fails, and the parts after it still run.
+
+PLAIN, HEADS, SAMPLED = 'plain greedy', 'BPD heads greedy, k=8', 'DBlast K=4 sampling, T=1'
+NEAR_TIE = 1e-3   # logits: compiled kernels sum in another order, so a tie this close may break either way
+
+
+def compiled_dir(args):
+    return args.ckpt_dir.rstrip('/') + '_compiled'
+
+
+def with_(args, **changes):
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def measured(device, fn):
+    """(fn(), its seconds, the peak memory allocated meanwhile in MiB: CUDA only, else None)."""
+    cuda = torch.device(device).type == 'cuda'
+    if cuda:   # what the last stage left for the collector is not this one's
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    result = fn()
+    sync(device)
+    return result, time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else None
+
+
+class Check:
+    """What the parts share: the flags, device and prompts, one Bench per way of decoding, and the
+    target and drafters part a trains (loaded on first use, so a part after a failed part a fails
+    by itself, naming the missing checkpoint)."""
+
+    def __init__(self, args, device, prompts, val):
+        self.args, self.device, self.cuda = args, device, torch.device(device).type == 'cuda'
+        self.f32, self.bf16 = Precision('float32', device), Precision('bfloat16', device)
+        self.eager = Bench(with_(args, compile=False), device, prompts, val, self.f32)
+        self.compiled = Bench(with_(args, compile=True), device, prompts, val, self.f32)
+        self.eager_bf16 = Bench(with_(args, compile=False), device, prompts, val, self.bf16)
+
+    @functools.cached_property
+    def base(self):
+        return load_target(os.path.join(self.args.ckpt_dir, 'ckpt.pt'), self.device)
+
+    @functools.cached_property
+    def configs(self):   # name -> decode_all's arguments
+        ck = self.args.ckpt_dir
+        heads = load_drafter(os.path.join(ck, f"heads{heads_tag(False, True)}.pt"), self.base)
+        dblast = load_drafter(os.path.join(ck, f"dblast_K4{dblast_tag(1.0, 'al')}.pt"), self.base)
+        return {PLAIN: {}, HEADS: dict(drafter=heads, k=8),
+                SAMPLED: dict(drafter=dblast, k=self.args.dblast_k, temperature=1.0)}
+
+
+def part_train(c, compile=False):
+    """a / b: every stage the speed table needs, one train.main call each, fresh (a check measures
+    training, so nothing is resumed): its seconds and peak memory. b: with --compile, elsewhere."""
+    if compile and c.args.quick and not c.cuda:
+        return dict(skipped="inductor's C++ compile of four training steps takes minutes on a CPU; run it on "
+                            "CUDA, or without --quick")
+    args = with_(c.args, ckpt_dir=compiled_dir(c.args)) if compile else c.args
+    stages = []
+    for name, argv in trainings(args, resume=False):
+        _, seconds, mib = measured(c.device, lambda: train.main(argv + ['--compile'] * compile))
+        stages.append(dict(stage=name, seconds=seconds, peak_memory_mib=mib))
+    return dict(ok=True, ckpt_dir=args.ckpt_dir, rows=stages)
+
+
+def part_recompiles(c):
+    """c: compiled decoding with dynamo's recompile and CUDA-graph logs on: after a warm-up call (it
+    compiles), the same call again must compile no new graph and, on CUDA, no CUDA graph may be
+    skipped (a skipped one runs the step without graphs, silently slower)."""
+    count = lambda: (counters['stats']['unique_graphs'], counters['inductor']['cudagraph_skips'])  # noqa: E731
+    rows = []
+    torch._logging.set_logs(recompiles=True, cudagraphs=True)
+    try:
+        for name, kw in c.configs.items():
+            before = count()
+            c.compiled.decode_all(c.base, **kw)
+            warm = count()
+            c.compiled.decode_all(c.base, **kw)
+            after = count()
+            rows.append(dict(config=name, warmup_graphs=warm[0] - before[0], new_graphs=after[0] - warm[0],
+                             cudagraph_skips=after[1] - before[1]))
+    finally:
+        torch._logging.set_logs()   # the defaults again
+    return dict(ok=all(r['new_graphs'] == 0 and r['cudagraph_skips'] == 0 for r in rows), rows=rows)
+
+
+def part_compiled_tokens(c):
+    """d: compiled greedy tokens against eager ones. Passes where they are identical, or where each
+    row's first difference is a near-tie of the target's logits (rounding, MATH.md §2)."""
+    T0, rows = c.eager.prompts.size(1), []
+    for name in (PLAIN, HEADS):
+        eager, compiled = (b.decode_all(c.base, **c.configs[name])[0] for b in (c.eager, c.compiled))
+        rows.append(dict(config=name, identical_tokens=identical(compiled, eager, T0),
+                         gaps_where_they_part=divergence_gaps(c.base, eager, compiled, T0)))
+    return dict(ok=all(g < NEAR_TIE for r in rows for g in r['gaps_where_they_part']), near_tie=NEAR_TIE, rows=rows)
+
+
+@torch.no_grad()
+def divergence_gaps(model, a, b, T0):
+    """For each row where a and b differ after the prompt: the gap between the target's logits of
+    their two tokens at the first position they differ."""
+    gaps = []
+    for row in (a[:, T0:] != b[:, T0:]).any(-1).nonzero().flatten().tolist():
+        j = T0 + int((a[row, T0:] != b[row, T0:]).nonzero()[0])
+        logits = model(a[row:row + 1, :j])[0][0, -1].float()
+        gaps.append(abs(float(logits[a[row, j]] - logits[b[row, j]])))
+    return gaps
+
+
+def part_seeds(c):
+    """e: sampling with a seeded torch.Generator, eager and compiled: the same seed gives the same
+    tokens, another seed other tokens."""
+    rows = []
+    for mode, b in (('eager', c.eager), ('compiled', c.compiled)):
+        first, again, other = (b.decode_all(c.base, seed=s, **c.configs[SAMPLED])[0] for s in (0, 0, 1))
+        rows.append(dict(config=SAMPLED, mode=mode, same_seed_same_tokens=torch.equal(first, again),
+                         other_seed_other_tokens=not torch.equal(first, other)))
+    return dict(ok=all(r['same_seed_same_tokens'] and r['other_seed_other_tokens'] for r in rows), rows=rows)
+
+
+@contextmanager
+def steps_in_sync_debug():
+    """While inside, every decode.merged_step runs under torch.cuda.set_sync_debug_mode('error'):
+    only the step, since generate's loop syncs once per step by design (are all rows done?).
+    Yields a list holding the number of steps run."""
+    step, calls = decode.merged_step, [0]
+
+    def guarded(*a, **kw):
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode('error')
+        calls[0] += 1
+        try:
+            return step(*a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    with mock.patch.object(decode, 'merged_step', guarded):
+        yield calls
+
+
+def part_sync_debug(c):
+    """f (CUDA): eager decoding in float32 and in bfloat16 with no host sync inside a step."""
+    if not c.cuda:
+        return dict(skipped='no CUDA')
+    rows = []
+    for precision in (c.f32, c.bf16):
+        for name, kw in c.configs.items():
+            error = None
+            with precision, steps_in_sync_debug() as steps:
+                try:
+                    c.eager.decode_all(c.base, **kw)
+                except RuntimeError as e:   # what sync debug mode 'error' raises
+                    error = first_line(e)
+            rows.append(dict(precision=str(precision), config=name, steps=steps[0], error=error))
+    return dict(ok=all(r['error'] is None for r in rows), rows=rows)
+
+
+def part_decode_memory(c):
+    """g (CUDA): peak memory of decoding every configuration, eager and compiled, beside the weights'."""
+    if not c.cuda:
+        return dict(skipped='no CUDA')
+    rows = [dict(config=name, mode=mode, peak_memory_mib=measured(c.device, lambda: b.decode_all(c.base, **kw))[2])
+            for name, kw in c.configs.items() for mode, b in (('eager', c.eager), ('compiled', c.compiled))]
+    weights = sum(p.numel() * p.element_size() for p in c.base.parameters()) / 2 ** 20
+    return dict(ok=True, weights_mib=weights, rows=rows)
+
+
+def part_speed(c):
+    """h: the speed table, eager then compiled in float32, then eager in bfloat16 (it prints its rows)."""
+    tables = {}
+    for b in (c.eager, c.compiled, c.eager_bf16):
+        res = {}
+        with b.precision:
+            speed_table(b, c.base, b.args, res)
+        tables[f"{res['speed']['mode']}, {res['speed']['precision']}"] = res['speed']
+    return dict(ok=True, tables=tables)
+
+
+PARTS = [('a', 'every stage trained eager: seconds, peak memory', part_train),
+         ('b', 'every stage trained with --compile', functools.partial(part_train, compile=True)),
+         ('c', 'compiled decoding: a second call compiles nothing, skips no CUDA graph', part_recompiles),
+         ('d', 'compiled against eager greedy tokens', part_compiled_tokens),
+         ('e', 'seeded sampling: same seed same tokens, other seed other tokens', part_seeds),
+         ('f', 'no host sync inside an eager step, float32 and bfloat16 (CUDA)', part_sync_debug),
+         ('g', 'peak memory of decoding (CUDA)', part_decode_memory),
+         ('h', 'speed tables: eager and compiled float32, eager bfloat16', part_speed)]
+
+
+def gpu_check(args, device, prompts, val):
+    c = Check(args, device, prompts, val)
+    saved = dict(decode._COMPILED)
+    backend = 'inductor' + (', CUDA graphs' if c.cuda else '')
+    if args.quick and not c.cuda:   # inductor's C++ codegen would cost seconds per graph on a small CPU
+        decode.compiled_step('cpu')   # dynamo's cache limit raised, as for the real one
+        decode._COMPILED['cpu'] = torch.compile(decode.merged_step, backend='aot_eager', dynamic=False)
+        backend = "aot_eager (CPU under --quick: dynamo's graphs, guards and recompiles, no codegen)"
+    report = dict(meta=meta(args, device, 'float32; bfloat16 autocast where a part says so'),
+                  compiled_decoding=backend)
+    try:
+        run_parts(c, PARTS, report, os.path.join(args.out, 'gpu_check.json'))
+    finally:   # this process may decode compiled again (the tests do)
+        decode._COMPILED.clear()
+        decode._COMPILED.update(saved)
+
+
+def run_parts(c, parts, report, path):
+    """Each part in order, in float32 (training enters train.py's own precision inside): printed,
+    recorded, the JSON written; then SystemExit naming the failed parts, if any."""
+    report['parts'] = {}
+    for key, title, part in parts:
+        print(f"\n## {key}. {title}\n", flush=True)
+        t0 = time.perf_counter()
+        try:
+            with Precision('float32', c.device):
+                res = part(c)
+        except Exception as e:   # a crash fails this part; the next ones still run
+            traceback.print_exc()
+            res = dict(ok=False, error=f'{type(e).__name__}: {first_line(e)}')
+        status = 'skipped' if 'skipped' in res else 'pass' if res.pop('ok') else 'fail'
+        report['parts'][key] = dict(title=title, status=status, seconds=time.perf_counter() - t0, **res)
+        if res.get('rows'):
+            print(md_table(list(res['rows'][0]), [[short(v) for v in r.values()] for r in res['rows']]))
+        note = res.get('skipped') or res.get('error')
+        print(f"{key}: {status}{': ' + note if note else ''} ({report['parts'][key]['seconds']:.1f}s)", flush=True)
+    report['failed'] = [k for k, p in report['parts'].items() if p['status'] == 'fail']
+    write_json(report, path)
+    print(f"\ngpu check -> {path}: " + ', '.join(f"{k} {p['status']}" for k, p in report['parts'].items()))
+    if report['failed']:
+        raise SystemExit(f"gpu check: failed parts {', '.join(report['failed'])} (see {path})")
+
+
+def first_line(e):
+    return (str(e).strip().splitlines() or [''])[0][:300]
+
+
+def short(v):
+    return f'{v:.3g}' if isinstance(v, float) else v
+
+
 # ----------------------------------------------------------------------------- main
 
 TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time']
@@ -456,25 +762,36 @@ QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=160, max_iters=300, head
              max_new=64, repeats=1, eval_samples=8)
 DEFAULT = dict(n_prompts=16, max_new=128, repeats=3, eval_samples=64)
 FULL = dict(n_prompts=32, max_new=256, repeats=5, eval_samples=256)
-# a few minutes on one GPU: the GPU preset's model, trained briefly, and the speed table only
-GPU_CHECK = dict(max_iters=600, heads_iters=300, dblast_iters=300, distill_samples=512, dblast_samples=512,
-                 n_prompts=8, max_new=192, repeats=2, eval_samples=64, tables='speed')
+# --gpu-check: train.py's GPU preset model on CUDA (its CPU one elsewhere), trained a few dozen
+# steps per stage (what it checks is how training and decoding run, not how well); with --quick,
+# tiny shapes and a handful of steps, prompts and tokens, so that it runs on a CPU in seconds
+GPU_CHECK = dict(max_iters=50, heads_iters=40, dblast_iters=40, distill_samples=256, dblast_samples=256,
+                 dblast_eval_samples=16, n_prompts=4, max_new=128, repeats=2, eval_samples=16, tables='speed')
+GPU_CHECK_QUICK = dict(n_layer=1, n_head=2, n_embd=16, block_size=64, batch_size=4, max_iters=20, heads_iters=4,
+                       dblast_iters=4, distill_samples=4, dblast_samples=4, dblast_eval_samples=4, n_prompts=2,
+                       max_new=16, repeats=1, eval_samples=4, tables='speed', speed_ks=[8])
 
 
 def main(argv=None):
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = ap.add_mutually_exclusive_group()
-    size.add_argument('--quick', action='store_true', help='a few minutes: small models, few prompts')
+    size.add_argument('--quick', action='store_true', help='a few minutes: small models, few prompts '
+                                                           '(with --gpu-check: tiny, for a CPU)')
     size.add_argument('--full', action='store_true', help='the one-GPU sweep (GPU preset, more prompts)')
-    size.add_argument('--gpu-check', action='store_true',
-                      help='a few minutes on one GPU: the GPU preset trained briefly, the speed table only')
+    ap.add_argument('--gpu-check', action='store_true',
+                    help='minutes on one GPU: the check in parts a-h (training eager and compiled, compiled '
+                         'decoding, seeds, host syncs, memory, speed tables) -> OUT/gpu_check.json')
     ap.add_argument('--tables', default=None,
-                    help=f"comma-separated, from {','.join(TABLES)} (default: all but speed; --gpu-check: speed)")
+                    help=f"comma-separated, from {','.join(TABLES)} (default: all but speed)")
     ap.add_argument('--compile', action='store_true',
                     help='decode with the compiled step (CUDA graphs on GPU); compiling happens in the warm-up round')
+    ap.add_argument('--dtype', default=None, choices=DTYPES,
+                    help='decoding precision (default auto: float32; bfloat16: autocast, on a CPU too)')
+    ap.add_argument('--tf32', action='store_true', help='CUDA, float32: let matmuls use TF32 (default off)')
     ap.add_argument('--device', default=None)
     ap.add_argument('--data', default=None, help='corpus (default: the stdlib .py files)')
-    ap.add_argument('--out', default='bench', help='folder for results.json and plots')
+    ap.add_argument('--out', default=None, help='folder for results.json and plots (default: bench; '
+                                                '--gpu-check: bench/gpu)')
     ap.add_argument('--ckpt-dir', default=None, help='checkpoints (default: OUT/ckpt)')
     ap.add_argument('--seed', type=int, default=1337)
     ap.add_argument('--dblast-k', type=int, default=4)
@@ -485,11 +802,20 @@ def main(argv=None):
                  'max_iters', 'heads_iters', 'dblast_iters', 'distill_samples', 'dblast_samples'):
         ap.add_argument('--' + name.replace('_', '-'), type=int, default=None)
     args = ap.parse_args(argv)
-    preset = QUICK if args.quick else FULL if args.full else GPU_CHECK if args.gpu_check else DEFAULT
+    if args.gpu_check:   # it picks its own tables, modes and precisions
+        for flag, given in [('--full', args.full), ('--tables', args.tables is not None), ('--compile', args.compile),
+                            ('--dtype', args.dtype is not None), ('--tf32', args.tf32)]:
+            if given:
+                raise BadInput(f"{flag} means nothing with --gpu-check: it runs its own tables, eager and compiled, "
+                               f"in float32 and bfloat16")
+    preset = (GPU_CHECK_QUICK if args.quick else GPU_CHECK) if args.gpu_check else \
+        QUICK if args.quick else FULL if args.full else DEFAULT
     for key, v in preset.items():
-        if getattr(args, key) is None:
+        if getattr(args, key, None) is None:
             setattr(args, key, v)
+    args.speed_ks = getattr(args, 'speed_ks', BPD_KS)   # the speed table's k (no flag: only a preset cuts it)
     args.tables = parse_tables('bpd,lossy,dblast,time' if args.tables is None else args.tables)
+    args.out = args.out or ('bench/gpu' if args.gpu_check else 'bench')
     args.ckpt_dir = args.ckpt_dir or os.path.join(args.out, 'ckpt')
     # every flag is checked before any training: the bench's own, then train.py's for each stage
     for name in ('n_prompts', 'max_new', 'repeats', 'eval_samples', 'batch'):
@@ -497,9 +823,14 @@ def main(argv=None):
     check_number('--dblast-k', args.dblast_k, lo=2, hi=64)
     check_number('--seed', args.seed, lo=0, hi=2 ** 63 - 1)
     device = pick_device(args.device)
+    precision = decoding_precision(args.dtype or 'auto', device, args.tf32)
     block_size = train.parse_args(train_args(args, 'base')).block_size
     for stage in ('heads', 'dblast'):
         train.parse_args(train_args(args, stage))
+    if args.gpu_check:   # bfloat16 where the device has it, and the compiled training's flags
+        pick_dtype('bfloat16', device)
+        for _, argv in trainings(args):
+            train.parse_args(argv + ['--compile'])
     longest = max(max(BPD_KS), args.dblast_k)
     if PROMPT_LEN + args.max_new + longest > block_size:
         raise BadInput(f"--max-new {args.max_new}: a {PROMPT_LEN}-token prompt, {args.max_new} tokens and a "
@@ -508,30 +839,39 @@ def main(argv=None):
         print("note: --full is sized for one GPU; on this device it will take long", file=sys.stderr)
     check_out_dir(args.out, '--out')
     check_out_dir(args.ckpt_dir, '--ckpt-dir')
+    if args.gpu_check:
+        check_out_dir(compiled_dir(args), '--ckpt-dir (+ _compiled)')
     ds = load_dataset(args.data, os.path.join(args.ckpt_dir, 'data'))
     if len(ds.val) < PROMPT_LEN + args.n_prompts + 1:
         raise BadInput(f"--n-prompts {args.n_prompts}: the held-out text is too short for that many prompts")
     prompts = heldout_prompts(ds.val, args.n_prompts, PROMPT_LEN, newline_id(ds.vocab)).to(device)
+    if args.gpu_check:
+        return gpu_check(args, device, prompts, ds.val)
     t_start = time.perf_counter()
-    ensure_checkpoints(args)
+    ensure_checkpoints(args)   # at train.py's own precision
     base = load_target(os.path.join(args.ckpt_dir, 'ckpt.pt'), device)
-    val = ds.val
-    b = Bench(args, device, prompts, val)
+    b = Bench(args, device, prompts, ds.val, precision)
     torch.manual_seed(args.seed)
-    results = dict(meta=meta(args, device), method=__doc__.split('Method: ')[1].strip())
-    for name, table in [('speed', speed_table), ('bpd', bpd_tables), ('lossy', lossy_table),
-                        ('dblast', dblast_tables), ('time', time_table)]:
-        if name in args.tables:
-            table(b, base, args, results)
+    results = dict(meta=meta(args, device, str(b.precision)), method=__doc__.split('Method: ')[1].strip())
+    with b.precision:   # every decode, evaluation and timing of the tables
+        for name, table in [('speed', speed_table), ('bpd', bpd_tables), ('lossy', lossy_table),
+                            ('dblast', dblast_tables), ('time', time_table)]:
+            if name in args.tables:
+                table(b, base, args, results)
     results['meta']['seconds'] = time.perf_counter() - t_start
     path = os.path.join(args.out, 'results.json')
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        json.dump(results, f, indent=1)
-    os.replace(tmp, path)
+    write_json(results, path)
     print(f"\nresults -> {path} ({results['meta']['seconds']:.0f}s)")
     if {'bpd', 'dblast', 'time'} <= set(args.tables):
         plots(results, args.out)
+
+
+def write_json(obj, path):
+    """Atomically: a reader never sees half a file."""
+    tmp = path + '.tmp'
+    with open(tmp, 'w') as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
 
 
 def parse_tables(text):
@@ -544,7 +884,7 @@ def parse_tables(text):
     return tables
 
 
-def meta(args, device):
+def meta(args, device, precision):
     try:
         commit = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
@@ -553,7 +893,7 @@ def meta(args, device):
     dev = torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()
     return dict(command='python bench.py ' + ' '.join(sys.argv[1:]), machine=platform.platform(), device=device,
                 device_name=dev, cpu_count=os.cpu_count(), torch=torch.__version__, git_commit=commit,
-                threads=torch.get_num_threads(), args=vars(args))
+                threads=torch.get_num_threads(), precision=precision, args=vars(args))
 
 
 if __name__ == '__main__':

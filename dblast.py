@@ -51,7 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from data import PROMPT_LEN
-from heads import BlockHeads, Drafter
+from heads import LOGITS_BUDGET, BlockHeads, Drafter
 from model import LayerNorm, sample, tempered, upcast
 
 VERIFY = ('mixture', 'branch')          # what drafts are verified against (DBlastDrafter.verify)
@@ -159,16 +159,23 @@ class TargetSamples(NamedTuple):
 
     @classmethod
     @torch.no_grad()
-    def of(cls, model, seqs, temperature, autocast=nullcontext(), chunk=64):
-        """H and LP of the sequences seqs (n, S), chunk rows at a time."""
+    def of(cls, model, seqs, temperature, precision=nullcontext(), chunk=None):
+        """H and LP of the sequences seqs (n, S), chunk rows at a time, the target run under
+        `precision` (a context manager). chunk=None: 64 rows, or fewer where their logits would
+        pass LOGITS_BUDGET elements (rows * S * V; a GPT-2 vocabulary), at least one."""
+        S, V = seqs.size(1), model.config.vocab_size
+        chunk = chunk or max(1, min(64, LOGITS_BUDGET // (S * V)))
         hs, lps = [], []
         for i in range(0, len(seqs), chunk):
             s = seqs[i:i + chunk]
-            with autocast:
-                h = model.hidden(s)
-                logp = torch.log_softmax(tempered(model.lm_head(h).float(), temperature), -1)
+            with precision:
+                h = model.hidden(s)                                           # (rows, S, C)
+                z = model.lm_head(h[:, :-1])                                  # (rows, S-1, V)
+            z = tempered(z.float(), temperature)                              # float32
+            # log_softmax read at the sampled token only: no second (rows, S-1, V) tensor of it
+            lps.append(z.gather(-1, s[:, 1:, None]).squeeze(-1) - z.logsumexp(-1))   # (rows, S-1)
             hs.append(h.float())
-            lps.append(logp[:, :-1].gather(-1, s[:, 1:, None]).squeeze(-1))
+            del z     # before the next chunk's logits: one chunk's alive at a time
         return cls(seqs, torch.cat(hs), torch.cat(lps))
 
     def positions(self, k):

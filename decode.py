@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -259,14 +259,14 @@ def static_cache(model, B, k):
     request, kept on the model and reused across calls, so shapes and buffer addresses never
     change and the compiled graphs (CUDA graphs on GPU) are recorded once. The spare room (2k,
     see generate) is rounded up to a multiple of 64, so plain decoding and every k up to 32
-    share the same buffers, as bench.py's interleaved timing needs. One cache per batch size."""
+    share the same buffers, as bench.py's interleaved timing needs. One cache per batch size and
+    compute dtype."""
     max_len = -(-(model.config.block_size + 2 * k) // 64) * 64
-    w = model.lm_head.weight
-    key = (B, max_len, w.dtype, w.device)
+    key = (B, max_len, model.compute_dtype(), model.lm_head.weight.device)
     caches = model.__dict__.setdefault('_static_caches', {})   # a plain attribute, not a buffer
     if key not in caches:
-        caches[key] = model.new_cache(B, max_len)
-        for buf in (caches[key].k, caches[key].v, caches[key].lengths):
+        cache = caches[key] = model.new_cache(B, max_len)
+        for buf in (cache.k, cache.v, cache.lengths, cache.layers, cache.rows):   # no copy into a CUDA graph
             torch._dynamo.mark_static_address(buf)
     cache = caches[key]
     cache.lengths.zero_()
@@ -314,6 +314,8 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     if drafter is not None:
         drafts, q = drafter.draft(h, bonus, model, k, temperature, generator)
         block = torch.cat([block, drafts], dim=1)
+        if compile and q is not None:   # the strides the compiled step returns (else step 2 recompiles)
+            q = q.clone(memory_format=torch.contiguous_format)
 
     n_out = torch.full((B,), T0, dtype=torch.long, device=dev)  # committed tokens per row
     offs = torch.arange(k, device=dev)
@@ -332,7 +334,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
                 torch.compiler.cudagraph_mark_step_begin()
             n_acc, accepted, block, q = step(model, drafter, cache, block, q, active,
                                              temperature, accept, step_generator)
-            if compile:  # a CUDA graph's outputs are overwritten by its next replay: keep copies
+            if compile and dev.type == 'cuda':  # a CUDA graph's outputs are overwritten by its next replay
                 n_acc, accepted, block = n_acc.clone(), accepted.clone(), block.clone()
                 q = None if q is None else q.clone()
             calls += 1
@@ -403,6 +405,76 @@ def pick_device(name=None):
     if dev.type not in ('cpu', 'cuda', 'mps'):
         raise BadInput(f"--device {name}: use cpu, cuda, cuda:N or mps")
     return name
+
+
+# name -> what it computes in: float32, or bfloat16 by autocast (the weights, the optimizer and the
+# sampling arithmetic stay float32; 'auto' is resolved by pick_dtype)
+DTYPES = ('auto', 'float32', 'bfloat16')
+
+
+def pick_dtype(name, device, training=False, flag='--dtype'):
+    """'float32' or 'bfloat16' for `name` in DTYPES on `device` (a one-line error where the device
+    cannot). auto: bfloat16 for training on a CUDA device that supports it; float32 elsewhere, and
+    for decoding always (its greedy output is compared token for token with plain decoding's)."""
+    kind = torch.device(device).type
+    bf16_ok = kind == 'cpu' or (kind == 'cuda' and torch.cuda.is_bf16_supported())
+    if name == 'auto':
+        return 'bfloat16' if training and kind == 'cuda' and bf16_ok else 'float32'
+    if name not in DTYPES:
+        raise BadInput(f"{flag} {name!r}: choose one of {', '.join(DTYPES)}")
+    if name == 'bfloat16' and not bf16_ok:
+        raise BadInput(f"{flag} bfloat16: not supported on {device} here; use float32")
+    return name
+
+
+class Precision:
+    """The precision a piece of work runs at, stated once and entered where it runs:
+    `dtype` 'float32', or 'bfloat16' by autocast on the device; `tf32`: float32 matmuls on CUDA
+    may round through TF32. Entering sets both and leaving restores what was there, so the TF32
+    of a training step never leaks into decoding in the same process (bench.py trains in-process),
+    where a k-token verification and a one-token step would otherwise round differently."""
+
+    def __init__(self, dtype='float32', device='cpu', tf32=False):
+        self.dtype, self.device_type, self.tf32 = dtype, torch.device(device).type, tf32
+        self._stack = []
+
+    def __str__(self):
+        return self.dtype + (' autocast' if self.dtype != 'float32' else '') + (' + TF32' if self.tf32 else '')
+
+    def autocast(self):
+        # float32 switches autocast off: decoding's float32 inside a bf16 step stays float32
+        return torch.autocast(self.device_type, dtype=getattr(torch, self.dtype), enabled=self.dtype != 'float32')
+
+    @contextmanager
+    def matmuls(self):
+        """Only the float32 matmul precision (TF32 or not; CUDA only: CPU kernels are left alone)."""
+        before = torch.get_float32_matmul_precision()
+        if self.device_type == 'cuda':
+            torch.set_float32_matmul_precision('high' if self.tf32 else 'highest')
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+
+    def __enter__(self):
+        stack = ExitStack()
+        stack.enter_context(self.matmuls())
+        stack.enter_context(self.autocast())
+        self._stack.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.pop().__exit__(*exc)
+
+
+def decoding_precision(name, device, tf32=False):
+    """decode.py's and bench.py's --dtype and --tf32 as a Precision (one-line errors for what
+    means nothing or what the device cannot do)."""
+    dtype = pick_dtype(name, device)
+    if tf32 and (torch.device(device).type != 'cuda' or dtype != 'float32'):
+        raise BadInput(f"--tf32 means nothing here: it applies to float32 on a CUDA device (this run: {dtype} "
+                       f"on {device})")
+    return Precision(dtype, device, tf32)
 
 
 # ------------------------------------------------------------------------- timing and demos
@@ -502,6 +574,9 @@ def main(argv=None):
     ap.add_argument('--device', default=None, help='cpu | cuda | mps (default: best available)')
     ap.add_argument('--compile', action='store_true',
                     help='torch.compile the step (CUDA graphs on GPU); warm-up excluded from timing')
+    ap.add_argument('--dtype', default='auto', choices=DTYPES,
+                    help='compute precision (default auto: float32; bfloat16: autocast, on a CPU too)')
+    ap.add_argument('--tf32', action='store_true', help='CUDA: let float32 matmuls use TF32 (default off)')
     run_cli(ap.parse_args(argv))
 
 
@@ -534,6 +609,11 @@ def check_cli(args):
 def run_cli(args):
     check_cli(args)
     device = pick_device(args.device)
+    with decoding_precision(args.dtype, device, args.tf32) as precision:
+        decode_cli(args, device, precision)
+
+
+def decode_cli(args, device, precision):
     if args.meta and not os.path.isfile(args.meta):
         raise BadInput(f"--meta {args.meta}: no such file")
     ckpt = load_checkpoint(args.ckpt)
@@ -573,7 +653,7 @@ def run_cli(args):
         gen()  # warm-up
         out, stats, dt = gen()
         print(vocab.decode(out[0].tolist()))
-        print(f"\n--- {max_new} tokens in {dt:.3f}s: {max_new / dt:.1f} tokens/s, {stats['calls']} calls")
+        print(f"\n--- {max_new} tokens in {dt:.3f}s: {max_new / dt:.1f} tokens/s, {stats['calls']} calls ({precision})")
         return
     spec = dict(drafter=drafter, k=args.k, accept=args.accept)
     gen(**spec)  # warm-up both paths so neither pays first-call costs in the timing
@@ -587,7 +667,8 @@ def run_cli(args):
     plain = 'greedy' if args.temperature == 0 else 'sampling'
     print(f"\n--- k={args.k or drafter.k} accept={args.accept}: mean tau {sum(taus) / len(taus):.2f}, "
           f"{stats['calls']} calls (plain: {base_stats['calls']}), "
-          f"{max_new / dt:.1f} tokens/s vs {max_new / dt_base:.1f} plain {plain}: speedup {dt_base / dt:.2f}x")
+          f"{max_new / dt:.1f} tokens/s vs {max_new / dt_base:.1f} plain {plain}: speedup {dt_base / dt:.2f}x "
+          f"({precision})")
     print("acceptance per draft position: " + " ".join(f"{a:.2f}" for a in stats['accept_rate']))
     if args.temperature == 0:   # measured: the rule is exact, floating point need not be (MATH.md §2)
         print(f"same as plain greedy decoding: {agreement(out, base, T0)}")

@@ -23,11 +23,20 @@ heads' own LayerNorm `ln` before the tied unembedding is ours (the paper does no
 reaches the softmax). W2 and c2 start at zero, so every head starts as a copy of the next-token
 head (up to that LayerNorm, which re-normalises h): training only has to learn the offsets.
 """
+from functools import partial
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from model import LayerNorm, sample, tempered, upcast
+
+# Logits elements one chunk of a loss (or of dblast's data pass) may hold: 2**26 is 256 MiB per
+# float32 copy, and a chunk's working set is a few copies (logits, log-softmax, their gradient).
+# At a GPT-2 vocabulary (V = 50304) every head's logits at once do not fit: batch 64 x 1024
+# positions x 7 heads keep about 92 GB of float32 log-softmax for backward.
+LOGITS_BUDGET = 2 ** 26
 
 
 class Drafter(nn.Module):
@@ -100,6 +109,11 @@ class BlockHeads(Drafter):
         b = self.c_proj.bias.view(self.k - 1, self.n_embd).index_select(0, sel)[0]        # (C,)
         return lm_head(self.ln(h + F.linear(a, w, b)))
 
+    def summed_ce(self, h, lm_head, sel, labels):
+        """Head sel's cross-entropy over rows h (N, C) with labels (N,), summed (-1: no label)."""
+        logits = upcast(self.head_logits(h, lm_head, sel))                   # (N, V)
+        return F.cross_entropy(logits, labels, ignore_index=-1, reduction='sum')
+
     def loss(self, h, lm_head, idx, offset=None):
         """Cross-entropy of the heads on a sequence (BPD §4.2).
 
@@ -108,16 +122,28 @@ class BlockHeads(Drafter):
         offset=None: the full loss, the mean over the k-1 heads (the paper sums: a constant factor).
         offset=i (int or 0-dim tensor): only head i's loss; drawn uniformly per minibatch, its
         expectation (and its gradient's) is the full loss.
+
+        Memory: when the logits of every head used exceed LOGITS_BUDGET elements, each head's loss
+        is summed over chunks of rows whose logits are recomputed in backward (activation
+        checkpointing) instead of kept, so backward holds one chunk's logits at a time. Below the
+        budget (the byte vocabulary) the plain path runs: no recomputation.
         """
         T = h.size(1)
         shifted = idx.unfold(1, T, 1)                        # (B, k+1, T): row j is idx[:, j:j+T]
         heads = range(self.k - 1) if offset is None else [offset]
+        h = h.flatten(0, 1)                                  # (B*T, C)
+        N, V = h.size(0), lm_head.weight.size(0)
+        rows = max(1, LOGITS_BUDGET // V)                    # rows per chunk
+        # nothing random in the heads: no RNG state to stash and restore per chunk
+        ce = self.summed_ce if len(heads) * N <= rows else \
+            partial(checkpoint, self.summed_ce, use_reentrant=False, preserve_rng_state=False)
         losses = []
         for i in heads:
             sel = torch.as_tensor(i, device=idx.device).view(1)
-            labels = shifted.index_select(1, sel + 2)
-            logits = upcast(self.head_logits(h, lm_head, sel))
-            losses.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-1))
+            labels = shifted.index_select(1, sel + 2).flatten()                  # (B*T,)
+            total = sum(ce(h[j:j + rows], lm_head, sel, labels[j:j + rows]) for j in range(0, N, rows))
+            # the mean over every labelled position of the head, not a mean of per-chunk means
+            losses.append(total / labels.ne(-1).sum())
         return torch.stack(losses).mean()
 
     def mixture_logits(self, h, bonus, target, k):

@@ -97,14 +97,20 @@ class KVCache:
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
+        self.layers = torch.arange(config.n_layer, device=device)[:, None, None]   # (n_layer, 1, 1)
+        self.rows = torch.arange(batch_size, device=device)[:, None]               # (B, 1)
 
     def write(self, layer_idx, k, v, pos):
         """Store one layer's keys and values k, v (B, nh, L, hs) of a block at positions pos (B, L)
         (each row's own, past its committed length); returns that layer's whole buffers
-        (B, nh, max_len, hs) for attention to read."""
-        idx = pos[:, None, :, None].expand_as(k)
-        self.k[layer_idx].scatter_(2, idx, k.to(self.k.dtype))
-        self.v[layer_idx].scatter_(2, idx, v.to(self.v.dtype))
+        (B, nh, max_len, hs) for attention to read.
+
+        One indexed assignment into the whole 5-D buffer, not a scatter into the layer's view:
+        compiled, a write into a view of a graph input becomes copies of the buffers (the whole
+        cache, every step), while this one is done in place."""
+        at = (self.layers[layer_idx], self.rows, slice(None), pos)  # broadcast to (B, L): (B, L, nh, hs)
+        self.k[at] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[at] = v.transpose(1, 2).to(self.v.dtype)
         return self.k[layer_idx], self.v[layer_idx]
 
     def commit(self, n):
@@ -222,9 +228,17 @@ class GPT(nn.Module):
 
     # ---------------------------------------------------------------- cached inference
 
+    def compute_dtype(self):
+        """The dtype activations (and so keys and values) are computed in: autocast's while it is
+        on for the weights' device (bf16), else the weights' own."""
+        device = self.lm_head.weight.device.type
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else self.lm_head.weight.dtype
+
     def new_cache(self, batch_size, max_len, device=None, dtype=None):
-        p = self.lm_head.weight
-        return KVCache(self.config, batch_size, max_len, device or p.device, dtype or p.dtype)
+        """A KVCache, by default in the compute dtype: under autocast no step converts the whole
+        cache from float32."""
+        return KVCache(self.config, batch_size, max_len, device or self.lm_head.weight.device,
+                       dtype or self.compute_dtype())
 
     def forward_cached(self, idx, cache):
         """Feed a block of L tokens per row after each row's committed prefix.

@@ -20,7 +20,6 @@ import gc
 import hashlib
 import math
 import os
-import random
 import time
 from contextlib import nullcontext
 
@@ -35,7 +34,8 @@ from data import (PROMPT_LEN, ArgumentParser, BadInput, Vocab, check_finite, che
                   heldout_prompts, load_checkpoint, load_dataset, newline_id, run_script, save_checkpoint,
                   target_from, vocab_for, windows)
 from dblast import LOSSES, DBlastDrafter, TargetSamples, anchors, expected_tau
-from decode import closing_demos, generate, load_drafter, pick_device
+from decode import (DTYPES, Precision, closing_demos, decoding_precision, generate, load_drafter, pick_device,
+                    pick_dtype)
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
@@ -55,9 +55,9 @@ PRESETS = {
 # ----------------------------------------------------------------------------- runtime
 
 class Runtime:
-    """Device, precision and the DDP process group (torchrun sets RANK / WORLD_SIZE)."""
+    """Device, precision, randomness and the DDP process group (torchrun sets RANK / WORLD_SIZE)."""
 
-    def __init__(self, device=None, seed=1337):
+    def __init__(self, device=None, seed=1337, dtype='float32'):
         self.ddp = int(os.environ.get('RANK', -1)) != -1
         if self.ddp:
             self.rank = int(os.environ['RANK'])
@@ -72,24 +72,42 @@ class Runtime:
             self.rank, self.world = 0, 1
             self.device = pick_device(device)
         self.master = self.rank == 0
-        self.kind = 'cuda' if 'cuda' in self.device else self.device
-        if self.kind == 'cuda':
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        bf16 = self.kind == 'cuda' and torch.cuda.is_bf16_supported()
-        self.autocast = torch.autocast('cuda', dtype=torch.bfloat16) if bf16 else nullcontext()
+        self.kind = torch.device(self.device).type
+        # training steps: `dtype` (bf16 by autocast) and, on CUDA, TF32 for what stays float32.
+        # What feeds or judges decoding (the target's data for the drafters, their evaluation, the
+        # demos) runs at decoding's float32 instead, so drafters learn from and are judged on the
+        # numbers decoding will show them (decoding_precision).
+        self.precision = Precision(dtype, self.device, tf32=self.kind == 'cuda')
         torch.manual_seed(seed + self.rank)
-        self.gen = torch.Generator().manual_seed(seed + self.rank)  # batch sampling, per rank
+        # batch sampling, per rank: `gen` draws corpus windows (the text stays on the host), `dgen`
+        # draws indices into what lives on the device, there, so no step waits on a host copy
+        self.gen = torch.Generator().manual_seed(seed + self.rank)
+        self.dgen = self.gen if self.kind == 'cpu' else torch.Generator(self.device).manual_seed(seed + self.rank)
+
+    def to_device(self, batch):
+        """A host batch to the device without a stall: pinned, then copied asynchronously (a copy
+        from pageable memory waits for the device's queue to drain first)."""
+        if self.kind == 'cuda':
+            batch = batch.pin_memory()
+        return batch.to(self.device, non_blocking=True)
+
+    def all_finite(self, loss):
+        """Whether the loss is finite on every rank, decided together: a rank that raised alone
+        would leave the others waiting in their next all-reduce until the NCCL timeout."""
+        bad = (~torch.isfinite(loss.detach())).float()
+        if self.ddp:
+            dist.all_reduce(bad)
+        return not bool(bad)
 
     def rng_states(self):
         """Every rank's RNG states (batch sampler and torch), so a resumed DDP run gives each
         rank its own stream back."""
-        mine = (self.gen.get_state(), torch.get_rng_state())
+        mine = (self.gen.get_state(), torch.get_rng_state(), self.dgen.get_state().cpu())
         states = [mine]
         if self.ddp:
             states = [None] * self.world
             dist.all_gather_object(states, mine)
-        return dict(gen=[s[0] for s in states], torch=[s[1] for s in states])
+        return dict(gen=[s[0] for s in states], torch=[s[1] for s in states], dgen=[s[2] for s in states])
 
     def print(self, *a):
         if self.master:
@@ -130,40 +148,44 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
         if len(gens) == rt.world:
             rt.gen.set_state(gens[rt.rank])
             torch.set_rng_state(resume['rng']['torch'][rt.rank])
+            if rt.dgen is not rt.gen and 'dgen' in resume['rng']:
+                rt.dgen.set_state(resume['rng']['dgen'][rt.rank])
     step = torch.compile(model) if args.compile else model
     bar = tqdm(range(start, iters), desc=name, disable=not rt.master, dynamic_ncols=True,
                initial=start, total=iters)
     t0, loss_val = time.perf_counter(), float('nan')
-    for it in bar:
-        for g in opt.param_groups:
-            g['lr'] = lr_at(it, lr, args.warmup_iters, iters)
-        batch = batch_fn()
-        with rt.autocast:
-            loss = step(*batch)
-        loss.backward()
-        if args.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(objective.parameters(), args.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if it % 10 == 0 or it == iters - 1:
-            loss_val = loss.item()
-            if not math.isfinite(loss_val):
-                raise BadInput(f"{name}: the loss became {loss_val} at step {it + 1}; stopped, and the stage's "
-                               f"checkpoint was left as it was (lower the learning rate or check the data)")
-            dt = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            tps = tokens_per_step * rt.world * (10 if it > start else 1) / max(dt, 1e-9)
-            bar.set_postfix(loss=f'{loss_val:.3f}', lr=f'{opt.param_groups[0]["lr"]:.1e}',
-                            **({'tok/s': f'{tps:.0f}'} if tokens_per_step else {}))
-        done = it + 1 == iters
-        if evaluate is not None and ((it + 1) % args.eval_interval == 0 or done):
-            rt.print(f"{name} step {it + 1}: train loss {loss_val:.4f}, {eval_name} {evaluate(it + 1):.4f}")
-        if (it + 1) % args.ckpt_interval == 0 or done:
-            # never replace a checkpoint with a worse one: non-finite weights stop the stage here
-            check_finite(objective, f"{name}: training at step {it + 1} (checkpoint left as it was)")
-            rng = rt.rng_states()   # collective under DDP: every rank takes part
-            if rt.master:
-                save(opt.state_dict(), it + 1, rng)
+    with rt.precision.matmuls():   # TF32 for the training steps (CUDA); evaluations enter their own
+        for it in bar:
+            for g in opt.param_groups:
+                g['lr'] = lr_at(it, lr, args.warmup_iters, iters)
+            batch = batch_fn()
+            with rt.precision.autocast():
+                loss = step(*batch)
+            loss.backward()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(objective.parameters(), args.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if it % 10 == 0 or it == iters - 1:
+                if not rt.all_finite(loss):
+                    raise BadInput(f"{name}: the loss became non-finite ({loss.item()} here) at step {it + 1}; stopped, "
+                                   f"and the stage's checkpoint was left as it was (lower the learning rate or check "
+                                   f"the data)")
+                loss_val = loss.item()
+                dt = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                tps = tokens_per_step * rt.world * (10 if it > start else 1) / max(dt, 1e-9)
+                bar.set_postfix(loss=f'{loss_val:.3f}', lr=f'{opt.param_groups[0]["lr"]:.1e}',
+                                **({'tok/s': f'{tps:.0f}'} if tokens_per_step else {}))
+            done = it + 1 == iters
+            if evaluate is not None and ((it + 1) % args.eval_interval == 0 or done):
+                rt.print(f"{name} step {it + 1}: train loss {loss_val:.4f}, {eval_name} {evaluate(it + 1):.4f}")
+            if (it + 1) % args.ckpt_interval == 0 or done:
+                # never replace a checkpoint with a worse one: non-finite weights stop the stage here
+                check_finite(objective, f"{name}: training at step {it + 1} (checkpoint left as it was)")
+                rng = rt.rng_states()   # collective under DDP: every rank takes part
+                if rt.master:
+                    save(opt.state_dict(), it + 1, rng)
     bar.close()
     return loss_val
 
@@ -195,7 +217,7 @@ class LMObjective(nn.Module):
 
 
 @torch.no_grad()
-def heldout_loss(model, val, batch_size, n_batches, autocast=nullcontext()):
+def heldout_loss(model, val, batch_size, n_batches, precision=nullcontext()):
     """Mean next-byte cross-entropy (nats per byte) on fixed held-out windows of full context."""
     was_training = model.training
     model.eval()
@@ -204,7 +226,7 @@ def heldout_loss(model, val, batch_size, n_batches, autocast=nullcontext()):
     losses = []
     for _ in range(n_batches):
         w = windows(val, batch_size, model.config.block_size + 1, gen).to(device)
-        with autocast:
+        with precision:
             losses.append(model(w[:, :-1], w[:, 1:])[1].float().item())
     model.train(was_training)
     return float(np.mean(losses))
@@ -227,7 +249,7 @@ def stage_base(rt, args, ds, vocab):
     B, T = args.batch_size, args.block_size
 
     def batch():
-        w = windows(train, B, T + 1, rt.gen).to(rt.device, non_blocking=True)
+        w = rt.to_device(windows(train, B, T + 1, rt.gen))
         return w[:, :-1], w[:, 1:]
 
     def save(opt_state, it, rng):
@@ -236,7 +258,7 @@ def stage_base(rt, args, ds, vocab):
 
     t0 = time.perf_counter()
     train_loop(rt, args, 'base', LMObjective(model), batch, args.max_iters, args.lr, save, resume,
-               evaluate=lambda it: heldout_loss(model, val, B, args.eval_iters, rt.autocast), tokens_per_step=B * T)
+               evaluate=lambda it: heldout_loss(model, val, B, args.eval_iters, rt.precision), tokens_per_step=B * T)
     rt.print(f"base: done in {time.perf_counter() - t0:.0f}s -> {path}")
     if rt.ddp:  # proof that data parallelism kept the replicas identical
         print(f"rank {rt.rank} weights {model.fingerprint()}", flush=True)
@@ -251,7 +273,7 @@ def self_generated(rt, model, train, n, gen_len, temperature, seed, desc, cache_
     temperature 0: greedy (BPD's sequence-level distillation); > 0: samples (DBlast's data).
     With cache_dir, kept there under a key of everything that determines them (the target's
     weights, the text, n, the length, T, the seed): stages and bench runs that need the same
-    samples generate them once."""
+    samples generate them once. Made at decoding's float32, whatever the training precision."""
     key = hashlib.sha1(f'{model.fingerprint()} {len(train)} {n} {gen_len} {temperature} {seed}'.encode())
     key.update(np.ascontiguousarray(train[:1 << 20]).tobytes())
     path = cache_dir and os.path.join(cache_dir, f'samples-{key.hexdigest()[:16]}.pt')
@@ -264,7 +286,7 @@ def self_generated(rt, model, train, n, gen_len, temperature, seed, desc, cache_
     bs = 256 if rt.kind == 'cuda' else 64
     outs = []
     for i in tqdm(range(0, n, bs), desc=desc, disable=not rt.master, leave=False):
-        with rt.autocast:
+        with decoding_precision('float32', rt.device):
             out, _ = generate(model, prompts[i:i + bs], gen_len, temperature=temperature, generator=dgen)
         outs.append(out)
     seqs = torch.cat(outs)
@@ -324,13 +346,13 @@ def stage_heads(rt, args, model, train, vocab):
     B, S = args.batch_size, args.block_size
 
     def batch():
-        offset = None
+        offset = None   # drawn on the device: a host value copied in would stall the step
         if args.loss == 'random-offset':
-            offset = torch.tensor(random.randrange(args.k - 1), device=rt.device)
+            offset = torch.randint(args.k - 1, (), generator=rt.dgen, device=rt.device)
         if args.distill:
-            ix = torch.randint(len(seqs), (B,), generator=rt.gen)
+            ix = torch.randint(len(seqs), (B,), generator=rt.dgen, device=rt.device)
             return seqs[ix], labels[ix], offset
-        w = windows(train, B, S, rt.gen).to(rt.device)
+        w = rt.to_device(windows(train, B, S, rt.gen))
         return w, w, offset
 
     def save(opt_state, it, rng):
@@ -362,7 +384,7 @@ def dblast_data(rt, model, text, n, temperature, seed, desc, cache_dir=None):
     corpus prompts, with its hidden states and log-probabilities (dblast.TargetSamples)."""
     seqs = self_generated(rt, model, text, n, model.config.block_size - PROMPT_LEN, temperature, seed, desc,
                           cache_dir)
-    return TargetSamples.of(model, seqs, temperature, rt.autocast)
+    return TargetSamples.of(model, seqs, temperature, decoding_precision('float32', rt.device))
 
 
 def dblast_path(args, K):
@@ -410,12 +432,13 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
     B = args.batch_size * 8
 
     def batch():
-        rows = torch.randint(len(data.seqs), (B,), generator=rt.gen).to(rt.device)
-        pos = torch.randint(lo, hi, (B,), generator=rt.gen).to(rt.device)
+        rows = torch.randint(len(data.seqs), (B,), generator=rt.dgen, device=rt.device)
+        pos = torch.randint(lo, hi, (B,), generator=rt.dgen, device=rt.device)
         return anchors(data, k, rows, pos)
 
     def evaluate(it):
-        tau = expected_tau(drafter, model, get_heldout(), k, args.temperature, True, 'mixture')
+        with decoding_precision('float32', rt.device):
+            tau = expected_tau(drafter, model, get_heldout(), k, args.temperature, True, 'mixture')
         history.append((it, tau))
         return tau
 
@@ -443,7 +466,8 @@ def run_demos(rt, args, model, heads, ds, vocab):
     if 'dblast' in args.stages and all(os.path.exists(dblast_path(args, K)) for K, _ in drafters):
         dblast = [(f"DBlast K={K} ({loss})" if K > 1 else f"independent K=1 ({loss})",
                    load_drafter(dblast_path(args, K), model)) for K, loss in drafters]
-    closing_demos(model, prompts, vocab, heads, args.k, dblast, args.dblast_k, args.temperature, rt.print)
+    with decoding_precision('float32', rt.device):
+        closing_demos(model, prompts, vocab, heads, args.k, dblast, args.dblast_k, args.temperature, rt.print)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -463,6 +487,11 @@ FLAGS = [
     ('preset', None, ('auto', 'cpu', 'gpu'), 'auto', None, 'defaults by device'),
     ('device', None, str, None, None, 'cpu | cuda | mps (default: best available)'),
     ('compile', None, 'switch', False, None, 'torch.compile the training step'),
+    ('dtype', None, DTYPES, 'auto', None, 'training precision (auto: bfloat16 autocast on a CUDA device that '
+                                          'supports it, else float32; bfloat16 runs on a CPU too; on CUDA the '
+                                          'training steps let float32 matmuls use TF32). The data the target makes '
+                                          'for the drafters, their evaluation and the demos run in float32 without '
+                                          'TF32, as decoding does'),
     ('resume', None, 'switch', False, None, 'continue interrupted stages, skip finished ones'),
     ('seed', None, int, 1337, dict(lo=0, hi=2 ** 63 - 1), None),
     ('tag', None, str, '', None, 'suffix of the drafter checkpoint names (heads{tag}.pt, dblast_K4{tag}.pt)'),
@@ -553,9 +582,11 @@ def parse_args(argv=None):
         if name in given and stage is not None and stage not in args.stages:
             raise BadInput(f"--{name.replace('_', '-')} means nothing here: it applies to the {stage} stage, "
                            f"which --stages {','.join(args.stages)} does not run")
+    device = pick_device(args.device)
+    args.dtype = pick_dtype(args.dtype, device, training=True)
     preset = args.preset
     if preset == 'auto':
-        preset = 'gpu' if pick_device(args.device) == 'cuda' else 'cpu'
+        preset = 'gpu' if torch.device(device).type == 'cuda' else 'cpu'
     for key, v in PRESETS[preset].items():
         if getattr(args, key) is None:
             setattr(args, key, v)
@@ -594,7 +625,7 @@ def main(argv=None):
 
 
 def run(args):
-    rt = Runtime(args.device, args.seed)
+    rt = Runtime(args.device, args.seed, args.dtype)
     try:
         train_all(rt, args)
         if rt.ddp:
@@ -610,7 +641,6 @@ def run(args):
 
 
 def train_all(rt, args):
-    random.seed(args.seed + rt.rank)
     check_out_dir(args.out_dir)
     ds = load_dataset(args.data, os.path.join(args.out_dir, 'data'))
     base_path = os.path.join(args.out_dir, 'ckpt.pt')
@@ -628,7 +658,8 @@ def train_all(rt, args):
     check_plan(args, args.block_size)
     if len(ds.train) <= args.block_size + 1 or len(ds.val) <= args.block_size + 1:
         raise BadInput(f"--data: too little text for --block-size {args.block_size}")
-    rt.print(f"preset {args.preset} on {rt.device}" + (f", {rt.world} processes" if rt.ddp else ""))
+    rt.print(f"preset {args.preset} on {rt.device}, training in {rt.precision}, decoding in float32"
+             + (f", {rt.world} processes" if rt.ddp else ""))
     t_start = time.perf_counter()
     if 'base' in args.stages:
         model = stage_base(rt, args, ds, vocab)

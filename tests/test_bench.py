@@ -1,7 +1,14 @@
-"""bench.py --quick and --gpu-check on a tiny configuration run end to end and write valid JSON."""
+"""bench.py on a tiny configuration: --quick and --gpu-check --quick run end to end and write valid
+JSON; the speed table at another precision; the profiler's split reads the CPU-side rows; flags that
+mean nothing are one error line."""
 import json
+import types
+
+import pytest
+import torch
 
 import bench
+from conftest import Proc, assert_clean_error, cli
 
 
 TINY = ['--device', 'cpu', '--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64',
@@ -13,7 +20,7 @@ def test_bench_quick_tiny(tmp_path, corpus_file):
     out = tmp_path / 'bench'
     bench.main(['--quick', '--out', str(out), '--data', str(corpus_file)] + TINY)
     res = json.loads((out / 'results.json').read_text())
-    assert res['meta']['torch'] and res['meta']['device'] == 'cpu'
+    assert res['meta']['torch'] and res['meta']['device'] == 'cpu' and res['meta']['precision'] == 'float32'
     bpd = res['bpd']
     assert len(bpd) == 5 * 4 and {r['k'] for r in bpd} == set(bench.BPD_KS)
     for r in bpd:
@@ -37,17 +44,96 @@ def test_bench_quick_tiny(tmp_path, corpus_file):
     assert split['target_forward'] > 0
 
 
-def test_bench_gpu_check_tiny(tmp_path, corpus_file):
-    """--gpu-check trains only what the speed table needs and fills it: k = 2..10, then sampling."""
-    out = tmp_path / 'gpu'
-    bench.main(['--gpu-check', '--out', str(out), '--data', str(corpus_file)] + TINY)
+def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
+    """--gpu-check --quick: every part runs (those that need CUDA, and compiled training, are
+    skipped with the reason), passes, is printed and lands in gpu_check.json."""
+    out, compiled_before = tmp_path / 'gc', dict(bench.decode._COMPILED)
+    code, stdout, stderr = cli('bench.py', ['--gpu-check', '--quick', '--device', 'cpu', '--out', out,
+                                            '--data', corpus_file])
+    assert code == 0, stderr[-3000:]
+    res = json.loads((out / 'gpu_check.json').read_text())
+    parts = res['parts']
+    assert {k: p['status'] for k, p in parts.items()} == dict(a='pass', b='skipped', c='pass', d='pass', e='pass',
+                                                              f='skipped', g='skipped', h='pass')
+    assert res['failed'] == [] and 'aot_eager' in res['compiled_decoding']
+    assert all(f"\n## {k}. " in stdout and f"\n{k}: {p['status']}" in stdout for k, p in parts.items())
+    # a: one train.main call per stage, each timed; no peak memory without CUDA
+    assert [r['stage'] for r in parts['a']['rows']] == ['ckpt', 'heads_frozen_distill', 'dblast_K4_T1.0_al',
+                                                        'dblast_K1_T1.0_nll']
+    assert all(r['seconds'] > 0 and r['peak_memory_mib'] is None for r in parts['a']['rows'])
+    assert 'C++' in parts['b']['skipped'] and parts['f']['skipped'] == parts['g']['skipped'] == 'no CUDA'
+    # c: each configuration compiled in its warm-up and nothing in the identical second call
+    assert [r['config'] for r in parts['c']['rows']] == [bench.PLAIN, bench.HEADS, bench.SAMPLED]
+    assert all(r['warmup_graphs'] >= 1 and r['new_graphs'] == 0 for r in parts['c']['rows'])
+    assert all(0 <= r['identical_tokens'] <= 1 for r in parts['d']['rows'])
+    assert [r['mode'] for r in parts['e']['rows']] == ['eager', 'compiled']
+    # h: three speed tables, the greedy rows with their identical-token share, the sampled without
+    tables = parts['h']['tables']
+    assert list(tables) == ['eager, float32', 'compiled, float32', 'eager, bfloat16 autocast']
+    for t in tables.values():
+        assert [(r['drafter'], r['k']) for r in t['rows']] == [('BPD heads', 8), ('independent K=1 NLL', 4),
+                                                                ('DBlast K=4 AL', 4)]
+        assert 0 <= t['rows'][0]['identical_tokens'] <= 1 and t['rows'][1]['identical_tokens'] is None
+        # compiled: what compiling gains, from eager runs timed in the same rounds
+        assert all((r.get('compile_gain', 0) > 0 and r['plain_compile_gain'] > 0) == (t['mode'] == 'compiled')
+                   for r in t['rows'])
+    assert '### 0. Speed (compiled, float32, ' in stdout
+    assert bench.decode._COMPILED == compiled_before   # the aot_eager step was this run's only
+
+
+def test_gpu_check_names_the_failed_parts(tmp_path, capsys):
+    """A part that fails or crashes is recorded as failed, the parts after it still run, the JSON is
+    written, and the run ends with one line naming the failed parts."""
+    def crash(c):
+        raise RuntimeError('boom\nsecond line')
+    parts = [('a', 'fine', lambda c: dict(ok=True, rows=[dict(x=1.5)])), ('b', 'crashes', crash),
+             ('c', 'fails', lambda c: dict(ok=False)), ('d', 'skipped', lambda c: dict(skipped='no CUDA'))]
+    path = tmp_path / 'gpu_check.json'
+    with pytest.raises(SystemExit, match=r'^gpu check: failed parts b, c \(see .*gpu_check.json\)$'):
+        bench.run_parts(types.SimpleNamespace(device='cpu'), parts, {}, str(path))
+    res = json.loads(path.read_text())
+    assert {k: p['status'] for k, p in res['parts'].items()} == dict(a='pass', b='fail', c='fail', d='skipped')
+    assert res['parts']['b']['error'] == 'RuntimeError: boom' and res['failed'] == ['b', 'c']
+    assert '| 1.5 |' in capsys.readouterr().out
+
+
+def test_step_times_reads_the_cpu_side_rows():
+    """On CUDA key_averages() holds a 'step.*' region twice (the CPU-side range, a GPU-side
+    annotation); whichever comes last, the CPU-side row is read: its device time on CUDA (the
+    host sync: its CPU time), its CPU time on a CPU."""
+    CPU, CUDA = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def row(key, device_type, cpu, dev):
+        return types.SimpleNamespace(key=key, device_type=device_type, cpu_time_total=cpu, device_time_total=dev)
+    events = [row('step.verify', CPU, 10, 7), row('step.verify', CUDA, 1, 99), row('step.host_sync', CPU, 5, 0),
+              row('step.host_sync', CUDA, 2, 3), row('aten::mm', CPU, 50, 40)]
+    for order in (events, events[::-1]):
+        assert bench.step_times(order, cuda=True) == {'verify': 7, 'host_sync': 5}
+        assert bench.step_times(order, cuda=False) == {'verify': 10, 'host_sync': 5}
+
+
+def test_speed_table_in_bfloat16_on_cpu(tmp_path, corpus_file):
+    out = tmp_path / 'bf16'
+    code, stdout, stderr = cli('bench.py', ['--tables', 'speed', '--dtype', 'bfloat16', '--repeats', '1',
+                                            '--out', out, '--data', corpus_file] + TINY)
+    assert code == 0, stderr[-3000:]
     res = json.loads((out / 'results.json').read_text())
-    assert set(res) == {'meta', 'method', 'speed'} and res['speed']['mode'] == 'eager'
-    rows = res['speed']['rows']
-    assert [(r['drafter'], r['k']) for r in rows] == [('BPD heads', k) for k in bench.BPD_KS] + [
-        ('independent K=1 NLL', 4), ('DBlast K=4 AL', 4)]
-    for r in rows:
-        assert r['tok_s'] > 0 and r['plain_tok_s'] > 0 and 1 <= r['tau'] <= r['k']
-        assert abs(r['tok_s'] / r['plain_tok_s'] - r['speedup']) < 1e-9 * r['speedup']
-    ckpts = sorted(p.name for p in (out / 'ckpt').glob('*.pt'))
-    assert ckpts == ['ckpt.pt', 'dblast_K1_T1.0_nll.pt', 'dblast_K4_T1.0_al.pt', 'heads_frozen_distill.pt']
+    assert res['meta']['precision'] == res['speed']['precision'] == 'bfloat16 autocast'
+    assert '### 0. Speed (eager, bfloat16 autocast, 2 prompts x 16 tokens' in stdout
+    for r in res['speed']['rows']:
+        assert (r['T'] == 0) == (r['identical_tokens'] is not None)
+        assert r['identical_tokens'] is None or 0 <= r['identical_tokens'] <= 1
+
+
+@pytest.mark.parametrize('flags,needles', [
+    (['--tf32'], ['--tf32 means nothing here', 'float32 on a CUDA device']),
+    (['--gpu-check', '--compile'], ['--compile means nothing with --gpu-check']),
+    (['--gpu-check', '--dtype', 'bfloat16'], ['--dtype means nothing with --gpu-check']),
+    (['--gpu-check', '--full'], ['--full means nothing with --gpu-check']),
+    (['--dtype', 'float16'], ['--dtype'])])
+def test_flags_that_mean_nothing_are_one_error_line(tmp_path, flags, needles):
+    """Refused before any work: nothing is written."""
+    out = tmp_path / 'out'
+    code, stdout, stderr = cli('bench.py', flags + ['--device', 'cpu', '--out', out])
+    assert_clean_error(Proc(code, stdout, stderr), *needles)
+    assert not out.exists()

@@ -239,6 +239,7 @@ CASES = [
     train_refused('device-cuda', ['--device', 'cuda'], '--device'),   # CUDA is hidden from every case
     train_refused('device-mps', ['--device', 'mps'], '--device'),
     train_refused('preset-bogus', ['--preset', 'bogus'], '--preset'),
+    train_refused('dtype-bogus', ['--dtype', 'float16'], '--dtype'),
     # ------------------------------------------------------------------ train.py: flags no stage run uses
     train_refused('base-with-k', ['--k', '4'], '--k', stages='base'),
     train_refused('heads-with-temperature', ['--temperature', '1.0'], '--temperature', stages='heads'),
@@ -287,6 +288,9 @@ CASES = [
     decode_refused('max-new-tokens-neg', ['--max-new-tokens', '-5'], '--max-new-tokens'),
     decode_refused('max-new-tokens-beyond-context', ['--max-new-tokens', '100000'], '--max-new-tokens'),
     decode_refused('seed-neg', ['--seed', '-1'], '--seed'),
+    decode_refused('dtype-bogus', ['--dtype', 'half'], '--dtype'),
+    decode_refused('tf32-on-cpu', ['--tf32'], '--tf32'),
+    accepted('decode-bf16-on-cpu', decode('--dtype', 'bfloat16', '--heads', '{heads}'), output_has='(bfloat16 autocast)'),
     decode_refused('seed-huge', ['--seed', '99999999999999999999999'], '--seed'),
     decode_refused('heads-k-1', ['--heads', '{heads}', '--k', '1'], '--k'),
     decode_refused('heads-k-above-trained', ['--heads', '{heads}', '--k', '99'], '--k'),

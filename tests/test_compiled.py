@@ -9,6 +9,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import decode
 from dblast import DBlastDrafter
@@ -219,3 +220,29 @@ def test_a_sweep_stays_compiled(monkeypatch):
     for kw in configs:
         generate(model, prompt, 12, compile=True, **kw)
     assert len(configs) > 8
+
+
+def test_each_configuration_compiles_one_graph_and_writes_the_cache_in_place(traced_only):
+    """One graph per way of decoding, compiled on the first call and reused by the next (a graph
+    per step would be a recompile every call; a DBlast step whose Q came back in other strides
+    than the first step's compiled twice). In the graph the cache is written where it lies: a
+    write into a view of it was functionalized into copies of the whole cache at every step."""
+    model, _ = setup(None, 0.0)
+    prompt = torch.randint(64, (1, 8), device=DEV)
+    for kind, T in (('dblast', 1.0), (None, 1.0)):
+        _, drafter = setup(kind, T) if kind else (None, None)
+        graphs = []
+        for _ in range(2):
+            before = counters['stats']['unique_graphs']
+            generate(model, prompt, 24, drafter=drafter, k=4 if drafter else None, temperature=T, compile=True)
+            graphs.append(counters['stats']['unique_graphs'] - before)
+        assert graphs == [1, 0], (kind, graphs)
+    graphs = []
+    torch._dynamo.reset()
+    cache = decode.static_cache(model, 1, 4)
+    write = torch.compile(lambda c, k, v, pos: c.write(0, k, v, pos), fullgraph=True,
+                          backend=lambda gm, inputs: graphs.append(gm) or gm.forward)
+    kv = torch.randn(1, 2, 3, 16, dtype=torch.float64, device=DEV)
+    write(cache, kv, kv, torch.tensor([[5, 6, 7]], device=DEV))
+    ops = [str(n.target) for n in graphs[0].graph.nodes if n.op in ('call_function', 'call_method')]
+    assert 'scatter_' not in ops and ops.count('<built-in function setitem>') == 2, ops

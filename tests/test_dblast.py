@@ -6,20 +6,20 @@ import copy
 import itertools
 import math
 import types
-from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import dblast
 import train
 from conftest import V8, V8_PROMPT, peaky
-from dblast import (DBlastDrafter, al_surrogate, anchors, expected_accepted, log_conditionals, posterior,
+from dblast import (DBlastDrafter, TargetSamples, al_surrogate, anchors, expected_accepted, log_conditionals, posterior,
                     prefix_log_accept, prior)
 from decode import generate
 from exercises import harness
 from heads import BlockHeads
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, tempered
 
 V, CFG, PROMPT = V8.vocab_size, V8, V8_PROMPT   # the enumerable world (conftest)
 
@@ -238,7 +238,7 @@ def test_dependent_drafter_splits_the_modes_of_a_multimodal_block():
     for p in model.parameters():
         p.requires_grad_(False)
     args = train.parse_args(['--device', 'cpu', '--temperature', '1.0'])   # the default loss and its settings
-    rt = types.SimpleNamespace(device='cpu', kind='cpu', master=True, autocast=nullcontext())
+    rt = types.SimpleNamespace(device='cpu', kind='cpu', master=True)
     text = phrase_corpus(1, 20000, gen)[0].numpy().astype('uint8')
     data = train.dblast_data(rt, model, text, 256, args.temperature, 0, 'samples')
     k = 4
@@ -270,3 +270,41 @@ def test_dependent_drafter_splits_the_modes_of_a_multimodal_block():
             taus[K, branches] = sum(stats['accept_lengths'][:2000]) / 2000
     assert taus[4, 'greedy'] > taus[1, 'greedy'] + 1.5, taus
     assert taus[4, 'sampled'] > taus[1, 'sampled'] + 0.3, taus
+
+
+# --------------------------------------------------------------------------- the target's samples
+
+class Entered:
+    """A reusable context manager (as torch.autocast is) that counts its entries."""
+    n = 0
+
+    def __enter__(self):
+        self.n += 1
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_target_samples_chunked_within_the_budget(monkeypatch):
+    """TargetSamples.of with chunk=None takes as many rows as the logits budget allows (1 or 2 here)
+    and equals one chunk; LP is the tempered log-softmax read at the sampled token (computed as the
+    logit minus the logsumexp: no second (rows, S, V) tensor) and H the target's final hidden
+    states, both float32; the target runs under `precision`, entered once per chunk."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=50, n_layer=1, n_head=2, n_embd=16)).double().eval()
+    n, S, T = 5, 32, 0.7
+    seqs = torch.randint(50, (n, S), generator=torch.Generator().manual_seed(1))
+    one = TargetSamples.of(model, seqs, T, chunk=n)
+    with torch.no_grad():
+        h = model.hidden(seqs)
+        logp = F.log_softmax(tempered(model.lm_head(h).float(), T), -1)   # (n, S, V) at once
+    assert one.H.dtype == one.LP.dtype == torch.float32
+    assert one.H.shape == (n, S, 16) and one.LP.shape == (n, S - 1)
+    torch.testing.assert_close(one.H, h.float(), rtol=0, atol=0)
+    torch.testing.assert_close(one.LP, logp[:, :-1].gather(-1, seqs[:, 1:, None]).squeeze(-1))
+    for rows in (1, 2):
+        monkeypatch.setattr(dblast, 'LOGITS_BUDGET', (rows + 1) * S * 50 - 1)   # just under rows + 1
+        precision = Entered()
+        chunked = TargetSamples.of(model, seqs, T, precision)
+        assert precision.n == math.ceil(n / rows)
+        torch.testing.assert_close(chunked, one)

@@ -20,7 +20,7 @@ import torch
 
 from conftest import ROOT, Proc, assert_clean_error, cli, naive_greedy, randomise, run_py, tiny_model
 from data import BadInput, save_checkpoint
-from decode import generate, load_drafter, merged_step
+from decode import Precision, generate, load_drafter, merged_step, pick_dtype, static_cache
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
@@ -580,3 +580,53 @@ def test_the_readme_python_example_runs_as_pasted(tmp_path, corpus_file, capsys)
         os.chdir(home)
     printed = capsys.readouterr().out
     assert printed.startswith('def ') and ' calls; tau per step: [' in printed
+
+
+# --------------------------------------------------------------------------- precision
+
+def test_pick_dtype_auto_is_bf16_only_for_training_on_a_cuda_device_that_has_it(monkeypatch):
+    assert pick_dtype('auto', 'cpu') == pick_dtype('auto', 'cpu', training=True) == 'float32'
+    assert pick_dtype('bfloat16', 'cpu') == 'bfloat16'                    # CPU autocast
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: True)
+    assert pick_dtype('auto', 'cuda:0', training=True) == 'bfloat16'
+    assert pick_dtype('auto', 'cuda:0') == 'float32'                      # decoding: float32 unless asked
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: False)   # e.g. a V100
+    assert pick_dtype('auto', 'cuda', training=True) == 'float32'
+    for device in ('cuda', 'mps'):
+        with pytest.raises(BadInput, match=r'--dtype bfloat16: not supported on'):
+            pick_dtype('bfloat16', device)
+
+
+def test_precision_sets_autocast_and_tf32_and_restores_them():
+    before = torch.get_float32_matmul_precision()
+    with Precision('float32', 'cuda', tf32=True):          # the flags are global: no GPU needed
+        assert torch.get_float32_matmul_precision() == 'high'
+        with Precision('float32', 'cuda'):                 # decoding inside a training step's TF32
+            assert torch.get_float32_matmul_precision() == 'highest'
+        assert torch.get_float32_matmul_precision() == 'high'
+    assert torch.get_float32_matmul_precision() == before
+    with Precision('float32', 'cpu', tf32=True):           # CPU kernels are left alone
+        assert torch.get_float32_matmul_precision() == before
+    p = Precision('bfloat16', 'cpu')
+    for _ in range(2):                                     # re-entrant
+        with p:
+            assert torch.is_autocast_enabled('cpu') and torch.get_autocast_dtype('cpu') == torch.bfloat16
+        assert not torch.is_autocast_enabled('cpu')
+    assert str(p) == 'bfloat16 autocast' and str(Precision('float32', 'cuda', True)) == 'float32 + TF32'
+
+
+def test_kv_cache_is_in_the_compute_dtype_under_autocast():
+    """Under bf16 autocast the keys and values are bf16: a float32 cache would convert every layer's
+    whole buffers at every step. Decoding runs, writes bf16 and commits what a float32 run commits."""
+    model = tiny_model(seed=3, std=0.3, dtype=torch.float32)
+    heads = randomise(BlockHeads(model.config, 4), 1, std=0.05).float().eval()
+    prompt = torch.randint(64, (2, 6), generator=torch.Generator().manual_seed(0))
+    assert model.new_cache(2, 16).k.dtype == torch.float32
+    with Precision('bfloat16', 'cpu'):
+        cache = model.new_cache(2, 16)
+        assert cache.k.dtype == cache.v.dtype == torch.bfloat16
+        assert static_cache(model, 2, 4).k.dtype == torch.bfloat16
+        out, stats = generate(model, prompt, 20, drafter=heads, k=4)
+    assert static_cache(model, 2, 4).k.dtype == torch.float32              # one cache per compute dtype
+    assert out.shape == (2, 26) and torch.equal(out[:, :6], prompt)
+    assert sum(stats['accept_lengths']) >= 40 and stats['calls'] <= 21

@@ -4,11 +4,17 @@ heads.py: Blockwise Parallel Decoding's k-offset heads (MATH.md §3).
 Fresh heads (c_proj zero) all start as lm_head(ln(h)); `draft` returns argmax drafts (q None) or,
 with sample_drafts under sampling, drafts sampled from q = softmax(logits / T) together with that
 q; `mixture_logits` is the one-branch mixture view; the random-offset loss's expectation (and its
-gradient's) is the full loss. Tiny seeded models in float64.
+gradient's) is the full loss; over the logits budget the loss, summed over checkpointed chunks,
+equals the one-chunk loss, eager, compiled and under bf16 autocast. Tiny seeded models in float64.
 """
+import math
+
+import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
+import heads as heads_module
 from conftest import randomise, tiny_model
 from heads import BlockHeads
 from model import GPT, GPTConfig
@@ -169,3 +175,91 @@ def test_random_offset_loss_expectation_equals_full_loss():
     ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, i + 2:i + 2 + T].flatten(),
                                            ignore_index=-1)
     torch.testing.assert_close(per[i].detach(), ce.detach(), rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- 5. memory-bounded loss
+
+def loss_setup(k=5, B=3, T=20, dtype=torch.float64):
+    """A tiny target, randomised heads, labels with -1 holes, and h (B, T, C) that wants a grad
+    (the joint fine-tuning case)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=64, vocab_size=V, n_layer=1, n_head=2, n_embd=16)
+    model = GPT(cfg).to(dtype).eval()
+    heads = randomise(BlockHeads(cfg, k, d_hidden=24).double(), seed=5, std=0.5).to(dtype)
+    idx = torch.randint(0, V, (B, T + k), generator=torch.Generator().manual_seed(2))
+    idx[0, T // 4:T // 2] = -1
+    idx[-1, -3:] = -1
+    with torch.no_grad():
+        h = model.hidden(idx[:, :T].clamp(min=0))
+    return model, heads, idx, h.requires_grad_()
+
+
+def loss_and_grads(model, heads, idx, h, offset):
+    """The loss and its gradients for h, the heads' parameters and the tied unembedding."""
+    loss = heads.loss(h, model.lm_head, idx, offset)
+    return [loss, *torch.autograd.grad(loss, [h, model.lm_head.weight, *heads.parameters()])]
+
+
+def counting_checkpoint(monkeypatch):
+    """Count the chunks run under activation checkpointing."""
+    calls = []
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return checkpoint(*args, **kw)
+    monkeypatch.setattr(heads_module, 'checkpoint', counted)
+    return calls
+
+
+@pytest.mark.parametrize('offset', [None, 2])
+def test_chunked_loss_equals_the_one_chunk_loss(monkeypatch, offset):
+    """Over the budget, each head's loss is summed over checkpointed chunks of rows (the last one
+    short) and divided by the head's labelled positions (not a mean of the chunks' means): loss and
+    every gradient equal the plain one-chunk path's, -1 labels included."""
+    model, heads, idx, h = loss_setup()
+    calls = counting_checkpoint(monkeypatch)
+    plain = loss_and_grads(model, heads, idx, h, offset)       # the default budget: one chunk
+    assert not calls                                           # and no checkpoint overhead
+    n_heads, N = (heads.k - 1 if offset is None else 1), h.size(0) * h.size(1)
+    monkeypatch.setattr(heads_module, 'LOGITS_BUDGET', 7 * V)  # 7 rows a chunk: 60 = 8 * 7 + 4
+    chunked = loss_and_grads(model, heads, idx, h, offset)
+    assert len(calls) == n_heads * math.ceil(N / 7)
+    assert all(g.abs().max() > 1e-6 for g in plain[1:])
+    torch.testing.assert_close(chunked, plain, rtol=1e-12, atol=1e-14)
+    # the budget counts every head's logits: one head's fit, all k-1 do not, so each is checkpointed
+    if offset is None:
+        calls.clear()
+        monkeypatch.setattr(heads_module, 'LOGITS_BUDGET', N * V)
+        torch.testing.assert_close(loss_and_grads(model, heads, idx, h, offset), plain, rtol=1e-12, atol=1e-14)
+        assert len(calls) == n_heads
+
+
+def test_chunked_loss_compiles_without_graph_breaks(monkeypatch):
+    """The training step can be compiled: the checkpointed chunks trace with fullgraph=True
+    (aot_eager: autograd traced, no code generation) and give the eager loss and gradients. One
+    head in two chunks, the smallest case that has them: each checkpointed chunk costs tracing time
+    (the first compile in a process also pays dynamo's warm-up)."""
+    torch._dynamo.reset()
+    model, heads, idx, h = loss_setup(k=2, B=2, T=4)
+    want = loss_and_grads(model, heads, idx, h, None)
+    monkeypatch.setattr(heads_module, 'LOGITS_BUDGET', 4 * V)   # 4 rows: 2 chunks
+    step = torch.compile(lambda h: heads.loss(h, model.lm_head, idx), backend='aot_eager', fullgraph=True)
+    loss = step(h)
+    got = [loss, *torch.autograd.grad(loss, [h, model.lm_head.weight, *heads.parameters()])]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_chunked_loss_under_bf16_autocast(monkeypatch):
+    """Under CPU bf16 autocast the logits are bf16 and the cross-entropy float32, chunked or not;
+    the chunks recompute under the same autocast in backward."""
+    model, heads, idx, h = loss_setup(dtype=torch.float32)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        plain = loss_and_grads(model, heads, idx, h, None)
+        monkeypatch.setattr(heads_module, 'LOGITS_BUDGET', 7 * V)
+        chunked = loss_and_grads(model, heads, idx, h, None)
+    assert plain[0].dtype == chunked[0].dtype == torch.float32
+    torch.testing.assert_close(chunked[0], plain[0], rtol=1e-6, atol=0)
+    # a weight's gradient is a bf16 matmul over the rows: chunked, a sum of per-chunk bf16 results,
+    # so each chunk rounds on its own (bf16 keeps 8 bits: about 0.4%)
+    for c, p in zip(chunked[1:], plain[1:]):
+        assert c.dtype == torch.float32 and (c - p).abs().max() <= 2e-2 * p.abs().max()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import Proc, assert_clean_error, cli, corpus_text, naive_greedy, run_py, tiny_model
+from conftest import ROOT, Proc, assert_clean_error, cli, corpus_text, naive_greedy, run_py, tiny_model
 import train
 from data import PROMPT_LEN, BadInput, load_checkpoint, load_target, save_checkpoint, windows
 from decode import generate
@@ -210,6 +210,45 @@ def test_torchrun_two_gloo_ranks_end_identical(tmp_path, corpus_file):
     ck = load_checkpoint(str(out / 'ckpt.pt'))
     assert ck['iter_num'] == 2
     assert load_target(str(out / 'ckpt.pt')).fingerprint() == fps[0]
+
+
+def test_a_loss_non_finite_on_one_rank_stops_every_rank(tmp_path):
+    """Finiteness is decided by all ranks together: had rank 1 raised alone, rank 0 would wait in
+    its next all-reduce until the timeout."""
+    script = tmp_path / 'one_rank_nan.py'
+    script.write_text(f"""import sys, torch
+sys.path.insert(0, {ROOT!r})
+import train
+rt = train.Runtime('cpu')
+loss = torch.tensor(float('nan') if rt.rank == 1 else 1.0)
+sys.stdout.write(f'rank {{rt.rank}} all finite {{rt.all_finite(loss)}}\\n')   # one write: lines stay whole
+torch.distributed.destroy_process_group()
+""")
+    proc = run_py(['-m', 'torch.distributed.run', '--nproc_per_node', '2', '--nnodes', '1', '--master_addr',
+                   '127.0.0.1', '--master_port', str(free_port()), str(script)], timeout=60)
+    lines = sorted(x for x in proc.stdout.splitlines() if x.startswith('rank'))
+    assert lines == ['rank 0 all finite False', 'rank 1 all finite False'], proc.stdout + proc.stderr[-2000:]
+
+
+def test_gpu_preset_for_any_cuda_device_name(monkeypatch):
+    """--device cuda:0 is a CUDA device like --device cuda: the GPU preset and bf16 training."""
+    monkeypatch.setattr(train, 'pick_device', lambda name=None: name)
+    monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: True)
+    for device in ('cuda', 'cuda:0', 'cuda:1'):
+        args = train.parse_args(['--device', device])
+        assert (args.preset, args.n_layer, args.block_size, args.dtype) == ('gpu', 6, 512, 'bfloat16')
+    assert train.parse_args(['--device', 'cpu']).preset == 'cpu'
+
+
+def test_target_data_is_made_at_decoding_precision():
+    """Distillation continuations and DBlast's samples, hidden states and log-probabilities come
+    out the same whatever the training precision: they are made in float32, as decoding runs."""
+    model = tiny_model(seed=0, vocab_size=256, block_size=48, std=0.3, dtype=torch.float32)
+    text = np.frombuffer(corpus_text(3000).encode(), dtype=np.uint8)
+    made = [train.dblast_data(train.Runtime('cpu', 0, dtype), model, text, 3, 1.0, 5, 'test')
+            for dtype in ('float32', 'bfloat16')]
+    for a, b in zip(*made):
+        assert a.dtype != torch.bfloat16 and torch.equal(a, b)
 
 
 # --------------------------------------------------------------------------- bad inputs

@@ -120,8 +120,7 @@ def try_it(impl, tryout):
     """train.py's DBlast drafters on held-out samples of its target at T = 1.5: the exact evaluator's
     expected tau and the AL loss, with your functions and the project's."""
     T, k = 1.5, 4
-    rt = types.SimpleNamespace(device=tryout.args.device, kind=tryout.args.device, master=True,
-                               autocast=contextlib.nullcontext())
+    rt = types.SimpleNamespace(device=tryout.args.device, kind=tryout.args.device, master=True)
     samples = train.dblast_data(rt, tryout.model, tryout.val, 32, T, 1337 + 2, 'held-out samples',
                                 os.path.join(tryout.args.out_dir, 'data'))
     lo, hi = samples.positions(k)

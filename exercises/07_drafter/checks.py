@@ -2,7 +2,6 @@
 contract's conformance checks: any drafter, the project's own included, should pass them."""
 import os
 import types
-from contextlib import nullcontext
 from functools import lru_cache
 
 import numpy as np
@@ -123,7 +122,7 @@ def periodic_world():
         loss.backward()
         opt.step()
     model.eval().requires_grad_(False)
-    rt = types.SimpleNamespace(device='cpu', kind='cpu', master=False, autocast=nullcontext())   # no progress bar
+    rt = types.SimpleNamespace(device='cpu', kind='cpu', master=False)   # no progress bar
     return model, train.dblast_data(rt, model, stream, 64, 1.0, 1, 'samples'), stream
 
 
@@ -162,7 +161,7 @@ def try_it(impl, tryout):
     and cached in out/data), then decoded at T = 1.5 and greedily, next to the independent K = 1
     drafter train.py trained on the same samples."""
     T, k, steps = 1.5, 4, 1000
-    rt = types.SimpleNamespace(device=tryout.args.device, kind=tryout.args.device, master=True, autocast=nullcontext())
+    rt = types.SimpleNamespace(device=tryout.args.device, kind=tryout.args.device, master=True)
     samples = train.dblast_data(rt, tryout.model, tryout.train, 1024, T, 1337 + 1, 'target samples at T=1.5',
                                 os.path.join(tryout.args.out_dir, 'data'))
     torch.manual_seed(0)
