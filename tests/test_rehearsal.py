@@ -8,12 +8,9 @@ On the CPU torch.compile traces with the `aot_eager` backend: dynamo's capture a
 joint forward-backward graph (what breaks when a step does not trace) without a minute of C++
 code generation per graph; tests/test_compiled.py runs the real inductor on the decoding step."""
 import functools
-import os
 
 import torch
 
-import decode
-import train
 from conftest import cli, corpus_text
 from data import load_checkpoint, load_target
 from decode import load_drafter
@@ -27,7 +24,6 @@ def test_every_stage_at_the_gpu_preset_shapes_under_bf16_and_compile(tmp_path, m
     out = tmp_path / 'out'
     aot_eager = functools.partial(torch.compile, backend='aot_eager')
     monkeypatch.setattr(torch, 'compile', aot_eager)                        # the training step
-    monkeypatch.setitem(decode._COMPILED, 'cpu', aot_eager(decode.merged_step, dynamic=False))
     torch._dynamo.reset()
     # one step of one sequence per stage: a bf16 matmul on a CPU without bf16 units is slow
     args = ['--preset', 'gpu', '--device', 'cpu', '--dtype', 'bfloat16', '--compile', '--data', corpus,
