@@ -14,6 +14,7 @@ Trains what it needs when checkpoints are missing (through train.py, under --ckp
   3. speculative sampling at T = 0.7, 1.0, 1.5: every drafter and way of drafting by the exact
      expected-tau evaluator; the headline rows decoded and timed; K ablation, Z_T sweep, curve
   4. where a step's time goes (BPD §6.3), t(k-token forward) / t(1-token forward), ceiling speedup
+  5. several drafted paths per call (--tables paths): N = --paths-list, independent and DBlast
 Prints markdown tables, writes bench/results.json and (with matplotlib) bench/*.png. Decoding runs at
 --dtype (default float32; bfloat16 by autocast) and, on CUDA, --tf32; training keeps train.py's own.
 
@@ -98,7 +99,7 @@ class Bench:
         self.plain_runs = {}   # (target id, temperature) -> plain decoding's (out, stats)
         self.heldout = {}      # temperature -> held-out target samples for the evaluator
 
-    def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact', seed=0, compile=None):
+    def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact', seed=0, compile=None, paths=1):
         """Every prompt, --batch rows per generate() call (default 1: per-request latency, as the
         papers measure), compiled as --compile says unless `compile` is given. Returns outputs and
         the calls' stats merged."""
@@ -107,7 +108,7 @@ class Bench:
         outs, calls, taus, acc = [], 0, [], 0.0
         for chunk in self.prompts.split(self.args.batch):
             out, s = generate(model, chunk, self.args.max_new, drafter=drafter, k=k, temperature=temperature,
-                              accept=accept, generator=g, compile=compile)
+                              accept=accept, generator=g, compile=compile, paths=paths)
             outs.append(out)
             calls += s['calls']
             taus += s['accept_lengths']
@@ -133,14 +134,14 @@ class Bench:
             self.plain_runs[key] = self.decode_all(model, temperature=temperature)
         return self.plain_runs[key]
 
-    def row(self, model, drafter, k, temperature=0.0, accept='exact', against_eager=False):
+    def row(self, model, drafter, k, temperature=0.0, accept='exact', against_eager=False, paths=1):
         """tau, acceptance per position, calls and speedup over plain decoding, timed together.
         against_eager (with --compile): the eager runs of both are timed in the same rounds too, so
         that what compiling gains is a ratio inside one run (eager_seconds, plain_eager_seconds)."""
-        fns = [lambda: self.decode_all(model, drafter, k, temperature, accept),
+        fns = [lambda: self.decode_all(model, drafter, k, temperature, accept, paths=paths),
                lambda: self.decode_all(model, temperature=temperature)]
         if against_eager and self.args.compile:
-            fns += [lambda: self.decode_all(model, drafter, k, temperature, accept, compile=False),
+            fns += [lambda: self.decode_all(model, drafter, k, temperature, accept, compile=False, paths=paths),
                     lambda: self.decode_all(model, temperature=temperature, compile=False)]
         times, results = timed(fns, self.args.repeats, self.device, warmup=self.args.compile or str(self.device) != 'cpu')
         (dt, dt0), ((out, stats), (base_out, base_stats)) = times[:2], results[:2]
@@ -177,6 +178,19 @@ def forward_ratio(model, k, device, B, ctx=96, repeats=200):
     (t1, tk), _ = timed([lambda: model.forward_cached(blocks[0], cache),
                          lambda: model.forward_cached(blocks[1], cache)], repeats, device)
     return tk / t1
+
+
+@torch.no_grad()
+def tree_ratio(model, paths, k, device, B, ctx=96, repeats=200):
+    """t(tree block of 1 + paths(k-1) tokens) / t(k-token block), cached forwards of B rows at a
+    context of ctx tokens: what verifying several paths costs over one."""
+    cache = model.new_cache(B, ctx + 1 + paths * (k - 1))
+    cache.lengths.fill_(ctx)
+    tree = decode.tree_layout(paths, k - 1, device)
+    blocks = [torch.zeros(B, n, dtype=torch.long, device=device) for n in (k, 1 + paths * (k - 1))]
+    (tk, tn), _ = timed([lambda: model.forward_cached(blocks[0], cache),
+                         lambda: model.forward_cached(blocks[1], cache, tree)], repeats, device)
+    return tn / tk
 
 
 def time_split(run, device):
@@ -232,6 +246,7 @@ def trainings(args, resume=True):
     order; with resume, each is skipped once trained."""
     runs = [('ckpt', train_args(args, 'base', resume=resume))]
     heads = [(False, True)] if 'bpd' not in args.tables else [(j, d) for j in (False, True) for d in (False, True)]
+    heads = heads if set(args.tables) - {'paths'} else []    # table 5 drafts with DBlast's alone
     for joint, distill in heads:
         runs.append((f'heads{heads_tag(joint, distill)}', train_args(
             args, 'heads', '--k', str(max(BPD_KS)), '--joint' if joint else '--frozen',
@@ -266,6 +281,8 @@ def dblast_trainings(args):
         jobs += [job(T_ABLATION, 'al', 4, 'none', '_long', '--dblast-iters', str(2 * iters))]
     elif 'speed' in args.tables:
         jobs += [job(1.0, 'al', 4, 'none'), job(1.0, 'nll', 1, 'none')]
+    if 'paths' in args.tables and 'dblast' not in args.tables:   # table 3's own at T_ABLATION otherwise
+        jobs += [job(T_ABLATION, 'al', 4, 'none'), job(T_ABLATION, 'nll', 1, 'none')]
     return jobs
 
 
@@ -458,6 +475,49 @@ def dblast_tables(b, base, args, results):
     print(f"\nTraining curve (K=4 AL, T={T}, held-out expected tau, sampled branches, mixture): "
           f"{long['iter_num']} steps: " + ', '.join(f"{it}: {v:.3f}" for it, v in long['history'])
           + f"; the preset's {preset['iter_num']} steps end at {preset['history'][-1][1]:.3f}")
+
+
+def paths_table(b, base, args, results):
+    """Table 5: several drafted paths per call (MATH.md §9) at each T, for the independent K = 1
+    drafter (i.i.d. paths) and DBlast K = 4 (i.i.d. paths of the mixture, and one path per branch),
+    N in --paths-list: tau, calls, speedup over plain sampling (with --compile: compiled, its eager
+    runs timed in the same rounds), t(tree block) / t(k-token block), and the ceiling
+    tau * t(1) / t(block) this machine allows. On a GPU, where a block of 1 + N(k-1) tokens costs
+    about what one does, the ceiling is tau itself. Drafters: train.py's at T = 1.5."""
+    kd = args.dblast_k
+    load = lambda K, loss: load_drafter(os.path.join(args.ckpt_dir, f'dblast_K{K}{dblast_tag(T_ABLATION, loss)}.pt'), base)  # noqa: E731
+    k1, k4 = load(1, 'nll'), load(4, 'al')
+    ways = [('independent K=1', k1, 'mixture'), ('DBlast K=4, i.i.d.', k4, 'mixture'),
+            ('DBlast K=4, per branch', k4, 'branches')]
+    t1 = forward_ratio(base, kd, b.device, args.batch)                      # t(k) / t(1)
+    ratio = {N: tree_ratio(base, N, kd, b.device, args.batch) for N in args.paths_list}
+    mode = 'compiled' if args.compile else 'eager'
+    gains = ['compiled / eager'] if args.compile else []
+    print(f"\n### 5. Several paths per call, k={kd} ({mode}, {b.precision}, {args.n_prompts} prompts x "
+          f"{args.max_new} tokens)\n")
+    print(md_table(['T', 'drafter, paths', 'N', 'tau', 'calls', 'speedup', 't(block)/t(k)', 'ceiling'] + gains, []),
+          flush=True)
+    rows = []
+    for T in args.paths_temps:
+        for name, d, way in ways:
+            for N in args.paths_list:
+                if N == 1 and way == 'branches':   # one path per branch, N = 1: the i.i.d. row in law
+                    continue
+                d.paths_from = way
+                r, _, _ = b.row(base, d, kd, temperature=T, against_eager=True, paths=N)
+                r.update(T=T, drafter=name, paths=N, t_block_over_t_k=ratio[N],
+                         ceiling=r['tau'] / (ratio[N] * t1))
+                if gains:
+                    r['compile_gain'] = r['eager_seconds'] / r['seconds']
+                rows.append(r)
+                print(md_row([T, name, N, f"{r['tau']:.2f}", r['calls'], f"{r['speedup']:.2f}x", f"{ratio[N]:.2f}",
+                              f"{r['ceiling']:.2f}x"] + ([f"{r['compile_gain']:.2f}x"] if gains else [])), flush=True)
+    k4.paths_from = 'mixture'
+    results['paths'] = dict(mode=mode, precision=str(b.precision), t_k_over_t_1=t1, rows=rows)
+    for T in args.paths_temps:
+        best = max((r for r in rows if r['T'] == T), key=lambda r: r['speedup'])
+        print(f"best at T={T}: {best['drafter']}, N={best['paths']}: tau {best['tau']:.2f}, "
+              f"{best['speedup']:.2f}x over plain sampling (t(k)/t(1) = {t1:.2f})")
 
 
 def time_table(b, base, args, results):
@@ -756,7 +816,7 @@ def short(v):
 
 # ----------------------------------------------------------------------------- main
 
-TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time']
+TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time', 'paths']
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=160, max_iters=300, heads_iters=150,
              dblast_iters=100, distill_samples=64, dblast_samples=64, dblast_eval_samples=8, n_prompts=4,
              max_new=64, repeats=1, eval_samples=8)
@@ -795,6 +855,8 @@ def main(argv=None):
     ap.add_argument('--ckpt-dir', default=None, help='checkpoints (default: OUT/ckpt)')
     ap.add_argument('--seed', type=int, default=1337)
     ap.add_argument('--dblast-k', type=int, default=4)
+    ap.add_argument('--paths-list', default='1,2,4,8', help='table 5: drafted paths per call, comma-separated')
+    ap.add_argument('--paths-temps', default=','.join(map(str, TEMPS)), help='table 5: temperatures, comma-separated')
     ap.add_argument('--batch', type=int, default=1,
                     help='prompts per generate() call (1: per-request latency, as in the papers)')
     for name in ('n_prompts', 'max_new', 'repeats', 'eval_samples', 'n_layer', 'n_head', 'n_embd', 'block_size',
@@ -821,6 +883,8 @@ def main(argv=None):
     for name in ('n_prompts', 'max_new', 'repeats', 'eval_samples', 'batch'):
         check_number('--' + name.replace('_', '-'), getattr(args, name), lo=1)
     check_number('--dblast-k', args.dblast_k, lo=2, hi=64)
+    args.paths_list = parse_paths(args.paths_list)
+    args.paths_temps = parse_temps(args.paths_temps)
     check_number('--seed', args.seed, lo=0, hi=2 ** 63 - 1)
     device = pick_device(args.device)
     precision = decoding_precision(args.dtype or 'auto', device, args.tf32)
@@ -855,7 +919,7 @@ def main(argv=None):
     results = dict(meta=meta(args, device, str(b.precision)), method=__doc__.split('Method: ')[1].strip())
     with b.precision:   # every decode, evaluation and timing of the tables
         for name, table in [('speed', speed_table), ('bpd', bpd_tables), ('lossy', lossy_table),
-                            ('dblast', dblast_tables), ('time', time_table)]:
+                            ('dblast', dblast_tables), ('time', time_table), ('paths', paths_table)]:
             if name in args.tables:
                 table(b, base, args, results)
     results['meta']['seconds'] = time.perf_counter() - t_start
@@ -882,6 +946,26 @@ def parse_tables(text):
     if 'time' in tables and 'bpd' not in tables:
         raise BadInput("--tables: 'time' reads the BPD rows, so it needs 'bpd' too")
     return tables
+
+
+def parse_paths(text):
+    try:
+        paths = [int(p) for p in text.split(',')]
+    except ValueError:
+        paths = []
+    if not paths or not all(1 <= p <= decode.MAX_PATHS for p in paths):
+        raise BadInput(f"--paths-list {text!r}: comma-separated whole numbers from 1 to {decode.MAX_PATHS}")
+    return paths
+
+
+def parse_temps(text):
+    try:
+        temps = [float(t) for t in text.split(',')]
+    except ValueError:
+        temps = []
+    if not temps or not all(0 < t < float('inf') for t in temps):
+        raise BadInput(f"--paths-temps {text!r}: comma-separated temperatures > 0")
+    return temps
 
 
 def meta(args, device, precision):

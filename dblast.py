@@ -55,6 +55,7 @@ from heads import LOGITS_BUDGET, BlockHeads, Drafter
 from model import LayerNorm, sample, tempered, upcast
 
 VERIFY = ('mixture', 'branch')          # what drafts are verified against (DBlastDrafter.verify)
+PATHS_FROM = ('mixture', 'branches')    # how several paths per call are drawn (DBlastDrafter.paths_from)
 LOSSES = ('al', 'al-branch', 'nll')     # DBlastDrafter.loss kinds
 
 
@@ -69,6 +70,17 @@ def prior(log_pi, zt):
         top = F.one_hot(log_pi.argmax(-1), log_pi.size(-1)).bool()
         return torch.where(top, 0.0, -math.inf).to(log_pi.dtype)
     return F.log_softmax(log_pi / zt, dim=-1)
+
+
+def branch_order(log_pi, zt, generator=None):
+    """The K branches (N, K) in the order of a draw without replacement from pi' (Gumbel top-K:
+    log pi / Z_T plus Gumbel noise, sorted); Z_T = 0: by prior, descending. Which branches a
+    decoder drafts from does not touch losslessness (they are chosen before any token), only how
+    much is accepted."""
+    if zt == 0:
+        return log_pi.argsort(-1, descending=True)
+    u = torch.rand(log_pi.shape, generator=generator, device=log_pi.device, dtype=log_pi.dtype)
+    return (log_pi / zt - torch.log(-torch.log(u))).argsort(-1, descending=True)
 
 
 def branch_log_probs(logits, temperature, sample_drafts):
@@ -233,7 +245,8 @@ def expected_tau(drafter, model, samples, k, temperature, sample_drafts, verify,
 class DBlastDrafter(Drafter):
     ARGS = ('k', 'K', 'd_hidden')   # what a checkpoint records to rebuild it (decode.load_drafter)
 
-    def __init__(self, config, k, K, d_hidden=None, sample_drafts=True, verify='mixture', zt=1.0):
+    def __init__(self, config, k, K, d_hidden=None, sample_drafts=True, verify='mixture', zt=1.0,
+                 paths_from='mixture'):
         super().__init__()
         if K < 1:
             raise ValueError(f"K={K}: need at least one branch")
@@ -256,8 +269,9 @@ class DBlastDrafter(Drafter):
         nn.init.normal_(self.g_fc.weight, std=C ** -0.5)
         nn.init.normal_(self.g_proj.weight, std=0.5 * C ** -0.5)
         # inference settings, not weights: how a branch drafts (the contract's one name), and what
-        # only a mixture has: what the drafts are verified against, and the category temperature
-        self.sample_drafts, self.verify, self.zt = sample_drafts, verify, zt
+        # only a mixture has: what the drafts are verified against, the category temperature, and
+        # how several paths per call are drawn
+        self.sample_drafts, self.verify, self.zt, self.paths_from = sample_drafts, verify, zt, paths_from
 
     def anchor(self, h, bonus, target):
         """h (N, C), bonus (N,) -> log pi (N, K), branch states u_z (N, K, C)."""
@@ -303,16 +317,34 @@ class DBlastDrafter(Drafter):
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
         """The drafter contract (heads.Drafter). z ~ pi', then branch z drafts the k-1 tokens from
         q~(. | z): sampled from it, or its argmax path. All K branches come out of the one pass."""
+        drafts, Q = self.draft_paths(h, bonus, target, k, 1, temperature, generator)
+        return drafts[:, 0], None if Q is None else Q[:, 0]
+
+    @torch.no_grad()
+    def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
+        """`paths` paths from one pass of the mixture (heads.Drafter.draft_paths), as paths_from says:
+
+        'mixture'   i.i.d. samples of the proposal: for each path z ~ pi', then branch z's drafts;
+                    each verified against the mixture's conditionals given its own drafts (or its
+                    branch's q~ under verify='branch')
+        'branches'  one path per branch, the branches in the order of a draw without replacement
+                    from pi' (branch_order; past K they come round again); each verified against
+                    its own branch's q~ (given its branch, a path's tokens are independent)"""
         log_pi, logits = self.mixture_logits(h, bonus, target, k)
         N, K, n, V = logits.shape
         log_prior = prior(log_pi, self.zt)                                  # (N, K) log pi'
-        z = sample(log_prior.exp(), generator)                              # (N,) the drawn branch
+        if self.paths_from == 'branches':
+            z = branch_order(log_pi, self.zt, generator)[:, torch.arange(paths, device=h.device) % K]
+        else:
+            z = sample(log_prior.exp()[:, None].expand(N, paths, K), generator)   # (N, paths)
         sampled = self.sample_drafts and temperature > 0
         log_q = branch_log_probs(upcast(logits), temperature, sampled)      # (N, K, n, V) log q~
-        q_z = log_q.gather(1, z.view(N, 1, 1, 1).expand(N, 1, n, V)).squeeze(1).exp()  # (N, n, V)
-        drafts = sample(q_z, generator) if sampled else q_z.argmax(-1)      # (N, n)
+        q_z = log_q.gather(1, z[:, :, None, None].expand(N, paths, n, V)).exp()   # (N, paths, n, V)
+        drafts = sample(q_z, generator) if sampled else q_z.argmax(-1)      # (N, paths, n)
         if temperature == 0.0:
             return drafts, None       # greedy decoding: verification compares argmaxes only
-        if self.verify == 'branch':
-            return drafts, q_z        # the drawn branch alone (the ablation)
-        return drafts, conditionals(log_prior, log_q, drafts)              # the mixture's Q_i
+        if self.verify == 'branch' or self.paths_from == 'branches':
+            return drafts, q_z        # each path's own branch
+        rows = lambda t: t.repeat_interleave(paths, 0)                      # noqa: E731  one row per path
+        Q = conditionals(rows(log_prior), rows(log_q), drafts.flatten(0, 1))   # the mixture's Q_i
+        return drafts, Q.view(N, paths, n, V)

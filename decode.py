@@ -11,6 +11,7 @@ contract (heads.Drafter).
     python decode.py --ckpt out/ckpt.pt --prompt "def " --max-new-tokens 200
     python decode.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8
     python decode.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5
+    python decode.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --paths 4
 """
 import argparse
 import os
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from data import (ArgumentParser, BadInput, Vocab, check_finite, check_number, load_checkpoint, run_script,
                   target_from, vocab_for)
-from dblast import VERIFY, DBlastDrafter
+from dblast import PATHS_FROM, VERIFY, DBlastDrafter
 from heads import BlockHeads
 from model import GPTConfig, sample, tempered, upcast
 
@@ -156,46 +157,165 @@ def verify_sampled(logits, q, drafts, temperature, generator=None):
     return accept_prefix(ok, sample(weights, generator))
 
 
+# ------------------------------------------------------------------------- several paths, one call
+# With N > 1 drafted paths the block is a tree (MATH.md §9): slot 0 the bonus, then path z's token
+# i at slot 1 + z(k-1) + i, each slot attending to the committed prefix, the bonus and the earlier
+# tokens of its own path. Greedy keeps the path with the longest agreeing prefix; sampling verifies
+# node by node by multi-step speculative sampling, which is lossless for any candidates.
+
+def tree_layout(paths, n, device):
+    """The block of `paths` paths of n drafts after one bonus: each slot's depth below the bonus
+    (L,) and who sees whom, attend (L, L) bool (L = 1 + paths * n)."""
+    slot = torch.arange(1 + paths * n, device=device)
+    path = (slot - 1).div(n, rounding_mode='floor')                  # the bonus: -1
+    depth = torch.where(slot == 0, 0, (slot - 1) % n + 1)
+    attend = (slot[None, :] == 0) | ((path[:, None] == path[None, :]) & (depth[None, :] <= depth[:, None]))
+    return depth, attend
+
+
+def path_slots(paths, n, device):
+    """(paths, 1 + n): the slots of each path's tokens, its bonus (slot 0) first."""
+    return torch.cat([torch.zeros(paths, 1, dtype=torch.long, device=device),
+                      1 + torch.arange(paths * n, device=device).view(paths, n)], dim=1)
+
+
+def verify_tree_greedy(logits, drafts, accept=(exact, None)):
+    """Greedy verification of N paths (B, N, n) from the logits after every slot (B, 1 + N n, V):
+    each path verified as one block by the acceptance rule (verify_greedy), the longest kept
+    (ties: the first). Returns accepted (B, n), n_acc (B,), bonus (B,), path (B,)."""
+    B, N, n = drafts.shape
+    per_path = logits[:, path_slots(N, n, logits.device)]                      # (B, N, 1 + n, V)
+    _, n_accs, bonuses = verify_greedy(per_path.flatten(0, 1), drafts.flatten(0, 1), accept)
+    n_accs = n_accs.view(B, N)
+    n_acc, path = n_accs.max(-1).values, n_accs.argmax(-1)                     # argmax: the first longest
+    bonus = bonuses.view(B, N).gather(1, path[:, None]).squeeze(1)
+    return torch.arange(n, device=drafts.device) < n_acc[:, None], n_acc, bonus, path
+
+
+def verify_tree_sampled(logits, q, drafts, temperature, generator=None):
+    """Multi-step speculative sampling over N drafted paths (SpecInfer; MATH.md §9), lossless.
+
+    logits (B, 1 + N n, V) after every slot; drafts (B, N, n); q (B, N, n, V): the distribution
+    path i's token d was drawn from given path i's earlier tokens (None: point masses). A node is a
+    prefix; its candidates are the next tokens of the paths through it, tried in path order:
+
+        r = p(. | node)
+        candidate c of path i: accepted with probability min(1, r(c) / q_i(c)) -> go to the child c
+                               else r = norm(max(0, r - q_i))
+        none accepted: the bonus is a sample of r
+
+    Each node's outcome is drawn at once for every node (static shapes, no host sync; a node that
+    the walk does not reach is never read), then the walk from the bonus follows the accepted
+    tokens: path z's token d is kept where it is the token accepted at its parent node, so the
+    paths that continue below a node are all those with the accepted prefix, duplicates included.
+    Returns accepted (B, n), n_acc (B,), bonus (B,), path (B,): the first path with the kept prefix."""
+    B, N, n = drafts.shape
+    dev = drafts.device
+    p = F.softmax(tempered(logits, temperature), dim=-1)               # (B, S, V) p_target at each slot
+    depth, _ = tree_layout(N, n, dev)                                  # (S,)
+    # same[b, z, i, d]: paths z and i agree on their tokens 0..d; a path's node at depth d + 1
+    # is the one of the first path that agrees with it so far (its slot holds the shared node)
+    same = (drafts[:, :, None, :] == drafts[:, None, :, :]).long().cumprod(-1).bool()   # (B, N, N, n)
+    first = same.long().argmax(2)                                                        # (B, N, n)
+    node = torch.cat([torch.zeros(B, N, 1, dtype=torch.long, device=dev),
+                      1 + first * n + torch.arange(n, device=dev)], dim=-1)            # (B, N, 1 + n)
+    # through[b, s, i]: path i's next token is a candidate at slot s (path i holds slot s's prefix)
+    through = torch.cat([torch.ones(B, 1, N, dtype=torch.bool, device=dev),
+                         same.permute(0, 1, 3, 2).flatten(1, 2)], dim=1) & (depth < n)[None, :, None]
+    at = depth.clamp(max=n - 1)                                        # the candidates' token index
+    cand = drafts[:, :, at].transpose(1, 2)                            # (B, S, N)
+    r, done = p, torch.zeros(B, 1 + N * n, dtype=torch.bool, device=dev)
+    chosen = torch.zeros_like(done, dtype=torch.long)
+    for i in range(N):   # candidates in path order; each pass covers every node at once
+        q_i = None if q is None else q[:, i, at]                       # (B, S, V)
+        tried = through[:, :, i] & ~done
+        ok = accept_sampled(r, q_i, cand[:, :, i], generator) & tried
+        chosen = torch.where(ok, i, chosen)
+        done = done | ok
+        left = residual(r, q_i, cand[:, :, i])                         # r after rejecting candidate i
+        r = torch.where((tried & ~ok)[..., None], left / left.sum(-1, keepdim=True), r)
+    kept_token = torch.where(done, cand.gather(-1, chosen[..., None]).squeeze(-1), -1)   # (B, S)
+    fallback = sample(r, generator)                                                      # (B, S)
+    match = kept_token.gather(1, node[:, :, :-1].flatten(1)).view(B, N, n) == drafts     # (B, N, n)
+    n_accs = match.long().cumprod(-1).sum(-1)                                            # (B, N)
+    n_acc, path = n_accs.max(-1).values, n_accs.argmax(-1)
+    last = node[torch.arange(B, device=dev), path, n_acc]                 # where the walk stops
+    bonus = fallback.gather(1, last[:, None]).squeeze(1)
+    return torch.arange(n, device=dev) < n_acc[:, None], n_acc, bonus, path
+
+
 # ------------------------------------------------------------------------- the merged step
 
 def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
-                accept=(exact, None), generator=None):
-    """One target call: verify `block` (B, k) = [bonus, drafts], commit, propose the next block.
+                accept=(exact, None), generator=None, paths=1):
+    """One target call: verify `block`, commit, propose the next block.
 
-    q_block (B, k-1, V): the proposal's conditionals Q_i(.) given the drafts before position i,
-    as the drafter returned them (for a mixture they depend on the drafted prefix; for independent
-    drafts they are the drafter's own q), or None for point-mass drafts. The step does not know
-    which drafter it has: any proposal verified against its own conditionals is lossless.
+    block (B, 1 + N(k-1)) = [bonus, path_1 .. path_N]: N = `paths` drafted paths of k-1 tokens
+    (N = 1: the block [bonus, d_1 .. d_{k-1}] of BPD; N > 1: a tree, MATH.md §9).
+    q_block (B, N(k-1), V): for each drafted token, the proposal's conditional it was drawn from
+    given the earlier tokens of its path, as the drafter returned it (for a mixture it depends on
+    the drafted prefix; for independent drafts it is the drafter's own q), or None for point-mass
+    drafts. The step does not know which drafter it has: any proposal verified against its own
+    conditionals is lossless.
     accept: (rule, param) of ACCEPT, for greedy decoding. active (B,) bool: rows still generating;
     the others do not advance.
-    Returns (n_acc (B,), accepted (B, k-1) bool, next block (B, k), its Q).
+    Returns (n_acc (B,), kept (B, k): the bonus and the kept path's drafts, of which the first
+    n_acc + 1 are committed, the next block, its Q).
     Static shapes, no Python loop over positions, no host sync.
     """
-    B, k = block.shape
+    B = block.size(0)
+    n = (block.size(1) - 1) // paths                            # drafts per path, k-1
+    tree = None if paths == 1 else tree_layout(paths, n, block.device)
     with span('target_forward'):
-        h = model.forward_cached(block, cache)                  # (B, k, C)  BPD §3: one call
-        logits = upcast(model.lm_head(h))                       # (B, k, V) after each position
+        h = model.forward_cached(block, cache, tree)            # (B, 1 + N n, C)  BPD §3: one call
+        logits = upcast(model.lm_head(h))                       # (B, 1 + N n, V) after each slot
     with span('verify'):
-        drafts = block[:, 1:]                                   # (B, k-1)
-        if temperature == 0.0:                                  # BPD §3 / §5
-            accepted, n_acc, bonus = verify_greedy(logits, drafts, accept)
-        else:                                                   # the same temperature on p and Q
-            accepted, n_acc, bonus = verify_sampled(logits, q_block, drafts, temperature, generator)
+        drafts = block[:, 1:].view(B, paths, n)                 # (B, N, k-1)
+        if paths > 1:                                           # several paths (MATH.md §9)
+            q = None if q_block is None else q_block.view(B, paths, n, -1)
+            if temperature == 0.0:
+                accepted, n_acc, bonus, path = verify_tree_greedy(logits, drafts, accept)
+            else:
+                accepted, n_acc, bonus, path = verify_tree_sampled(logits, q, drafts, temperature, generator)
+        else:                                                   # one block: BPD §3 / §5, sampling §4
+            path = torch.zeros(B, dtype=torch.long, device=block.device)
+            if temperature == 0.0:
+                accepted, n_acc, bonus = verify_greedy(logits, drafts[:, 0], accept)
+            else:                                               # the same temperature on p and Q
+                accepted, n_acc, bonus = verify_sampled(logits, q_block, drafts[:, 0], temperature, generator)
     with span('cache'):
+        slots = path_slots(paths, n, block.device)[path]        # (B, k): the kept path's slots
+        if paths > 1:                                           # its keys and values next to the bonus
+            cache.keep_path(slots[:, 1:])
         cache.commit((n_acc + 1) * active)                      # b, d_1 .. d_{n_acc}
+    kept = torch.cat([block[:, :1], drafts[torch.arange(B, device=block.device), path]], dim=1)   # (B, k)
     if drafter is None:
-        return n_acc, accepted, bonus[:, None], None
+        return n_acc, kept, bonus[:, None], None
     with span('draft'):
-        # BPD §3 merged propose: draft from H_{n_acc}, the state after the last committed token.
-        # Gathering that row first and drafting once equals drafting at every j, then gathering.
-        h_acc = h.gather(1, n_acc[:, None, None].expand(B, 1, h.size(-1))).squeeze(1)  # (B, C)
-        new_drafts, q = drafter.draft(h_acc, bonus, model, k, temperature, generator)
-    return n_acc, accepted, torch.cat([bonus[:, None], new_drafts], dim=1), q
+        # BPD §3 merged propose: draft from the state after the last committed token. Gathering
+        # that row first and drafting once equals drafting at every slot, then gathering.
+        last = slots.gather(1, n_acc[:, None])                  # (B, 1)
+        h_acc = h.gather(1, last[:, :, None].expand(B, 1, h.size(-1))).squeeze(1)   # (B, C)
+        new_drafts, q = propose(drafter, h_acc, bonus, model, n + 1, paths, temperature, generator)
+    return n_acc, kept, torch.cat([bonus[:, None], new_drafts], dim=1), q
 
 
-def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, cli=False):
+def propose(drafter, h, bonus, target, k, paths, temperature, generator):
+    """The next paths in the block's layout: drafts (B, N(k-1)) and their Q (B, N(k-1), V) or None.
+    One path is the contract's `draft`; several are `draft_paths` (heads.Drafter)."""
+    if paths == 1:
+        return drafter.draft(h, bonus, target, k, temperature, generator)
+    drafts, q = drafter.draft_paths(h, bonus, target, k, paths, temperature, generator)
+    return drafts.flatten(1), None if q is None else q.flatten(1, 2)
+
+
+def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, cli=False, paths=1):
     """Every user error generate() can meet, as a one-line BadInput (naming command-line flags
     when cli=True)."""
+    if isinstance(paths, bool) or not isinstance(paths, int) or not 1 <= paths <= MAX_PATHS:
+        raise BadInput(f"{named('paths', paths, cli)}: drafted paths per call, a whole number from 1 to {MAX_PATHS}")
+    if paths > 1 and drafter is None:
+        raise BadInput(f"{named('paths', paths, cli)}: several paths need a drafter (--heads or --drafter)")
     if prompt.dim() != 2 or prompt.size(1) == 0:
         raise BadInput("prompt is empty: give at least one token")
     if max_new_tokens < 1:
@@ -216,6 +336,8 @@ def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, c
             raise BadInput(f"{named('k', k, cli)}: the drafter was trained for k <= {drafter.k}")
     return rule, param
 
+
+MAX_PATHS = 64   # drafted paths per call: the block is 1 + paths * (k-1) tokens
 
 _COMPILED = {}
 
@@ -254,14 +376,14 @@ def global_rng_from(generator, device):
         yield
 
 
-def static_cache(model, B, k):
+def static_cache(model, B, room):
     """For the compiled step, as gpt-fast does: a cache sized by the context rather than the
     request, kept on the model and reused across calls, so shapes and buffer addresses never
-    change and the compiled graphs (CUDA graphs on GPU) are recorded once. The spare room (2k,
-    see generate) is rounded up to a multiple of 64, so plain decoding and every k up to 32
-    share the same buffers, as bench.py's interleaved timing needs. One cache per batch size and
-    compute dtype."""
-    max_len = -(-(model.config.block_size + 2 * k) // 64) * 64
+    change and the compiled graphs (CUDA graphs on GPU) are recorded once. The spare room past the
+    context (`room`, see generate) is rounded up to a multiple of 64, so plain decoding and every
+    one-path block up to k = 32 share the same buffers, as bench.py's interleaved timing needs.
+    One cache per batch size and compute dtype."""
+    max_len = -(-(model.config.block_size + room) // 64) * 64
     key = (B, max_len, model.compute_dtype(), model.lm_head.weight.device)
     caches = model.__dict__.setdefault('_static_caches', {})   # a plain attribute, not a buffer
     if key not in caches:
@@ -275,7 +397,7 @@ def static_cache(model, B, k):
 
 @torch.no_grad()
 def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0,
-             accept="exact", generator=None, compile=False):
+             accept="exact", generator=None, compile=False, paths=1):
     """Generate max_new_tokens after prompt (B, T0) -> (out (B, T0 + max_new_tokens), stats).
 
     drafter=None: plain decoding, one target call per token. With a drafter (any heads.Drafter:
@@ -286,21 +408,24 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     (MATH.md §2); bench.py and decode.py measure agreement with plain greedy instead of assuming it.
     stats: calls (prefill included), accept_lengths (tau of every step of every row, bonus
     included), accept_rate (per draft position, share of steps it was accepted).
+    paths=N verifies N drafted paths per call (MATH.md §9): drafter.draft_paths proposes them.
     compile=True runs the step compiled (the first calls pay the compilation: warm up first).
     """
     k = 1 if drafter is None else (drafter.k if k is None else k)
-    accept = check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept)
+    accept = check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, paths=paths)
     B, T0 = prompt.shape
     total = T0 + max_new_tokens
     dev = prompt.device
     # spare room past the end: a row may overshoot `total` by k-1 tokens, and a finished row still
-    # runs (and writes) one block per step until every row is done; none of it is kept
+    # runs (and writes) one block of 1 + paths(k-1) slots per step until every row is done; none
+    # of it is kept
+    room = k + 1 + paths * (k - 1)
     out = torch.zeros(B, total + 2 * k, dtype=torch.long, device=dev)
     out[:, :T0] = prompt
     if compile:  # the compiled step draws from the global RNG, seeded below (global_rng_from)
-        step, cache, step_generator = compiled_step(dev.type), static_cache(model, B, k), None
+        step, cache, step_generator = compiled_step(dev.type), static_cache(model, B, room), None
     else:
-        step, cache, step_generator = merged_step, model.new_cache(B, total + 2 * k), generator
+        step, cache, step_generator = merged_step, model.new_cache(B, total + room), generator
 
     # prefill (call 1): the prompt's last hidden state gives the first bonus and drafts
     h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
@@ -312,14 +437,14 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
         bonus = sample(F.softmax(tempered(logits, temperature), dim=-1), generator)
     block, q = bonus[:, None], None
     if drafter is not None:
-        drafts, q = drafter.draft(h, bonus, model, k, temperature, generator)
+        drafts, q = propose(drafter, h, bonus, model, k, paths, temperature, generator)
         block = torch.cat([block, drafts], dim=1)
         if compile and q is not None:   # the strides the compiled step returns (else step 2 recompiles)
             q = q.clone(memory_format=torch.contiguous_format)
 
     n_out = torch.full((B,), T0, dtype=torch.long, device=dev)  # committed tokens per row
     offs = torch.arange(k, device=dev)
-    taus, accs, actives = [], [], []
+    taus, actives = [], []
     calls = 1
     with global_rng_from(generator if compile else None, dev):
         while True:
@@ -327,27 +452,25 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
                 active = n_out < total
                 if not bool(active.any()):  # the one host sync per step: are all rows done?
                     break
-            with span('cache'):
-                # write the whole pending block; what is not accepted is overwritten by the next
-                out.scatter_(1, n_out[:, None] + offs, block)
             if compile:
                 torch.compiler.cudagraph_mark_step_begin()
-            n_acc, accepted, block, q = step(model, drafter, cache, block, q, active,
-                                             temperature, accept, step_generator)
+            n_acc, kept, block, q = step(model, drafter, cache, block, q, active,
+                                         temperature, accept, step_generator, paths)
             if compile and dev.type == 'cuda':  # a CUDA graph's outputs are overwritten by its next replay
-                n_acc, accepted, block = n_acc.clone(), accepted.clone(), block.clone()
+                n_acc, kept, block = n_acc.clone(), kept.clone(), block.clone()
                 q = None if q is None else q.clone()
+            # write the bonus and the kept path; what was not accepted is overwritten next step
+            out.scatter_(1, n_out[:, None] + offs, kept)
             calls += 1
             n_out += (n_acc + 1) * active
             taus.append(n_acc + 1)
-            accs.append(accepted)
             actives.append(active)
 
     act = torch.stack(actives).cpu()                            # (steps, B)
     tau = torch.stack(taus).cpu()[act]
-    acc = torch.stack(accs).cpu()[act]                          # (steps, k-1)
+    accepted = tau[:, None] > torch.arange(1, k)                # (steps, k-1) draft j accepted
     stats = dict(calls=calls, accept_lengths=tau.tolist(),
-                 accept_rate=acc.float().mean(0).tolist() if k > 1 else [])
+                 accept_rate=accepted.float().mean(0).tolist() if k > 1 else [])
     return out[:, :total], stats
 
 
@@ -497,7 +620,7 @@ def agreement(out, base, T0):
     return f"{int(same.sum())}/{same.numel()} tokens"
 
 
-def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print):
+def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print, paths=1):
     """tau and wall-clock speedup over plain decoding of the same model and prompts, one request
     at a time (latency, as the papers measure it), timed in the same run; under greedy decoding,
     how many tokens equal plain greedy's. Returns the outputs."""
@@ -506,21 +629,25 @@ def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print)
         runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, **extra)
                 for p in prompts]
         return torch.cat([r[0] for r in runs]), [r[1] for r in runs], sum(r[2] for r in runs)
-    run(drafter=drafter, k=k)  # warm-up, both paths
+    run(drafter=drafter, k=k, paths=paths)  # warm-up, both ways
     run()
-    out, stats, dt = run(drafter=drafter, k=k)
+    out, stats, dt = run(drafter=drafter, k=k, paths=paths)
     base, _, dt0 = run()
     taus = [t for s in stats for t in s['accept_lengths']]
     calls = sum(s['calls'] for s in stats)
     same = f", same as plain greedy: {agreement(out, base, prompts.size(1))}" if temperature == 0 else ''
-    log(f"{label}: mean tau {sum(taus) / len(taus):.2f} at k={k}, {calls} calls for {len(prompts)} prompts "
+    log(f"{label}: mean tau {sum(taus) / len(taus):.2f} at k={k}{f', {paths} paths' if paths > 1 else ''}, {calls} calls for {len(prompts)} prompts "
         f"x {max_new} tokens (plain: {len(prompts) * (max_new + 1)}), speedup {dt0 / dt:.2f}x{same}")
     return out
 
 
+DEMO_PATHS = 4   # paths per call in train.py's closing demo of several paths (bench.py's table 5)
+
+
 def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print):
     """train.py's closing demos on held-out prompts: BPD heads against plain greedy, then each
-    (label, drafter) of `dblast` against plain sampling at `temperature`."""
+    (label, drafter) of `dblast` against plain sampling at `temperature`, then the first of them
+    with DEMO_PATHS i.i.d. paths per call (MATH.md §9)."""
     max_new = min(128, model.config.block_size - prompts.size(1) - max(k, dblast_k))
     if heads is not None:
         log("\n=== blockwise parallel decoding, held-out prompts, greedy")
@@ -531,6 +658,9 @@ def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature
             f"against the independent one (sampled drafts, mixture verification)")
     for label, drafter in dblast:
         demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log)
+    for label, drafter in dblast[:1]:
+        demo(model, prompts, drafter, dblast_k, temperature, f"{label}, {DEMO_PATHS} paths per call", max_new, log,
+             paths=DEMO_PATHS)
 
 
 # ------------------------------------------------------------------------- CLI
@@ -570,6 +700,11 @@ def main(argv=None):
     ap.add_argument('--verify', default=None, choices=VERIFY,
                     help="DBlast: verify against the mixture's conditionals (default), or the drawn branch's "
                          "alone (ablation)")
+    ap.add_argument('--paths', type=int, default=1,
+                    help=f'drafted paths verified per call as one tree (default 1; up to {MAX_PATHS})')
+    ap.add_argument('--paths-from', default=None, choices=PATHS_FROM,
+                    help="DBlast, --paths > 1: i.i.d. samples of the mixture (default), or one path per branch, "
+                         "the branches drawn without replacement from the prior")
     ap.add_argument('--no-color', action='store_true', help='plain text even on a terminal')
     ap.add_argument('--device', default=None, help='cpu | cuda | mps (default: best available)')
     ap.add_argument('--compile', action='store_true',
@@ -593,12 +728,18 @@ def check_cli(args):
         check_number('--zt', args.zt, lo=0.0, note='0 = argmax branch')
     if args.k is not None:
         check_number('--k', args.k, lo=2)
+    check_number('--paths', args.paths, lo=1, hi=MAX_PATHS)
     parse_accept(args.accept, cli=True)
     meaningless = [   # (given, flag, what it applies to)
         (args.k is not None and not drafter, '--k', '--heads or --drafter'),
         (args.accept != 'exact' and not drafter, '--accept', '--heads or --drafter'),
         (args.zt is not None and not args.drafter, '--zt', 'a DBlast --drafter'),
         (args.verify is not None and not args.drafter, '--verify', 'a DBlast --drafter'),
+        (args.paths > 1 and not drafter, '--paths', '--heads or --drafter'),
+        (args.paths_from is not None and (not args.drafter or args.paths == 1), '--paths-from',
+         'a DBlast --drafter with --paths > 1'),
+        (args.verify is not None and args.paths_from == 'branches', '--verify',
+         'i.i.d. paths (with --paths-from branches each path is verified against its own branch)'),
         (args.sample_drafts is not None and (not drafter or args.temperature == 0), '--[no-]sample-drafts',
          'sampling with a drafter')]
     for given, flag, applies_to in meaningless:
@@ -641,8 +782,9 @@ def decode_cli(args, device, precision):
         if args.drafter:   # a DBlast mixture (check_cli refused --verify and --zt otherwise)
             drafter.verify = args.verify or drafter.verify
             drafter.zt = drafter.zt if args.zt is None else args.zt
+            drafter.paths_from = args.paths_from or drafter.paths_from
     check_args(model, prompt, max_new, drafter, args.k or (drafter.k if drafter else 1), args.temperature,
-               args.accept, cli=True)
+               args.accept, cli=True, paths=args.paths)
     kw = dict(temperature=args.temperature, compile=args.compile)
 
     def gen(**extra):
@@ -655,7 +797,7 @@ def decode_cli(args, device, precision):
         print(vocab.decode(out[0].tolist()))
         print(f"\n--- {max_new} tokens in {dt:.3f}s: {max_new / dt:.1f} tokens/s, {stats['calls']} calls ({precision})")
         return
-    spec = dict(drafter=drafter, k=args.k, accept=args.accept)
+    spec = dict(drafter=drafter, k=args.k, accept=args.accept, paths=args.paths)
     gen(**spec)  # warm-up both paths so neither pays first-call costs in the timing
     gen()
     out, stats, dt = gen(**spec)
@@ -665,7 +807,7 @@ def decode_cli(args, device, precision):
     print(vocab.decode(out[0, :T0].tolist()) + colour_blocks(vocab, out[0, T0:].tolist(), stats['accept_lengths'], colour))
     taus = stats['accept_lengths']
     plain = 'greedy' if args.temperature == 0 else 'sampling'
-    print(f"\n--- k={args.k or drafter.k} accept={args.accept}: mean tau {sum(taus) / len(taus):.2f}, "
+    print(f"\n--- k={args.k or drafter.k} paths={args.paths} accept={args.accept}: mean tau {sum(taus) / len(taus):.2f}, "
           f"{stats['calls']} calls (plain: {base_stats['calls']}), "
           f"{max_new / dt:.1f} tokens/s vs {max_new / dt_base:.1f} plain {plain}: speedup {dt_base / dt:.2f}x "
           f"({precision})")

@@ -63,6 +63,20 @@ class Drafter(nn.Module):
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
         raise NotImplementedError
 
+    def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
+        """Several paths for one call (decode's tree verification, MATH.md §9): drafts
+        (N, paths, k-1) and Q (N, paths, k-1, V), row [:, i] as `draft` returns it for path i (the
+        proposal of each token given path i's earlier tokens), or None for point masses.
+
+        Here: `paths` independent draws of `draft`, each row repeated. Any proposal is lossless
+        as long as each path's Q is what its tokens were drawn from and the paths are independent
+        given what the verifier sees (a drafter may override this to share work, or to draw its
+        paths in another way, such as DBlast's one path per branch)."""
+        N = h.size(0)
+        drafts, Q = self.draft(h.repeat_interleave(paths, 0), bonus.repeat_interleave(paths, 0), target, k,
+                               temperature, generator)
+        return drafts.view(N, paths, k - 1), None if Q is None else Q.view(N, paths, k - 1, -1)
+
 
 class BlockHeads(Drafter):
     ARGS = ('k', 'd_hidden')   # what a checkpoint records to rebuild it (decode.load_drafter)

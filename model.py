@@ -117,6 +117,15 @@ class KVCache:
         """Keep the first n (B,) tokens of the block just written, per row (n may be 0)."""
         self.lengths += n
 
+    def keep_path(self, slots):
+        """Tree verification keeps one drafted path, whose keys and values sit at block slots
+        `slots` (B, n) (counted from each row's committed length; the bonus is slot 0): copy them
+        to slots 1..n, right after the bonus, so that `commit` can keep them as a sequence."""
+        dst = self.lengths[:, None] + torch.arange(1, slots.size(1) + 1, device=slots.device)   # (B, n)
+        src = self.lengths[:, None] + slots
+        for buf in (self.k, self.v):                          # (n_layer, B, n, nh, hs) read, then written
+            buf[self.layers, self.rows, :, dst] = buf[self.layers, self.rows, :, src]
+
 
 class CausalSelfAttention(nn.Module):
 
@@ -240,25 +249,36 @@ class GPT(nn.Module):
         return KVCache(self.config, batch_size, max_len, device or self.lm_head.weight.device,
                        dtype or self.compute_dtype())
 
-    def forward_cached(self, idx, cache):
+    def forward_cached(self, idx, cache, tree=None):
         """Feed a block of L tokens per row after each row's committed prefix.
 
-        idx (B, L): row b's tokens go to positions cache.lengths[b] + 0..L-1, and their keys and
-        values are written there. cache.lengths is NOT advanced: the caller decides how many of
-        the block it keeps with `cache.commit` (all of it for a prefill, tau tokens after a
-        verification).
+        idx (B, L): row b's tokens are written to the cache slots cache.lengths[b] + 0..L-1.
+        cache.lengths is NOT advanced: the caller decides how many of the block it keeps with
+        `cache.commit` (all of it for a prefill, tau tokens after a verification).
+        tree: None for a sequence (slot j at position lengths + j, seeing the slots before it), or
+        (depth (L,), attend (L, L) bool) for a tree of drafted paths (decode.tree_layout): slot j
+        sits at position lengths + depth[j] and sees the committed prefix and the slots i with
+        attend[j, i].
         Returns h (B, L, C), the final hidden states after ln_f; logits are `self.lm_head(h)`.
         """
         B, L = idx.shape
         offs = torch.arange(L, device=idx.device)
-        write_pos = cache.lengths[:, None] + offs                              # (B, L)
+        write_pos = cache.lengths[:, None] + offs                              # (B, L) cache slots
+        keys = torch.arange(cache.max_len, device=idx.device)
+        if tree is None:
+            depth = offs
+            # Offset causal mask: query i of row b sees keys at slots <= lengths[b] + i. Query and
+            # key lengths differ (L vs max_len), so `is_causal` would be wrong; build it explicitly.
+            mask = keys[None, None, :] <= write_pos[:, :, None]                # (B, L, max_len)
+        else:
+            depth, attend = tree
+            rel = keys[None, :] - cache.lengths[:, None]                       # (B, max_len) slot in the block
+            in_block = (rel >= 0) & (rel < L)
+            mask = (rel < 0)[:, None, :] | (in_block[:, None, :] &
+                                            attend[:, rel.clamp(0, L - 1)].transpose(0, 1))   # (B, L, max_len)
         # Positions past block_size only occur for the tail of a draft block that overruns the
         # requested length; no committed token attends to them, so clamping them is harmless.
-        pos = write_pos.clamp(max=self.config.block_size - 1)
-        # Offset causal mask: query i of row b sees keys at positions <= lengths[b] + i. Query and
-        # key lengths differ (L vs max_len), so `is_causal` would be wrong; build it explicitly.
-        keys = torch.arange(cache.max_len, device=idx.device)
-        mask = keys[None, None, :] <= write_pos[:, :, None]                    # (B, L, max_len)
+        pos = (cache.lengths[:, None] + depth).clamp(max=self.config.block_size - 1)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for i, layer in enumerate(self.transformer.h):
             x = layer(x, cache=cache, layer_idx=i, write_pos=write_pos, mask=mask[:, None])

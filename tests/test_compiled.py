@@ -36,14 +36,15 @@ def setup(kind, temperature):
         drafter = BlockHeads(cfg, 4)
         torch.nn.init.normal_(drafter.c_proj.weight, std=0.2)
         drafter.sample_drafts = kind == 'heads-sampled'
-    else:                            # 'dblast' or 'dblast-{greedy|sampled}-{mixture|branch}'
-        _, branches, verify = (kind + '-sampled-mixture').split('-')[:3]
-        drafter = DBlastDrafter(cfg, 4, 4, sample_drafts=branches == 'sampled', verify=verify)
+    else:                            # 'dblast' or 'dblast-{greedy|sampled}-{mixture|branch}[-branches]'
+        parts = kind.split('-')
+        _, branches, verify, paths_from = parts + ['dblast', 'sampled', 'mixture', 'mixture'][len(parts):]
+        drafter = DBlastDrafter(cfg, 4, 4, sample_drafts=branches == 'sampled', verify=verify, paths_from=paths_from)
     return model, drafter.to(DEV, torch.float64).eval()
 
 
 @torch.no_grad()
-def first_block(model, drafter, B, k, temperature, g):
+def first_block(model, drafter, B, k, temperature, g, paths=1):
     """A prefilled cache and the first pending block, as generate() leaves them before step 1."""
     prompt = torch.randint(64, (B, 8), device=DEV, generator=g)
     cache = model.new_cache(B, 64)
@@ -52,35 +53,40 @@ def first_block(model, drafter, B, k, temperature, g):
     bonus = sample(torch.softmax(model.lm_head(h), -1), g)
     if drafter is None:
         return cache, bonus[:, None], None
-    drafts, q = drafter.draft(h, bonus, model, k, temperature, g)
+    drafts, q = decode.propose(drafter, h, bonus, model, k, paths, temperature, g)
     return cache, torch.cat([bonus[:, None], drafts], 1), q
 
 
 STEP_CASES = [(None, 0.0, 'exact'), ('heads', 0.0, 'exact'), ('heads', 0.0, 'topk:2'), ('heads', 0.0, 'minblock:2'),
               ('heads', 1.0, 'exact'), ('heads-sampled', 1.0, 'exact'), ('dblast', 0.0, 'exact')]
 STEP_CASES += [(f'dblast-{b}-{v}', 1.0, 'exact') for b in ('greedy', 'sampled') for v in ('mixture', 'branch')]
+STEP_CASES = [c + (1,) for c in STEP_CASES]   # one path per call
+# several paths per call (a tree block): i.i.d. paths of the heads and of the mixture, one path per
+# branch, greedy and sampled
+STEP_CASES += [('heads', 0.0, 'topk:2', 3), ('heads-sampled', 1.0, 'exact', 2), ('dblast', 0.0, 'exact', 4),
+               ('dblast-sampled-mixture', 1.0, 'exact', 4), ('dblast-greedy-mixture-branches', 1.0, 'exact', 4)]
 
 
 @torch.no_grad()
-def run_steps(kind, temperature, accept, context=nullcontext, step=merged_step, n_steps=5, generator=True):
+def run_steps(kind, temperature, accept, paths=1, context=nullcontext, step=merged_step, n_steps=5, generator=True):
     """n_steps merged steps on 3 rows (the last one inactive), inside `context`."""
     model, drafter = setup(kind, temperature)
     g = torch.Generator(device=DEV).manual_seed(0)
     k = 1 if drafter is None else 4
-    cache, block, q = first_block(model, drafter, 3, k, temperature, g)
+    cache, block, q = first_block(model, drafter, 3, k, temperature, g, paths)
     active = torch.tensor([True, True, False], device=DEV)
     rule = parse_accept(accept, model.config.vocab_size)
     with context():
         for _ in range(n_steps):
-            n_acc, accepted, block, q = step(model, drafter, cache, block, q, active, temperature, rule,
-                                             g if generator else None)
+            n_acc, kept, block, q = step(model, drafter, cache, block, q, active, temperature, rule,
+                                         g if generator else None, paths)
     return cache
 
 
-@pytest.mark.parametrize('kind,temperature,accept', STEP_CASES)
-def test_merged_step_makes_no_host_sync(kind, temperature, accept):
+@pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
+def test_merged_step_makes_no_host_sync(kind, temperature, accept, paths):
     detector = HostSyncs()
-    cache = run_steps(kind, temperature, accept, context=lambda: detector)
+    cache = run_steps(kind, temperature, accept, paths, context=lambda: detector)
     assert detector.seen == []
     assert cache.lengths.tolist()[2] == 8 and min(cache.lengths.tolist()[:2]) >= 8 + 5  # inactive row stays
 
@@ -94,13 +100,13 @@ def test_host_sync_detector_catches_syncs():
         assert detector.seen, bad
 
 
-@pytest.mark.parametrize('kind,temperature,accept', STEP_CASES)
-def test_merged_step_traces_as_one_graph(kind, temperature, accept):
+@pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
+def test_merged_step_traces_as_one_graph(kind, temperature, accept, paths):
     """fullgraph=True raises at any graph break: a .item(), a data-dependent branch or shape, or
     a torch.Generator argument (why the compiled step draws from the global RNG)."""
     torch._dynamo.reset()
     step = torch.compile(merged_step, fullgraph=True, backend='eager', dynamic=False)
-    run_steps(kind, temperature, accept, n_steps=2, step=step, generator=False)
+    run_steps(kind, temperature, accept, paths, n_steps=2, step=step, generator=False)
 
 
 class SyncDebug:
@@ -115,9 +121,9 @@ class SyncDebug:
 
 
 @cuda
-@pytest.mark.parametrize('kind,temperature,accept', STEP_CASES)
-def test_merged_step_does_not_sync_on_cuda(kind, temperature, accept):
-    cache = run_steps(kind, temperature, accept, context=SyncDebug)
+@pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
+def test_merged_step_does_not_sync_on_cuda(kind, temperature, accept, paths):
+    cache = run_steps(kind, temperature, accept, paths, context=SyncDebug)
     assert min(cache.lengths.tolist()[:2]) >= 8 + 5
 
 
@@ -229,14 +235,15 @@ def test_each_configuration_compiles_one_graph_and_writes_the_cache_in_place(tra
     write into a view of it was functionalized into copies of the whole cache at every step."""
     model, _ = setup(None, 0.0)
     prompt = torch.randint(64, (1, 8), device=DEV)
-    for kind, T in (('dblast', 1.0), (None, 1.0)):
+    for kind, T, paths in (('dblast', 1.0, 1), (None, 1.0, 1), ('dblast', 1.0, 4), ('dblast', 1.0, 2)):
         _, drafter = setup(kind, T) if kind else (None, None)
         graphs = []
         for _ in range(2):
             before = counters['stats']['unique_graphs']
-            generate(model, prompt, 24, drafter=drafter, k=4 if drafter else None, temperature=T, compile=True)
+            generate(model, prompt, 24, drafter=drafter, k=4 if drafter else None, temperature=T, compile=True,
+                     paths=paths)
             graphs.append(counters['stats']['unique_graphs'] - before)
-        assert graphs == [1, 0], (kind, graphs)
+        assert graphs == [1, 0], (kind, paths, graphs)
     graphs = []
     torch._dynamo.reset()
     cache = decode.static_cache(model, 1, 4)

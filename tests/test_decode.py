@@ -481,9 +481,9 @@ def test_merged_step_inactive_rows_do_not_advance(model, prompts):
     drafts, _ = heads.draft(h, bonus, model, 4)
     block = torch.cat([bonus[:, None], drafts], 1)
     active = torch.tensor([True, False, True])
-    n_acc, accepted, nxt, q = merged_step(model, heads, cache, block, None, active)
-    assert q is None and nxt.shape == (B, 4) and accepted.shape == (B, 3)
-    assert torch.equal(n_acc, accepted.sum(-1))
+    n_acc, kept, nxt, q = merged_step(model, heads, cache, block, None, active)
+    assert q is None and nxt.shape == (B, 4)
+    assert torch.equal(kept, block)     # one path: what is kept is the block, n_acc + 1 of it committed
     want = torch.full((B,), T0) + (n_acc + 1) * active
     assert torch.equal(cache.lengths, want)
 

@@ -1,9 +1,39 @@
-"""Exercise 8's reference: tree verification of K greedy branches in one target call, and
-plausible wrong answers its checks must catch."""
+"""Exercise 8's reference is the project's own step: decode.merged_step with paths=K verifies the
+K branches as a tree in one target call (MATH.md §9). Below it, an answer written by hand the way
+the statement describes (one sample per node), which carries the plausible wrong answers the
+checks must catch."""
 import torch
 import torch.nn.functional as F
 
+import decode
+from heads import Drafter
 from model import sample, tempered, upcast
+
+
+class StateProbe(Drafter):
+    """A drafter that drafts nothing and keeps the state merged_step drafts from: the target's state
+    after the last committed token."""
+
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        self.h = h
+        return torch.zeros(h.size(0), k - 1, dtype=torch.long, device=h.device), None
+
+    def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
+        return self.draft(h, bonus, target, k)[0][:, None].expand(-1, paths, -1), None
+
+
+@torch.no_grad()
+def tree_step(model, cache, bonus, paths, active, temperature=0.0, generator=None):
+    """The project's step on the block [bonus, path_0 .. path_{K-1}] of point-mass drafts."""
+    B, K, n = paths.shape
+    probe = StateProbe()
+    probe.k = n + 1
+    block = torch.cat([bonus[:, None], paths.flatten(1)], 1)
+    n_acc, kept, nxt, _ = decode.merged_step(model, probe, cache, block, None, active, temperature,
+                                             generator=generator, paths=K)
+    # the kept path is the first one whose drafts are the kept ones (the first of the longest)
+    branch = (paths == kept[:, None, 1:]).all(-1).long().argmax(-1)
+    return n_acc, branch, nxt[:, 0], probe.h
 
 
 def tree_forward(model, cache, tokens, depth, attend):
@@ -47,8 +77,8 @@ def commit_branch(cache, branch, n, n_acc, active):
 
 
 @torch.no_grad()
-def tree_step(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
-              shared_nodes=True, move=True):
+def by_hand(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
+            shared_nodes=True, move=True):
     B, K, n = paths.shape
     dev = paths.device
     depth, attend = tree_layout(K, n, dev)
@@ -80,7 +110,7 @@ def tree_step(model, cache, bonus, paths, active, temperature=0.0, generator=Non
 
 
 CONTROLS = {
-    'a fresh sample for the bonus': dict(tree_step=lambda *a, **kw: tree_step(*a, **kw, fresh_bonus=True)),
-    'each branch samples shared nodes anew': dict(tree_step=lambda *a, **kw: tree_step(*a, **kw, shared_nodes=False)),
-    "branch 0's keys and values committed": dict(tree_step=lambda *a, **kw: tree_step(*a, **kw, move=False)),
+    'a fresh sample for the bonus': dict(tree_step=lambda *a, **kw: by_hand(*a, **kw, fresh_bonus=True)),
+    'each branch samples shared nodes anew': dict(tree_step=lambda *a, **kw: by_hand(*a, **kw, shared_nodes=False)),
+    "branch 0's keys and values committed": dict(tree_step=lambda *a, **kw: by_hand(*a, **kw, move=False)),
 }

@@ -1,0 +1,194 @@
+"""Several drafted paths per call (MATH.md §9): the tree block through the target, greedy keeping
+the longest agreeing path, and multi-step speculative sampling, lossless for every way of
+proposing (chi-square over every 3-token continuation of the 8-token world), each beside a wrong
+verifier or drafter that the same test catches."""
+import copy
+
+import pytest
+import torch
+
+import dblast
+import decode
+from conftest import V8, V8_PROMPT, naive_greedy, peaky, tiny_model
+from decode import generate, tree_layout, verify_tree_greedy
+from exercises.harness import GreedyOracle
+from heads import Drafter
+from model import GPT, KVCache
+from test_sampling import chi_square, continuation_probs, make_drafter
+
+V = V8.vocab_size
+
+
+@pytest.fixture(scope='module')
+def target8():
+    return peaky(GPT(V8), 0.3, 0).float()
+
+
+class OraclePaths(Drafter):
+    """N greedy paths, each the target's greedy continuation made wrong at its own place (path z at
+    draft j where (7t + 3z) % (k + 1) == j, t the position of the bonus; past k-2 it is never
+    wrong): which path is longest changes from step to step."""
+
+    def __init__(self, model, ref, k):
+        super().__init__()
+        self.k, self.model, self.ref = k, model, ref
+
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        return self.draft_paths(h, bonus, target, k, 1, temperature, generator)[0][:, 0], None
+
+    def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
+        drafts = [GreedyOracle(self.model, self.ref, k, lambda t, j, z=z: (7 * t + 3 * z) % (k + 1) == j)
+                  .draft(h, bonus, target, k)[0] for z in range(paths)]
+        return torch.stack(drafts, 1), None
+
+
+def test_tree_block_sees_each_path_as_its_own_sequence():
+    """Through forward_cached with the tree mask, the state at path z's token i is the target's
+    state after [prefix, bonus, path z's tokens 0..i], paths sharing a prefix included (float64)."""
+    model = tiny_model(std=0.3)
+    B, N, n = 2, 3, 3
+    g = torch.Generator().manual_seed(0)
+    prefix, bonus = torch.randint(64, (B, 6), generator=g), torch.randint(64, (B,), generator=g)
+    paths = torch.randint(64, (B, N, n), generator=g)
+    paths[:, 2, :2] = paths[:, 0, :2]                                  # paths 0 and 2 share two tokens
+    cache = model.new_cache(B, 32)
+    model.forward_cached(prefix, cache)
+    cache.commit(6)
+    h = model.forward_cached(torch.cat([bonus[:, None], paths.flatten(1)], 1), cache, tree_layout(N, n, 'cpu'))
+    for z in range(N):
+        want = model.hidden(torch.cat([prefix, bonus[:, None], paths[:, z]], 1))[:, 6:]     # (B, 1 + n, C)
+        got = torch.cat([h[:, :1], h[:, 1 + z * n:1 + (z + 1) * n]], 1)
+        assert (got - want).abs().max() < 1e-10, z
+
+
+def test_greedy_keeps_the_first_longest_path():
+    """verify_tree_greedy: each path judged by the rule alone, the longest kept (the first of equals),
+    the bonus the target's argmax after it; a lossy rule applies per path too."""
+    B, N, n, Vs = 1, 3, 3, 5
+    # the target's argmax after every slot: after the bonus 1; after path z's token i, given below
+    argmax = torch.tensor([[1, 2, 3, 0, 2, 4, 0, 1, 0, 0, 1]])             # (B, 1 + N n)
+    logits = torch.nn.functional.one_hot(argmax, Vs).double()
+    paths = torch.tensor([[[1, 2, 4], [1, 2, 3], [1, 3, 0]]])              # 2, 2 and 1 agree
+    accepted, n_acc, bonus, path = verify_tree_greedy(logits, paths)
+    assert n_acc.tolist() == [2] and path.tolist() == [0] and bonus.tolist() == [3]
+    assert accepted.tolist() == [[True, True, False]]
+    _, n_acc, _, path = verify_tree_greedy(logits, paths, (decode.min_block, 4))   # everything taken
+    assert n_acc.tolist() == [3] and path.tolist() == [0]
+
+
+@pytest.mark.parametrize('N', [2, 4])
+def test_greedy_paths_decode_exactly_greedy_and_commit_the_longest(N, monkeypatch):
+    """Greedy with N paths, 3 rows of ragged acceptance: the output is plain greedy decoding's, and
+    each step commits the longest path's prefix, so tau grows with N. Breaking keep_path (the
+    kept path's keys and values left where they were) breaks the output."""
+    model = tiny_model(std=0.3)
+    prompts = torch.randint(64, (3, 8), generator=torch.Generator().manual_seed(1))
+    ref = naive_greedy(model, prompts, 40)
+    taus = {}
+    for paths in (1, N):
+        out, stats = generate(model, prompts, 30, drafter=OraclePaths(model, ref, 4), k=4, paths=paths)
+        assert torch.equal(out, ref[:, :38]), paths
+        taus[paths] = sum(stats['accept_lengths']) / len(stats['accept_lengths'])
+    assert taus[N] > taus[1] + 0.3, taus
+    monkeypatch.setattr(KVCache, 'keep_path', lambda self, slots: None)
+    out, _ = generate(model, prompts, 30, drafter=OraclePaths(model, ref, 4), k=4, paths=N)
+    assert not torch.equal(out, ref[:, :38])
+
+
+def counts_of(model, drafter, temperature, paths, n_rows=20000, seed=0, m=3):
+    g = torch.Generator().manual_seed(seed)
+    out, stats = generate(model, V8_PROMPT.expand(n_rows, -1), m, drafter=drafter, k=4, temperature=temperature,
+                          generator=g, paths=paths)
+    codes = (out[:, V8_PROMPT.size(1):] * torch.tensor([V ** (m - 1 - i) for i in range(m)])).sum(-1)
+    return torch.bincount(codes, minlength=V ** m).double(), stats
+
+
+def chi2_paths(model, drafter, temperature, paths):
+    counts, stats = counts_of(model, drafter, temperature, paths)
+    return chi_square(counts, continuation_probs(temperature), 20000) + (stats,)
+
+
+# (drafter spec of test_sampling, T, paths, DBlast's paths_from): i.i.d. paths of sampled heads,
+# of point-mass heads (every path the same: duplicates at every node) and of the K = 1 drafter;
+# i.i.d. paths of the K = 4 mixture verified against its conditionals or against each path's
+# branch, sampled or greedy branches; one path per branch (sampled, greedy, past K, Z_T = 0)
+WAYS = [('heads-sampled', 1.5, 4, 'mixture'), ('heads-argmax', 0.7, 3, 'mixture'),
+        ('K1-sampled-mixture-zt1', 0.7, 8, 'mixture'), ('K4-sampled-mixture-zt1', 1.5, 4, 'mixture'),
+        ('K4-sampled-branch-zt1', 1.0, 2, 'mixture'), ('K4-greedy-mixture-zt1', 1.0, 4, 'mixture'),
+        ('K4-sampled-mixture-zt1', 0.7, 4, 'branches'), ('K4-greedy-mixture-zt0.5', 1.5, 8, 'branches'),
+        ('K4-sampled-mixture-zt0', 1.0, 3, 'branches')]
+
+
+@pytest.mark.parametrize('spec,temperature,paths,paths_from', WAYS)
+def test_several_paths_are_lossless(target8, spec, temperature, paths, paths_from):
+    d = make_drafter(spec)
+    d.paths_from = paths_from
+    stat, crit, stats = chi2_paths(target8, d, temperature, paths)
+    assert stat < crit, f"{spec} x{paths} {paths_from} T={temperature}: chi2 {stat:.1f} >= {crit:.1f}"
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus > 1).any() and (taus < 4).any()
+
+
+def test_chi_square_catches_r_not_updated_after_a_rejected_candidate(target8, monkeypatch):
+    """The next candidate tested against p instead of the residual, and the bonus drawn from p."""
+    monkeypatch.setattr(decode, 'residual', lambda p, q, drafts: p)
+    stat, crit, _ = chi2_paths(target8, make_drafter('heads-sampled'), 1.5, 4)
+    assert stat > crit, f"r not updated passed: chi2 {stat:.1f} < {crit:.1f}"
+
+
+def test_chi_square_catches_every_candidate_tested_against_path_0s_q(target8, monkeypatch):
+    """One path per branch, each branch its own q; testing all of them against the first path's q
+    is wrong wherever the branches differ."""
+    real = decode.verify_tree_sampled
+    monkeypatch.setattr(decode, 'verify_tree_sampled',
+                        lambda logits, q, drafts, T, g=None: real(logits, q[:, :1].expand_as(q), drafts, T, g))
+    d = make_drafter('K4-sampled-mixture-zt1')
+    d.paths_from = 'branches'
+    stat, crit, _ = chi2_paths(target8, d, 0.7, 4)
+    assert stat > crit, f"path 0's q for all passed: chi2 {stat:.1f} < {crit:.1f}"
+
+
+def test_chi_square_catches_branch_paths_verified_against_the_mixture(target8, monkeypatch):
+    """Paths drawn one per branch are not i.i.d. samples of the mixture: verifying them against the
+    mixture's conditionals (right for i.i.d. paths) biases the output. At Z_T = 0 the mixture is
+    the top branch alone, so every later branch's path is tested against the top branch's q."""
+    d = make_drafter('K4-sampled-mixture-zt0')
+    d.paths_from = 'branches'
+    real = d.draft_paths
+
+    def mixture_q(h, bonus, tgt, k, paths, T, g):
+        drafts, _ = real(h, bonus, tgt, k, paths, T, g)
+        log_pi, logits = d.mixture_logits(h, bonus, tgt, k)
+        rows = lambda t: t.repeat_interleave(paths, 0)                     # noqa: E731
+        Q = dblast.conditionals(rows(dblast.prior(log_pi, d.zt)), rows(dblast.branch_log_probs(logits, T, True)),
+                                drafts.flatten(0, 1))
+        return drafts, Q.view(*drafts.shape, -1)
+    monkeypatch.setattr(d, 'draft_paths', mixture_q)
+    stat, crit, _ = chi2_paths(target8, d, 1.0, 2)
+    assert stat > crit, f"mixture Q for branch paths passed: chi2 {stat:.1f} < {crit:.1f}"
+
+
+def test_branch_order_is_a_draw_without_replacement_from_the_prior():
+    """branch_order: a permutation of the branches; its first is a sample of pi' (Gumbel-max), and
+    Z_T = 0 sorts by the prior."""
+    log_pi = torch.log(torch.tensor([[0.1, 0.6, 0.3]])).expand(30000, 3)
+    order = dblast.branch_order(log_pi, 1.0, torch.Generator().manual_seed(0))
+    assert torch.equal(order.sort(-1).values, torch.arange(3).expand(30000, 3))
+    first = torch.bincount(order[:, 0], minlength=3).double() / 30000
+    assert (first - torch.tensor([0.1, 0.6, 0.3])).abs().max() < 0.015, first
+    assert dblast.branch_order(log_pi[:1], 0.0).tolist() == [[1, 2, 0]]
+
+
+def test_one_path_is_todays_step(target8):
+    """paths=1 draws the same random numbers as the one-block step always did: draft_paths with one
+    path gives draft's drafts and Q, bit for bit, for the mixture and for any drafter's default."""
+    h = torch.randn(5, V8.n_embd)
+    bonus = torch.randint(V, (5,))
+    for d in (make_drafter('K4-sampled-mixture-zt1'), make_drafter('heads-sampled')):
+        a = d.draft(h, bonus, target8, 4, 1.2, torch.Generator().manual_seed(3))
+        b = d.draft_paths(h, bonus, target8, 4, 1, 1.2, torch.Generator().manual_seed(3))
+        assert torch.equal(a[0], b[0][:, 0]) and torch.equal(a[1], b[1][:, 0])
+    d = copy.deepcopy(make_drafter('K4-sampled-mixture-zt1'))
+    outs = [generate(target8, V8_PROMPT.expand(8, -1), 12, drafter=d, temperature=1.0, paths=p,
+                     generator=torch.Generator().manual_seed(5))[0] for p in (1, 1)]
+    assert torch.equal(outs[0], outs[1])
