@@ -659,8 +659,7 @@ def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature
     for label, drafter in dblast:
         demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log)
     for label, drafter in dblast[:1]:
-        demo(model, prompts, drafter, dblast_k, temperature, f"{label}, {DEMO_PATHS} paths per call", max_new, log,
-             paths=DEMO_PATHS)
+        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, paths=DEMO_PATHS)
 
 
 # ------------------------------------------------------------------------- CLI
