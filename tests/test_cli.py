@@ -305,9 +305,18 @@ CASES = [
                    '--accept'),
     decode_refused('zt-neg', ['--drafter', '{dblast}', '--temperature', '1', '--zt', '-1'], '--zt'),
     decode_refused('zt-nan', ['--drafter', '{dblast}', '--temperature', '1', '--zt', 'nan'], '--zt'),
+    decode_refused('paths-zero', ['--heads', '{heads}', '--paths', '0'], '--paths'),
+    decode_refused('paths-huge', ['--heads', '{heads}', '--paths', '65'], '--paths'),
     # ------------------------------------------------------------------ decode.py: flags that mean nothing here
     decode_refused('zt-with-heads', ['--heads', '{heads}', '--zt', '1'], '--zt'),
     decode_refused('verify-with-heads', ['--heads', '{heads}', '--verify', 'mixture'], '--verify'),
+    decode_refused('paths-without-drafter', ['--paths', '2'], '--paths'),
+    decode_refused('paths-from-with-heads', ['--heads', '{heads}', '--paths', '2', '--paths-from', 'branches'],
+                   '--paths-from'),
+    decode_refused('paths-from-one-path', ['--drafter', '{dblast}', '--temperature', '1', '--paths-from', 'branches'],
+                   '--paths-from'),
+    decode_refused('verify-with-branch-paths', ['--drafter', '{dblast}', '--temperature', '1', '--paths', '2',
+                                                '--paths-from', 'branches', '--verify', 'branch'], '--verify'),
     decode_refused('sample-drafts-greedy', ['--heads', '{heads}', '--sample-drafts'], 'sample-drafts'),
     decode_refused('unknown-flag', ['--bogus-flag'], '--bogus-flag', process=True),
     decode_refused('empty-prompt', ['--prompt', ''], '--prompt'),
@@ -345,6 +354,8 @@ CASES = [
 
     # ------------------------------------------------------------------ bench.py
     bench_refused('batch-zero', ['--batch', '0'], '--batch'),
+    bench_refused('paths-list-zero', ['--paths-list', '0,2'], '--paths-list'),
+    bench_refused('paths-temps-bogus', ['--paths-temps', '1,x'], '--paths-temps'),
     bench_refused('repeats-zero', ['--repeats', '0'], '--repeats'),
     bench_refused('n-prompts-zero', ['--n-prompts', '0'], '--n-prompts'),
     bench_refused('max-new-zero', ['--max-new', '0'], '--max-new'),
