@@ -481,7 +481,8 @@ def paths_table(b, base, args, results):
     """Table 5: several drafted paths per call (MATH.md §9) at each T, for the independent K = 1
     drafter (i.i.d. paths) and DBlast K = 4 (i.i.d. paths of the mixture, and one path per branch),
     N in --paths-list: tau, calls, speedup over plain sampling (with --compile: compiled, its eager
-    runs timed in the same rounds), t(tree block) / t(k-token block), and the ceiling
+    runs timed in the same rounds), t(tree block) / t(k-token block), the eager step's time split
+    for DBlast's i.i.d. paths at T = 1.5, and the ceiling
     tau * t(1) / t(block) this machine allows. On a GPU, where a block of 1 + N(k-1) tokens costs
     about what one does, the ceiling is tau itself. Drafters: train.py's at T = 1.5."""
     kd = args.dblast_k
@@ -507,6 +508,8 @@ def paths_table(b, base, args, results):
                 r, _, _ = b.row(base, d, kd, temperature=T, against_eager=True, paths=N)
                 r.update(T=T, drafter=name, paths=N, t_block_over_t_k=ratio[N],
                          ceiling=r['tau'] / (ratio[N] * t1))
+                if not args.compile and T == T_ABLATION and way == 'mixture' and d is k4:   # the profiler's
+                    r['split'] = time_split(lambda: b.decode_all(base, d, kd, T, paths=N), b.device)   # regions
                 if gains:
                     r['compile_gain'] = r['eager_seconds'] / r['seconds']
                 rows.append(r)
@@ -514,6 +517,10 @@ def paths_table(b, base, args, results):
                               f"{r['ceiling']:.2f}x"] + ([f"{r['compile_gain']:.2f}x"] if gains else [])), flush=True)
     k4.paths_from = 'mixture'
     results['paths'] = dict(mode=mode, precision=str(b.precision), t_k_over_t_1=t1, rows=rows)
+    for r in rows:
+        if 'split' in r:
+            print(f"share of decode time, {r['drafter']}, N={r['paths']}, T={r['T']}: "
+                  + ', '.join(f'{n} {v:.0%}' for n, v in r['split'].items()))
     for T in args.paths_temps:
         best = max((r for r in rows if r['T'] == T), key=lambda r: r['speedup'])
         print(f"best at T={T}: {best['drafter']}, N={best['paths']}: tau {best['tau']:.2f}, "
