@@ -113,7 +113,11 @@ def conditionals(log_prior, log_q, drafts):
     N, K, n, V = log_q.shape
     log_qd = log_q.gather(-1, drafts.view(N, 1, n, 1).expand(N, K, n, 1)).squeeze(-1)   # (N, K, n)
     w = posterior(log_prior, log_qd).exp()                                             # (N, n, K)
-    return torch.einsum('nik,nkiv->niv', w, log_q.exp())
+    # Q must be what the drafts were drawn from, in float32 whatever the compute dtype: under
+    # autocast an einsum would come back in bf16 (rows summing to 1 +- 1e-3), and acceptance and
+    # the residual would use a distribution the drafts never came from
+    with torch.autocast(log_q.device.type, enabled=False):
+        return torch.einsum('nik,nkiv->niv', w, log_q.exp())
 
 
 def log_conditionals(log_prior, log_qx):

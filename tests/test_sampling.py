@@ -181,3 +181,49 @@ def test_sampling_reproducible_with_generator(target):
     runs = [generate(target, PROMPT.expand(16, -1), 12, drafter=d, temperature=1.0,
                      generator=torch.Generator().manual_seed(s))[0] for s in (3, 3, 4)]
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+# ----------------------------------------------------------------------------- at a reduced compute dtype
+# Under bf16 autocast the target and drafters compute in bf16, but what sampling decides with must
+# stay float32: p, every Q, the residual and the coins. An einsum of the mixture's conditionals
+# came back in bf16 (rows summing to 1 +- 0.004), so acceptance used a Q the drafts never came from.
+
+RAND = torch.rand   # the real one, for the test that watches every draw
+BF16_DRAFTERS = ['heads-sampled', 'K1-sampled-mixture-zt1', 'K4-sampled-mixture-zt1', 'K4-sampled-branch-zt1',
+                 'K4-greedy-mixture-zt1']
+
+
+@pytest.mark.parametrize('spec', BF16_DRAFTERS)
+def test_sampling_decides_in_float32_under_bf16_autocast(target, spec, monkeypatch):
+    """Every Q a drafter returns (one path or several) is float32 with rows summing to 1, and the
+    verifier's p, Q, residual and coins are float32, while the networks run in bf16."""
+    d = make_drafter(spec)
+    h, bonus = torch.randn(64, V8.n_embd), torch.randint(V, (64,))
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        for _, Q in (d.draft(h, bonus, target, 4, 1.3), d.draft_paths(h, bonus, target, 4, 3, 1.3)):
+            assert Q.dtype == torch.float32 and (Q.sum(-1) - 1).abs().max() < 1e-5, (Q.dtype, Q.sum(-1))
+        seen = []
+        real_accept, real_residual = decode.accept_sampled, decode.residual
+        monkeypatch.setattr(decode, 'accept_sampled', lambda p, q, *a: seen.append((p.dtype, q.dtype)) or
+                            real_accept(p, q, *a))
+        monkeypatch.setattr(decode, 'residual', lambda *a: seen.append((real_residual(*a).dtype,)) or real_residual(*a))
+        monkeypatch.setattr(torch, 'rand', lambda *a, **kw: seen.append((kw.get('dtype'),)) or RAND(*a, **kw))
+        for paths in (1, 3):
+            generate(target, PROMPT.expand(4, -1), 6, drafter=d, k=4, temperature=1.3, paths=paths)
+    assert seen and all(t == torch.float32 for s in seen for t in s), set(seen)
+
+
+@pytest.mark.parametrize('spec', BF16_DRAFTERS[:4])
+def test_speculative_sampling_is_lossless_with_bf16_drafters(target, spec):
+    """Drafters under bf16 autocast (the target in float32, so that the reference is exact): the
+    output is still the target's distribution, for the heads, K = 1, and K = 4 with mixture or
+    branch verification."""
+    d = make_drafter(spec)
+    real = d.draft
+
+    def bf16_draft(*a, **kw):
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            return real(*a, **kw)
+    d.draft = bf16_draft
+    stat, crit, _ = chi2_of(target, d, 1.5)
+    assert stat < crit, f"{spec} in bf16: chi2 {stat:.1f} >= {crit:.1f}"
