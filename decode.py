@@ -445,13 +445,19 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     n_out = torch.full((B,), T0, dtype=torch.long, device=dev)  # committed tokens per row
     offs = torch.arange(k, device=dev)
     taus, actives = [], []
-    calls = 1
+    calls, sure = 1, 0
     with global_rng_from(generator if compile else None, dev):
         while True:
-            with span('host_sync'):
-                active = n_out < total
-                if not bool(active.any()):  # the one host sync per step: are all rows done?
+            if sure == 0:   # ask the device how far the slowest row is from the end: a host sync
+                with span('host_sync'):
+                    behind = int(total - n_out.min())
+                if behind <= 0:
                     break
+                # a step commits at most k tokens a row, so the next `sure` steps are needed
+                # whatever they accept: run them without asking (the host can queue them)
+                sure = -(-behind // k)
+            sure -= 1
+            active = n_out < total
             if compile:
                 torch.compiler.cudagraph_mark_step_begin()
             n_acc, kept, block, q = step(model, drafter, cache, block, q, active,
