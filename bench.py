@@ -35,9 +35,11 @@ import gc
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import types
@@ -597,16 +599,19 @@ def with_(args, **changes):
 
 
 def measured(device, fn):
-    """(fn(), its seconds, the peak memory allocated meanwhile in MiB: CUDA only, else None)."""
+    """(fn(), its seconds, the memory it added at its peak over what was allocated before it, in
+    MiB: CUDA only, else None). Weights, drafters, static caches and graphs already resident are
+    not counted; what fn leaves allocated is."""
     cuda = torch.device(device).type == 'cuda'
     if cuda:   # what the last stage left for the collector is not this one's
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     result = fn()
     sync(device)
-    return result, time.perf_counter() - t0, torch.cuda.max_memory_allocated() / 2 ** 20 if cuda else None
+    return result, time.perf_counter() - t0, (torch.cuda.max_memory_allocated() - resident) / 2 ** 20 if cuda else None
 
 
 class Check:
@@ -644,13 +649,13 @@ def part_train(c, compile=False):
     stages = []
     for name, argv in trainings(args, resume=False):
         _, seconds, mib = measured(c.device, lambda: train.main(argv + ['--compile'] * compile))
-        stages.append(dict(stage=name, seconds=seconds, peak_memory_mib=mib))
+        stages.append(dict(stage=name, seconds=seconds, added_memory_mib=mib))
     return dict(ok=True, ckpt_dir=args.ckpt_dir, rows=stages)
 
 
 def part_recompiles(c):
     """c: compiled decoding with dynamo's recompile and CUDA-graph logs on: after a warm-up call (it
-    compiles), the same call again must compile no new graph and, on CUDA, no CUDA graph may be
+    compiles, unless part h did already), the same call again must compile no new graph and, on CUDA, no CUDA graph may be
     skipped (a skipped one runs the step without graphs, silently slower)."""
     count = lambda: (counters['stats']['unique_graphs'], counters['inductor']['cudagraph_skips'])  # noqa: E731
     rows = []
@@ -664,8 +669,9 @@ def part_recompiles(c):
             after = count()
             rows.append(dict(config=name, warmup_graphs=warm[0] - before[0], new_graphs=after[0] - warm[0],
                              cudagraph_skips=after[1] - before[1]))
-    finally:
-        torch._logging.set_logs()   # the defaults again
+    finally:   # the user's own settings again (TORCH_LOGS), not the defaults
+        torch._logging.set_logs()
+        torch._logging._init_logs()
     return dict(ok=all(r['new_graphs'] == 0 and r['cudagraph_skips'] == 0 for r in rows), rows=rows)
 
 
@@ -706,7 +712,7 @@ def part_seeds(c):
 @contextmanager
 def steps_in_sync_debug():
     """While inside, every decode.merged_step runs under torch.cuda.set_sync_debug_mode('error'):
-    only the step, since generate's loop syncs once per step by design (are all rows done?).
+    only the step, since generate's loop syncs now and then by design (how far is the slowest row?).
     Yields a list holding the number of steps run."""
     step, calls = decode.merged_step, [0]
 
@@ -740,11 +746,17 @@ def part_sync_debug(c):
 
 
 def part_decode_memory(c):
-    """g (CUDA): peak memory of decoding every configuration, eager and compiled, beside the weights'."""
+    """g (CUDA): the memory decoding adds at its peak over what is resident (weights, drafters, static
+    caches, graphs), every configuration, eager and compiled (each run once before it is measured,
+    so a first call's caches and graphs count as resident), beside the weights'."""
     if not c.cuda:
         return dict(skipped='no CUDA')
-    rows = [dict(config=name, mode=mode, peak_memory_mib=measured(c.device, lambda: b.decode_all(c.base, **kw))[2])
-            for name, kw in c.configs.items() for mode, b in (('eager', c.eager), ('compiled', c.compiled))]
+    rows = []
+    for name, kw in c.configs.items():
+        for mode, b in (('eager', c.eager), ('compiled', c.compiled)):
+            b.decode_all(c.base, **kw)
+            rows.append(dict(config=name, mode=mode,
+                             added_memory_mib=measured(c.device, lambda: b.decode_all(c.base, **kw))[2]))
     weights = sum(p.numel() * p.element_size() for p in c.base.parameters()) / 2 ** 20
     return dict(ok=True, weights_mib=weights, rows=rows)
 
@@ -760,14 +772,17 @@ def part_speed(c):
     return dict(ok=True, tables=tables)
 
 
-PARTS = [('a', 'every stage trained eager: seconds, peak memory', part_train),
-         ('b', 'every stage trained with --compile', functools.partial(part_train, compile=True)),
-         ('c', 'compiled decoding: a second call compiles nothing, skips no CUDA graph', part_recompiles),
-         ('d', 'compiled against eager greedy tokens', part_compiled_tokens),
-         ('e', 'seeded sampling: same seed same tokens, other seed other tokens', part_seeds),
-         ('f', 'no host sync inside an eager step, float32 and bfloat16 (CUDA)', part_sync_debug),
-         ('g', 'peak memory of decoding (CUDA)', part_decode_memory),
-         ('h', 'speed tables: eager and compiled float32, eager bfloat16', part_speed)]
+# key -> (title, part, time limit in seconds). The limits are about twice the README's estimate
+# of each part on one H200, cold: a part past its limit fails, and the next one runs.
+PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 150),
+         'b': ('every stage trained with --compile', functools.partial(part_train, compile=True), 200),
+         'c': ('compiled decoding: a second call compiles nothing, skips no CUDA graph', part_recompiles, 120),
+         'd': ('compiled against eager greedy tokens', part_compiled_tokens, 60),
+         'e': ('seeded sampling: same seed same tokens, other seed other tokens', part_seeds, 60),
+         'f': ('no host sync inside an eager step, float32 and bfloat16 (CUDA)', part_sync_debug, 60),
+         'g': ('memory decoding adds (CUDA)', part_decode_memory, 60),
+         'h': ('speed tables: eager and compiled float32, eager bfloat16', part_speed, 200)}
+PART_ORDER = 'a,h,c,d,e,f,g'   # the speed figures early; b (compiled training, the slowest) when asked
 
 
 def gpu_check(args, device, prompts, val):
@@ -781,36 +796,85 @@ def gpu_check(args, device, prompts, val):
     report = dict(meta=meta(args, device, 'float32; bfloat16 autocast where a part says so'),
                   compiled_decoding=backend)
     try:
-        run_parts(c, PARTS, report, os.path.join(args.out, 'gpu_check.json'))
+        run_parts(c, [(key, *PARTS[key]) for key in args.parts], report, os.path.join(args.out, 'gpu_check.json'))
     finally:   # this process may decode compiled again (the tests do)
         decode._COMPILED.clear()
         decode._COMPILED.update(saved)
 
 
+class PartTimeout(Exception):
+    pass
+
+
+@contextmanager
+def time_limit(seconds):
+    """Raise PartTimeout inside the block after `seconds` (SIGALRM, where this process can: the main
+    thread of a POSIX process). A hang inside one native call (a CUDA sync) ends when that call
+    returns; a hang in Python code ends on time."""
+    if not hasattr(signal, 'setitimer') or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise PartTimeout(f"over its time limit of {seconds} s")
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+
+
 def run_parts(c, parts, report, path):
-    """Each part in order, in float32 (training enters train.py's own precision inside): printed,
-    recorded, the JSON written; then SystemExit naming the failed parts, if any."""
+    """Each part (key, title, function, time limit) in order, in float32 (training enters train.py's
+    own precision inside): printed, then recorded the moment it ends, as one line of parts.jsonl
+    beside `path` (appended and flushed to disk) and in the summary JSON at `path` (rewritten), so
+    that a check killed in any part keeps every part before it. A part that crashes or runs past
+    its limit fails, and the next one runs. Then SystemExit naming the failed parts, if any."""
     report['parts'] = {}
-    for key, title, part in parts:
+    lines = os.path.join(os.path.dirname(path), 'parts.jsonl')
+    graphs = lambda: (counters['stats']['unique_graphs'], counters['inductor']['cudagraph_skips'])  # noqa: E731
+    for key, title, part, limit in parts:
         print(f"\n## {key}. {title}\n", flush=True)
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), graphs()
         try:
-            with Precision('float32', c.device):
+            with Precision('float32', c.device), time_limit(limit):
                 res = part(c)
-        except Exception as e:   # a crash fails this part; the next ones still run
+        except Exception as e:   # a crash or the time limit fails this part; the next ones still run
             traceback.print_exc()
             res = dict(ok=False, error=f'{type(e).__name__}: {first_line(e)}')
         status = 'skipped' if 'skipped' in res else 'pass' if res.pop('ok') else 'fail'
-        report['parts'][key] = dict(title=title, status=status, seconds=time.perf_counter() - t0, **res)
+        after = graphs()
+        record = dict(part=key, title=title, status=status, seconds=time.perf_counter() - t0, time_limit=limit,
+                      graphs_compiled=after[0] - before[0], cudagraph_skips=after[1] - before[1],
+                      **versions(c.device), **res)
+        report['parts'][key] = record
+        with open(lines, 'a') as f:
+            f.write(json.dumps(record) + '\n')
+            f.flush()
+            os.fsync(f.fileno())
+        report['failed'] = [k for k, p in report['parts'].items() if p['status'] == 'fail']
+        write_json(report, path)
         if res.get('rows'):
             print(md_table(list(res['rows'][0]), [[short(v) for v in r.values()] for r in res['rows']]))
         note = res.get('skipped') or res.get('error')
-        print(f"{key}: {status}{': ' + note if note else ''} ({report['parts'][key]['seconds']:.1f}s)", flush=True)
-    report['failed'] = [k for k, p in report['parts'].items() if p['status'] == 'fail']
-    write_json(report, path)
-    print(f"\ngpu check -> {path}: " + ', '.join(f"{k} {p['status']}" for k, p in report['parts'].items()))
+        print(f"{key}: {status}{': ' + note if note else ''} ({record['seconds']:.1f}s)", flush=True)
+    print(f"\ngpu check -> {path} and {lines}: " + ', '.join(f"{k} {p['status']}" for k, p in report['parts'].items()))
     if report['failed']:
         raise SystemExit(f"gpu check: failed parts {', '.join(report['failed'])} (see {path})")
+
+
+def versions(device):
+    """What every record of the check names: torch, CUDA, the device and the precision it decodes at."""
+    return dict(torch=torch.__version__, cuda=torch.version.cuda, device=str(device), device_name=device_name(device),
+                dtype='float32; bfloat16 autocast where the part says so')
+
+
+def device_name(device):
+    if torch.device(device).type == 'cuda':
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
 
 
 def first_line(e):
@@ -832,11 +896,12 @@ FULL = dict(n_prompts=32, max_new=256, repeats=5, eval_samples=256)
 # --gpu-check: train.py's GPU preset model on CUDA (its CPU one elsewhere), trained a few dozen
 # steps per stage (what it checks is how training and decoding run, not how well); with --quick,
 # tiny shapes and a handful of steps, prompts and tokens, so that it runs on a CPU in seconds
-GPU_CHECK = dict(max_iters=50, heads_iters=40, dblast_iters=40, distill_samples=256, dblast_samples=256,
-                 dblast_eval_samples=16, n_prompts=4, max_new=128, repeats=2, eval_samples=16, tables='speed')
+GPU_CHECK = dict(max_iters=600, heads_iters=300, dblast_iters=300, distill_samples=256, dblast_samples=256,
+                 dblast_eval_samples=16, n_prompts=4, max_new=128, repeats=2, eval_samples=16, tables='speed',
+                 speed_ks='8')
 GPU_CHECK_QUICK = dict(n_layer=1, n_head=2, n_embd=16, block_size=64, batch_size=4, max_iters=20, heads_iters=4,
                        dblast_iters=4, distill_samples=4, dblast_samples=4, dblast_eval_samples=4, n_prompts=2,
-                       max_new=16, repeats=1, eval_samples=4, tables='speed', speed_ks=[8])
+                       max_new=16, repeats=1, eval_samples=4, tables='speed', speed_ks='8')
 
 
 def main(argv=None):
@@ -862,6 +927,10 @@ def main(argv=None):
     ap.add_argument('--ckpt-dir', default=None, help='checkpoints (default: OUT/ckpt)')
     ap.add_argument('--seed', type=int, default=1337)
     ap.add_argument('--dblast-k', type=int, default=4)
+    ap.add_argument('--speed-ks', default=None, help='the speed table\'s block sizes, comma-separated (default '
+                                                      '2,4,6,8,10; --gpu-check: 8)')
+    ap.add_argument('--parts', default=None, help=f"--gpu-check: which parts, in which order (default {PART_ORDER}; "
+                                                  f"b, compiled training, only when asked)")
     ap.add_argument('--paths-list', default='1,2,4,8', help='table 5: drafted paths per call, comma-separated')
     ap.add_argument('--paths-temps', default=','.join(map(str, TEMPS)), help='table 5: temperatures, comma-separated')
     ap.add_argument('--batch', type=int, default=1,
@@ -882,7 +951,10 @@ def main(argv=None):
     for key, v in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, v)
-    args.speed_ks = getattr(args, 'speed_ks', BPD_KS)   # the speed table's k (no flag: only a preset cuts it)
+    args.speed_ks = parse_ks(args.speed_ks or ','.join(map(str, BPD_KS)))
+    if args.parts is not None and not args.gpu_check:
+        raise BadInput("--parts means nothing here: it applies to --gpu-check")
+    args.parts = parse_parts(args.parts or PART_ORDER) if args.gpu_check else None
     args.tables = parse_tables('bpd,lossy,dblast,time' if args.tables is None else args.tables)
     args.out = args.out or ('bench/gpu' if args.gpu_check else 'bench')
     args.ckpt_dir = args.ckpt_dir or os.path.join(args.out, 'ckpt')
@@ -955,6 +1027,23 @@ def parse_tables(text):
     return tables
 
 
+def parse_ks(text):
+    try:
+        ks = [int(k) for k in text.split(',')]
+    except ValueError:
+        ks = []
+    if not ks or not all(2 <= k <= max(BPD_KS) for k in ks):
+        raise BadInput(f"--speed-ks {text!r}: comma-separated block sizes from 2 to {max(BPD_KS)} (the heads' k)")
+    return ks
+
+
+def parse_parts(text):
+    parts = [p.strip() for p in text.split(',')]
+    if not parts or any(p not in PARTS for p in parts) or len(set(parts)) < len(parts):
+        raise BadInput(f"--parts {text!r}: comma-separated, each once, from {','.join(PARTS)}")
+    return parts
+
+
 def parse_paths(text):
     try:
         paths = [int(p) for p in text.split(',')]
@@ -981,9 +1070,8 @@ def meta(args, device, precision):
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         commit = ''
-    dev = torch.cuda.get_device_name() if device == 'cuda' else platform.processor() or platform.machine()
     return dict(command='python bench.py ' + ' '.join(sys.argv[1:]), machine=platform.platform(), device=device,
-                device_name=dev, cpu_count=os.cpu_count(), torch=torch.__version__, git_commit=commit,
+                device_name=device_name(device), cpu_count=os.cpu_count(), torch=torch.__version__, git_commit=commit,
                 threads=torch.get_num_threads(), precision=precision, args=vars(args))
 
 

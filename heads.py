@@ -151,9 +151,10 @@ class BlockHeads(Drafter):
         # nothing random in the heads: no RNG state to stash and restore per chunk
         ce = self.summed_ce if len(heads) * N <= rows else \
             partial(checkpoint, self.summed_ce, use_reentrant=False, preserve_rng_state=False)
+        every = torch.arange(self.k - 1, device=idx.device)   # made on the device: no copy from the host per head
         losses = []
         for i in heads:
-            sel = torch.as_tensor(i, device=idx.device).view(1)
+            sel = every[i:i + 1] if isinstance(i, int) else torch.as_tensor(i, device=idx.device).view(1)
             labels = shifted.index_select(1, sel + 2).flatten()                  # (B*T,)
             total = sum(ce(h[j:j + rows], lm_head, sel, labels[j:j + rows]) for j in range(0, N, rows))
             # the mean over every labelled position of the head, not a mean of per-chunk means

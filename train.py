@@ -64,7 +64,9 @@ class Runtime:
             self.world = int(os.environ['WORLD_SIZE'])
             local = int(os.environ.get('LOCAL_RANK', 0))
             use_cuda = torch.cuda.is_available() and device != 'cpu'
-            dist.init_process_group(backend='nccl' if use_cuda else 'gloo')
+            # device_id binds NCCL to this rank's GPU at once (no guessing at the first collective)
+            dist.init_process_group(backend='nccl' if use_cuda else 'gloo',
+                                    **(dict(device_id=torch.device('cuda', local)) if use_cuda else {}))
             self.device = f'cuda:{local}' if use_cuda else 'cpu'
             if use_cuda:
                 torch.cuda.set_device(self.device)
@@ -157,7 +159,7 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
     with rt.precision.matmuls():   # TF32 for the training steps (CUDA); evaluations enter their own
         for it in bar:
             for g in opt.param_groups:
-                g['lr'] = lr_at(it, lr, args.warmup_iters, iters)
+                g['lr'] = lr_at(it, lr, min(args.warmup_iters, iters // 10), iters)   # warm-up: a tenth at most
             batch = batch_fn()
             with rt.precision.autocast():
                 loss = step(*batch)

@@ -105,10 +105,19 @@ def test_distillation_data_is_target_greedy():
 
 # --------------------------------------------------------------------------- checkpoints
 
-def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file):
+def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monkeypatch):
     a, b = tmp_path / 'interrupted', tmp_path / 'straight'
     common = TINY + ['--data', str(corpus_file), '--ckpt-interval', '2', '--seed', '7']
-    train.main(common + ['--out-dir', str(a), '--max-iters', '4'])
+    real_lr_at = train.lr_at
+
+    def interrupt_at_step_4(it, *args):   # a Ctrl-C as step 5 starts: the last save is step 4's
+        if it == 4:
+            raise KeyboardInterrupt
+        return real_lr_at(it, *args)
+    monkeypatch.setattr(train, 'lr_at', interrupt_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(common + ['--out-dir', str(a), '--max-iters', '6'])
+    monkeypatch.setattr(train, 'lr_at', real_lr_at)
     ck4 = load_checkpoint(str(a / 'ckpt.pt'))
     assert ck4['iter_num'] == 4
     train.main(common + ['--out-dir', str(a), '--max-iters', '6', '--resume'])
@@ -278,3 +287,13 @@ def test_train_data_folder_without_text(tmp_path, train_cli, content):
     proc = train_cli('--data', folder, '--out-dir', tmp_path / 'out')
     assert proc.returncode == 2
     assert_clean_error(proc, 'no text')
+
+
+def test_warm_up_is_at_most_a_tenth_of_a_stage(tmp_path, corpus_file, monkeypatch):
+    """A short stage ends past its warm-up: with --warmup-iters 100 and 20 steps, the warm-up is 2
+    steps, so the stage trains at its learning rate instead of ending inside the ramp."""
+    seen = []
+    real = train.lr_at
+    monkeypatch.setattr(train, 'lr_at', lambda it, lr, warmup, total: seen.append(warmup) or real(it, lr, warmup, total))
+    train.main(TINY + ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--max-iters', '20'])
+    assert set(seen) == {2} and len(seen) >= 20
