@@ -149,8 +149,9 @@ def al_surrogate(a, nll, tau_threshold):
         L   = -(1/|S|) sum_{j in S} t_j      S = {j : a_j >= log tau_threshold}, chosen without gradient
 
     A row with an empty S falls back to its nll (N,). The tail t_j runs past S, so positions after
-    S get gradient through t_j for j in S; positions where Q_i(x_i) >= p_i(x_i) get none (the
-    clamp in a_j)."""
+    S get gradient through t_j for j in S. Where Q_i(x_i) >= p_i(x_i) the clamp cuts position i's
+    own term; with K = 1 it then gets no gradient, with K > 1 its branches' log q_i(x_i | z) still
+    do, through the posterior inside every later log Q_i' (summing to zero over the branches)."""
     tail = torch.logcumsumexp(a.flip(-1), dim=-1).flip(-1)              # t_j
     log_tau = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
     keep = a.detach() >= log_tau                                        # S, no gradient

@@ -203,6 +203,28 @@ def test_al_surrogate_gradient_reaches_past_S_but_not_past_the_clamp():
     harness.checks_of(6).test_gradient_reaches_past_S(project)
 
 
+def test_al_gradient_at_a_clamped_position_with_two_branches():
+    """K = 2, the first position clamped (Q_1(x_1) >= p_1(x_1)): its own term min(0, .) has no
+    gradient, but every later log Q_i weighs the branches by their posterior given x_1, so the
+    branches' log q_1(x_1 | z) still get gradient there, through the later, unclamped positions.
+    The gradient over the branches sums to zero (adding a constant to every branch's log q_1 moves
+    no posterior). With K = 1 the posterior is constant: no gradient at a clamped position at all."""
+    log_px = torch.log(torch.tensor([[0.05, 0.6, 0.6]], dtype=torch.float64))      # position 1: p tiny
+    for K, log_prior in ((2, torch.log(torch.tensor([[0.3, 0.7]], dtype=torch.float64))),
+                         (1, torch.zeros(1, 1, dtype=torch.float64))):
+        log_qx = torch.log(torch.tensor([[[0.5, 0.2, 0.5], [0.3, 0.4, 0.1]][:K]], dtype=torch.float64))
+        log_qx.requires_grad_(True)
+        a = prefix_log_accept(log_prior, log_qx, log_px, 'mixture')
+        assert (log_conditionals(log_prior, log_qx)[:, 0] >= log_px[:, 0]).all()      # clamped at position 1
+        assert (log_conditionals(log_prior, log_qx)[:, 1:] < log_px[:, 1:]).all()     # not after it
+        al_surrogate(a, torch.zeros(1, dtype=torch.float64), 0.0).sum().backward()
+        at_first = log_qx.grad[0, :, 0]
+        if K == 2:
+            assert (at_first.abs() > 1e-3).all() and abs(float(at_first.sum())) < 1e-12, at_first
+        else:
+            assert float(at_first.abs().max()) == 0.0, at_first
+
+
 # --------------------------------------------------------------------------- the paper's point
 
 def phrase_corpus(n_seq, length, gen):
