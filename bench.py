@@ -29,16 +29,22 @@ prefill included; tau counts the bonus token; speedup is against plain decoding 
 prompts (compiled too under --compile), timed interleaved with it (round after round) so that load
 on a shared machine hits both alike.
 """
+import os
+import signal
+import sys
+
+if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    # Ctrl-C while the imports below load (seconds on a busy machine): the one line data.run_script
+    # prints later too, not a traceback from inside torch's import
+    signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
+
 import argparse
 import functools
 import gc
 import json
-import os
 import platform
-import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -54,8 +60,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import decode
 import train
-from data import (PROMPT_LEN, ArgumentParser, BadInput, check_number, check_out_dir, heldout_prompts, load_checkpoint,
-                  load_dataset, load_target, newline_id, run_script)
+from data import (PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, check_number, check_out_dir, heldout_prompts,
+                  intra_op_threads, load_checkpoint, load_dataset, load_target, newline_id, run_script)
 from dblast import expected_tau
 from decode import DTYPES, Precision, decoding_precision, generate, load_drafter, pick_device, pick_dtype
 
@@ -231,6 +237,8 @@ def train_args(args, stage, *extra, resume=True):
     a = ['--out-dir', args.ckpt_dir, '--no-demo', '--seed', str(args.seed), '--stages', stage] + ['--resume'] * resume
     if args.device:
         a += ['--device', args.device]
+    if args.threads:
+        a += ['--threads', str(args.threads)]
     if args.data:
         a += ['--data', args.data]
     flags = {'base': ('n_layer', 'n_head', 'n_embd', 'block_size', 'max_iters'),
@@ -786,6 +794,7 @@ PART_ORDER = 'a,h,c,d,e,f,g'   # the speed figures early; b (compiled training, 
 
 
 def gpu_check(args, device, prompts, val):
+    intra_op_threads(args.threads, small=True)   # the GPU preset's model (10.75M) decodes small on a CPU
     c = Check(args, device, prompts, val)
     saved = dict(decode._COMPILED)
     backend = 'inductor' + (', CUDA graphs' if c.cuda else '')
@@ -926,6 +935,8 @@ def main(argv=None):
                                                 '--gpu-check: bench/gpu)')
     ap.add_argument('--ckpt-dir', default=None, help='checkpoints (default: OUT/ckpt)')
     ap.add_argument('--seed', type=int, default=1337)
+    ap.add_argument('--threads', type=int, default=None,
+                    help='CPU threads for decoding (default: 1 for a small model, else the cores not busy)')
     ap.add_argument('--dblast-k', type=int, default=4)
     ap.add_argument('--speed-ks', default=None, help='the speed table\'s block sizes, comma-separated (default '
                                                       '2,4,6,8,10; --gpu-check: 8)')
@@ -962,6 +973,8 @@ def main(argv=None):
     for name in ('n_prompts', 'max_new', 'repeats', 'eval_samples', 'batch'):
         check_number('--' + name.replace('_', '-'), getattr(args, name), lo=1)
     check_number('--dblast-k', args.dblast_k, lo=2, hi=64)
+    if args.threads is not None:
+        check_number('--threads', args.threads, lo=1, hi=1024)
     args.paths_list = parse_paths(args.paths_list)
     args.paths_temps = parse_temps(args.paths_temps)
     check_number('--seed', args.seed, lo=0, hi=2 ** 63 - 1)
@@ -991,8 +1004,9 @@ def main(argv=None):
     if args.gpu_check:
         return gpu_check(args, device, prompts, ds.val)
     t_start = time.perf_counter()
-    ensure_checkpoints(args)   # at train.py's own precision
+    ensure_checkpoints(args)   # at train.py's own precision and threads
     base = load_target(os.path.join(args.ckpt_dir, 'ckpt.pt'), device)
+    intra_op_threads(args.threads, small=base.get_num_params() < SMALL_MODEL)
     b = Bench(args, device, prompts, ds.val, precision)
     torch.manual_seed(args.seed)
     results = dict(meta=meta(args, device, str(b.precision)), method=__doc__.split('Method: ')[1].strip())

@@ -23,6 +23,7 @@ import hashlib
 import math
 import os
 import pickle
+import signal
 import stat
 import sys
 import sysconfig
@@ -62,9 +63,30 @@ def check_number(flag, value, lo=None, hi=None, open_lo=False, open_hi=False, no
     return value
 
 
+# A model this small decodes one token in operations too small to split between threads (README,
+# "Threads"): one thread is as fast on a quiet machine, and many times faster beside a busy one.
+SMALL_MODEL = 20_000_000   # parameters
+
+
+def intra_op_threads(threads=None, small=False):
+    """Set the threads torch's CPU kernels use and return how many: `threads` when given (--threads),
+    else one for small work (decoding a model under SMALL_MODEL parameters, the exercises' checks),
+    else every core not already busy: the cores less the 1-minute load average, at least one. Two
+    threads on two cores that another process keeps busy were measured 3x (training) to 17x
+    (decoding) slower than one: each waits for the other at every operation."""
+    if threads is None:
+        cores = os.cpu_count() or 1
+        busy = round(os.getloadavg()[0]) if hasattr(os, 'getloadavg') else 0
+        threads = 1 if small else max(1, min(cores, cores - busy))
+    torch.set_num_threads(threads)
+    return threads
+
+
 def run_script(main, interrupted='interrupted'):
     """Run a script's main(): a BadInput ends it with one `error: ...` line and exit code 2; Ctrl-C
     with one line (the KeyboardInterrupt's own message, else `interrupted`) and exit code 130."""
+    if signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL):   # the script's start-up handler
+        signal.signal(signal.SIGINT, signal.default_int_handler)                  # hands over to the one below
     try:
         main()
     except BadInput as e:

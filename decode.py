@@ -13,17 +13,24 @@ contract (heads.Drafter).
     python decode.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5
     python decode.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --paths 4
 """
-import argparse
 import os
+import signal
 import sys
+
+if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    # Ctrl-C while the imports below load (seconds on a busy machine): the one line data.run_script
+    # prints later too, not a traceback from inside torch's import
+    signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
+
+import argparse
 import time
 from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
 
-from data import (ArgumentParser, BadInput, Vocab, check_finite, check_number, load_checkpoint, run_script,
-                  target_from, vocab_for)
+from data import (SMALL_MODEL, ArgumentParser, BadInput, Vocab, check_finite, check_number, intra_op_threads,
+                  load_checkpoint, run_script, target_from, vocab_for)
 from dblast import PATHS_FROM, VERIFY, DBlastDrafter
 from heads import BlockHeads
 from model import GPTConfig, sample, tempered, upcast
@@ -717,6 +724,9 @@ def main(argv=None):
     ap.add_argument('--dtype', default='auto', choices=DTYPES,
                     help='compute precision (default auto: float32; bfloat16: autocast, on a CPU too)')
     ap.add_argument('--tf32', action='store_true', help='CUDA: let float32 matmuls use TF32 (default off)')
+    ap.add_argument('--threads', type=int, default=None,
+                    help=f'CPU threads (default: 1 for a model under {SMALL_MODEL // 10 ** 6}M parameters, else the '
+                         f'cores not already busy)')
     run_cli(ap.parse_args(argv))
 
 
@@ -734,6 +744,8 @@ def check_cli(args):
     if args.k is not None:
         check_number('--k', args.k, lo=2)
     check_number('--paths', args.paths, lo=1, hi=MAX_PATHS)
+    if args.threads is not None:
+        check_number('--threads', args.threads, lo=1, hi=1024)
     parse_accept(args.accept, cli=True)
     meaningless = [   # (given, flag, what it applies to)
         (args.k is not None and not drafter, '--k', '--heads or --drafter'),
@@ -766,6 +778,7 @@ def decode_cli(args, device, precision):
     model = target_from(ckpt, args.ckpt, device)
     vocab = vocab_for(ckpt, args.ckpt, model.config.vocab_size, args.meta)
     del ckpt
+    intra_op_threads(args.threads, small=model.get_num_params() < SMALL_MODEL)
     if not args.prompt:
         raise BadInput("prompt is empty: give at least one character with --prompt")
     ids = vocab.encode(args.prompt, 'the prompt')

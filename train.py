@@ -14,12 +14,20 @@ Train the target GPT, then its drafters, in stages:
 Each stage writes its own checkpoint atomically; --resume continues an interrupted stage and
 skips finished ones.
 """
+import os
+import signal
+import sys
+
+if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    # Ctrl-C while the imports below load (seconds on a busy machine): the one line data.run_script
+    # prints later too, not a traceback from inside torch's import
+    signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
+
 import argparse
 import functools
 import gc
 import hashlib
 import math
-import os
 import time
 from contextlib import nullcontext
 
@@ -31,7 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from data import (PROMPT_LEN, ArgumentParser, BadInput, Vocab, check_finite, check_number, check_out_dir,
-                  heldout_prompts, load_checkpoint, load_dataset, newline_id, run_script, save_checkpoint,
+                  heldout_prompts, intra_op_threads, load_checkpoint, load_dataset, newline_id, run_script,
+                  save_checkpoint,
                   target_from, vocab_for, windows)
 from dblast import LOSSES, DBlastDrafter, TargetSamples, anchors, expected_tau
 from decode import (DTYPES, Precision, closing_demos, decoding_precision, generate, load_drafter, pick_device,
@@ -503,6 +512,8 @@ FLAGS = [
                                           'TF32, as decoding does'),
     ('resume', None, 'switch', False, None, 'continue interrupted stages, skip finished ones'),
     ('seed', None, int, 1337, dict(lo=0, hi=2 ** 63 - 1), None),
+    ('threads', None, int, None, dict(lo=1, hi=1024), "CPU threads (default: the cores not already busy, by the "
+                                                      "load average)"),
     ('tag', None, str, '', None, 'suffix of the drafter checkpoint names (heads{tag}.pt, dblast_K4{tag}.pt)'),
     ('batch_size', None, int, None, POS, None),
     ('warmup_iters', None, int, None, dict(lo=0), None),
@@ -626,11 +637,15 @@ def check_plan(args, block_size):
 
 def main(argv=None):
     args = parse_args(argv)
+    before = torch.get_num_threads()   # bench.py trains in-process, then decodes with its own
     try:
+        intra_op_threads(args.threads)
         run(args)
     except KeyboardInterrupt:   # one line (run_script) instead of a traceback
         raise KeyboardInterrupt(f"interrupted: every checkpoint in {args.out_dir}/ is as of its last save; "
                                 f"continue with the same command and --resume") from None
+    finally:
+        torch.set_num_threads(before)
 
 
 def run(args):
@@ -668,6 +683,7 @@ def train_all(rt, args):
     if len(ds.train) <= args.block_size + 1 or len(ds.val) <= args.block_size + 1:
         raise BadInput(f"--data: too little text for --block-size {args.block_size}")
     rt.print(f"preset {args.preset} on {rt.device}, training in {rt.precision}, decoding in float32"
+             + (f", {torch.get_num_threads()} CPU threads" if rt.kind == 'cpu' else "")
              + (f", {rt.world} processes" if rt.ddp else ""))
     t_start = time.perf_counter()
     if 'base' in args.stages:

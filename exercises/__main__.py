@@ -6,13 +6,20 @@ The coursework exercises (exercises/README.md).
     python -m exercises check 2 --solution   # the same checks on the reference
     python -m exercises try 2                # your code through the real decoder, on train.py's out/
 """
-import argparse
 import os
+import signal
 import sys
+
+if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    # Ctrl-C while the imports below load (seconds on a busy machine): the one line data.run_script
+    # prints later too, not a traceback from inside torch's import
+    signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
+
+import argparse
 import time
 
 from exercises import harness
-from data import ArgumentParser, BadInput, check_number, run_script
+from data import ArgumentParser, BadInput, check_number, intra_op_threads, run_script
 
 
 def print_list():
@@ -53,6 +60,9 @@ def main(argv=None):
     ap.add_argument('--prompts', type=int, default=8, help='try: held-out prompts, decoded one at a time')
     ap.add_argument('--max-new', type=int, default=128, help='try: tokens per prompt')
     ap.add_argument('--device', default='cpu')
+    ap.add_argument('--threads', type=int, default=None,
+                    help="CPU threads (default 1: the checks' operations are too small to split, and a busy "
+                         "neighbour slows two threads many times over)")
     args = ap.parse_args(argv)
     if args.command == 'list':
         print_list()
@@ -62,6 +72,9 @@ def main(argv=None):
         raise BadInput(f"{args.command}: give an exercise number ({', '.join(map(str, numbers))})")
     check_number('--prompts', args.prompts, lo=1)
     check_number('--max-new', args.max_new, lo=1)
+    if args.threads is not None:
+        check_number('--threads', args.threads, lo=1, hi=1024)
+    intra_op_threads(args.threads, small=True)
     if args.number not in numbers:
         raise BadInput(f"exercise {args.number}: choose one of {', '.join(map(str, numbers))}")
     if (args.solution or args.control) and harness.solution_path(args.number) is None:

@@ -168,20 +168,19 @@ def when_exists(path, timeout=TIMEOUT - 20):
     return wait
 
 
-def when_generating(proc, p, settle=5.0, timeout=TIMEOUT - 30):
-    """interrupt: decode.py prints nothing before its text, so wait until torch's library is loaded
-    into the process, then `settle` seconds more: the rest of the imports and loading the model take
-    well under that, and the generation it then starts runs for a minute."""
+def when_torch_loads(proc, p, timeout=TIMEOUT - 30):
+    """interrupt: wait until torch's library is mapped into the process, that is while the script is
+    still importing (or, on a fast machine, just after): a Ctrl-C there must end the same way as
+    later, one line and exit code 130. An event, not a time: it holds however busy the machine."""
     deadline = time.monotonic() + timeout
     while proc.poll() is None and time.monotonic() < deadline:
         try:
             with open(f'/proc/{proc.pid}/maps') as f:
                 if 'libtorch' in f.read():
-                    break
+                    return
         except OSError:
             pass
-        time.sleep(0.1)
-    time.sleep(settle)
+        time.sleep(0.01)
 
 
 def still_loads(path):
@@ -350,7 +349,13 @@ CASES = [
     accepted('decode-drafter-sampling', decode('--drafter', '{dblast}', '--temperature', '1')),
     accepted('decode-prompt-not-utf8', decode('--prompt', NOT_UTF8)),
     Case('decode-ctrl-c', ['decode.py', '--device', 'cpu', '--ckpt', '{files}/long_ckpt.pt', '--max-new-tokens',
-                           '40000'], 130, ('interrupted',), interrupt=when_generating, only_line=True),
+                           '40000'], 130, ('interrupted',), interrupt=when_torch_loads, only_line=True),
+    Case('train-ctrl-c-at-start-up', train('--max-iters', '100000', stages='base', out='{out}/run'), 130,
+         ('interrupted',), out='fresh', interrupt=when_torch_loads),
+    Case('bench-ctrl-c-at-start-up', ['bench.py', '--quick', '--device', 'cpu', '--out', '{out}/bench'], 130,
+         ('interrupted',), out='fresh', interrupt=when_torch_loads),
+    Case('exercises-ctrl-c-at-start-up', ['-m', 'exercises', 'check', '7', '--solution'], 130, ('interrupted',),
+         interrupt=when_torch_loads, only_line=True),
 
     # ------------------------------------------------------------------ bench.py
     bench_refused('batch-zero', ['--batch', '0'], '--batch'),
@@ -507,6 +512,7 @@ def assert_accepted(r):
 def assert_interrupted(r, needles, only_line):
     """Exit code 130; the last line says what was kept and what to do (needles)."""
     assert r.code == 130, tail(r)
+    assert 'Traceback' not in r.stderr, tail(r, 30)
     lines = lines_of(r.stderr)
     assert lines, "nothing on stderr"
     for needle in needles:
