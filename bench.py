@@ -262,7 +262,7 @@ def trainings(args, resume=True):
             args, 'heads', '--k', str(max(BPD_KS)), '--joint' if joint else '--frozen',
             '--distill' if distill else '--no-distill', '--tag', heads_tag(joint, distill), resume=resume)))
     for extra in dblast_trainings(args):
-        K, tag = (extra[extra.index(flag) + 1] for flag in ('--K', '--tag'))
+        K, tag = (extra[extra.index(flag) + 1] for flag in ('--branches', '--tag'))
         runs.append((f'dblast_K{K}{tag}', train_args(args, 'dblast', '--dblast-k', str(args.dblast_k), *extra,
                                                      resume=resume)))
     return runs
@@ -280,7 +280,7 @@ def dblast_trainings(args):
     branch-conditional AL, K = 2, 8, 16 (AL), and a K = 4 run of twice the preset's steps whose
     held-out curve shows how far training has converged."""
     def job(T, loss, K, baseline, tag_extra='', *more):
-        return ('--temperature', str(T), '--dblast-loss', loss, '--K', str(K), '--baseline-loss', baseline,
+        return ('--temperature', str(T), '--dblast-loss', loss, '--branches', str(K), '--baseline-loss', baseline,
                 '--tag', dblast_tag(T, loss) + tag_extra) + more
     jobs = []
     if 'dblast' in args.tables:

@@ -5,7 +5,7 @@ Train the target GPT, then its drafters, in stages:
           file or folder, or a nanoGPT dataset folder: train.bin / val.bin, meta.pkl)
   heads   BPD k-offset heads (frozen target by default, --joint to fine-tune it too), on the
           target's own greedy continuations (sequence-level distillation, --no-distill for corpus text)
-  dblast  DBlast dependent drafters (K = --K and the K = 1 baseline) on the target's own samples
+  dblast  DBlast dependent drafters (K = --branches and the K = 1 baseline) on the target's own samples
 
     python train.py                         # everything, CPU preset in about 10 minutes
     python train.py --stages heads --k 4    # only the heads, on the existing out/ckpt.pt
@@ -213,7 +213,8 @@ def resume_state(args, path, expect):
         return None
     ckpt = load_checkpoint(path)
     flags = dict(model_args='the model flags (--n-layer, ...)', trained_from='the target', base_fingerprint='the target',
-                 joint='--joint/--frozen', loss='--dblast-loss', k='--k' if 'K' not in expect else '--dblast-k')
+                 joint='--joint/--frozen', loss='--dblast-loss', K='--branches',
+                 k='--k' if 'K' not in expect else '--dblast-k')
     for key, want in expect.items():
         if ckpt.get(key) != want:
             flag = flags.get(key, '--' + key.replace('_', '-'))
@@ -409,10 +410,10 @@ def dblast_path(args, K):
 
 
 def dblast_drafters(args):
-    """(K, loss) of the drafters the dblast stage trains: --K with --dblast-loss, and the K = 1
+    """(K, loss) of the drafters the dblast stage trains: --branches with --dblast-loss, and the K = 1
     baseline with --baseline-loss."""
-    baseline = args.K != 1 and args.baseline_loss != 'none'
-    return [(args.K, args.dblast_loss)] + ([(1, args.baseline_loss)] if baseline else [])
+    baseline = args.branches != 1 and args.baseline_loss != 'none'
+    return [(args.branches, args.dblast_loss)] + ([(1, args.baseline_loss)] if baseline else [])
 
 
 class DBlastObjective(nn.Module):
@@ -539,7 +540,8 @@ FLAGS = [
     ('heads_iters', 'heads', int, None, POS, None),
     ('heads_lr', 'heads', float, 1e-3, GT0, None),
     ('distill_samples', 'heads', int, None, POS, None),
-    ('K', 'dblast', int, 4, dict(lo=1, hi=256), 'latent branches (the K=1 baseline is trained too)'),
+    ('branches', 'dblast', int, 4, dict(lo=1, hi=256), 'K, the latent branches of the DBlast mixture (the K=1 '
+                                                         'baseline is trained too)'),
     ('dblast_k', 'dblast', int, 4, dict(lo=2, hi=64), 'block size of the DBlast drafters'),
     ('dblast_loss', 'dblast', LOSSES, 'al', None, "al: acceptance-length surrogate on the mixture's "
                                                   "conditionals (default); al-branch: on branch-conditional "
@@ -587,6 +589,9 @@ def build_parser():
 def parse_args(argv=None):
     """The flags, with the preset's defaults filled in, every one checked before any work."""
     ap = build_parser()
+    for a in (sys.argv[1:] if argv is None else argv):   # renamed: --K and --k were one key apart
+        if a == '--K' or a.startswith('--K='):
+            raise BadInput("--K is now --branches (K, the DBlast mixture's branches; --k is the heads' block size)")
     # argparse fills in a default only where the namespace has no value yet: so every flag still
     # holding this marker afterwards was not given
     unset = object()

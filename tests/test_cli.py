@@ -216,7 +216,7 @@ CASES = [
         ('--block-size', dict(one='1')),
         ('--k', dict(one='1', big='100')),
         ('--dblast-k', dict(one='1')),
-        ('--K', dict(zero='0')),
+        ('--branches', dict(zero='0')),
         ('--tau-threshold', dict(big='2', neg='-1')),
         ('--nll-weight', dict(neg='-1')),
         ('--grad-clip', dict(neg='-1')),
@@ -229,6 +229,7 @@ CASES = [
     ] for name, value in values.items()],
     train_refused('n-embd-not-divisible', ['--n-embd', '30', '--n-head', '4'], '--n-embd'),
     train_refused('batch-size-not-a-number', ['--batch-size', 'abc'], '--batch-size'),
+    train_refused('old-flag-K', ['--K', '4'], '--K is now --branches'),
     train_refused('unknown-flag', ['--bogus-flag', '3'], '--bogus-flag', process=True),   # end to end
     # ------------------------------------------------------------------ train.py: choices and names
     train_refused('stages-empty', ['--stages', ''], '--stages'),
