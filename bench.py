@@ -442,12 +442,14 @@ def dblast_tables(b, base, args, results):
                    [[n, w] + [f"{by[n, w, T]:.2f}" if (n, w, T) in by else '' for T in TEMPS] for n, w in keys]))
 
     # 3b: decoded and timed, the paper's comparison: DBlast (K = 4, AL) against the independent
-    # sampled K = 1 NLL drafter; plus the paper's own inference (greedy branches)
+    # sampled K = 1 NLL drafter; then the paper's drafting (greedy branches) with our mixture
+    # verification, and the paper's inference end to end (greedy branches, each verified alone)
     decoded, table = [], []
     for T in TEMPS:
         for name, d, way in [('independent K=1 NLL', drafter(T, 'nll', 1), 'sampled'),
                              ('DBlast K=4 AL', drafter(T, 'al', 4), 'sampled, mixture'),
-                             ('DBlast K=4 AL', drafter(T, 'al', 4), 'greedy, mixture')]:
+                             ('DBlast K=4 AL', drafter(T, 'al', 4), 'greedy, mixture'),
+                             ('DBlast K=4 AL', drafter(T, 'al', 4), 'greedy, branch-cond.')]:
             d.sample_drafts, d.verify = DRAFTING[way]
             r, _, _ = b.row(base, d, kd, temperature=T)
             r.update(T=T, drafter=name, drafts=way, expected_tau=b.expected_tau(base, d, T, way))

@@ -708,7 +708,8 @@ def main(argv=None):
     ap.add_argument('--zt', type=float, default=None, help='DBlast category temperature Z_T (default 1; 0 = argmax branch)')
     ap.add_argument('--sample-drafts', action=argparse.BooleanOptionalAction, default=None,
                     help="under sampling, draw each draft from the drafter's q (default) or take its argmax "
-                         "(--no-sample-drafts; DBlast: greedy branches, the paper's inference)")
+                         "(--no-sample-drafts; DBlast: greedy branches, the paper's drafting; with --verify branch, "
+                         "the paper's inference end to end)")
     ap.add_argument('--verify', default=None, choices=VERIFY,
                     help="DBlast: verify against the mixture's conditionals (default), or the drawn branch's "
                          "alone (ablation)")

@@ -688,7 +688,7 @@ def train_all(rt, args):
     if len(ds.train) <= args.block_size + 1 or len(ds.val) <= args.block_size + 1:
         raise BadInput(f"--data: too little text for --block-size {args.block_size}")
     rt.print(f"preset {args.preset} on {rt.device}, training in {rt.precision}, decoding in float32"
-             + (f", {torch.get_num_threads()} CPU threads" if rt.kind == 'cpu' else "")
+             + (f", CPU threads: {torch.get_num_threads()}" if rt.kind == 'cpu' else "")
              + (f", {rt.world} processes" if rt.ddp else ""))
     t_start = time.perf_counter()
     if 'base' in args.stages:

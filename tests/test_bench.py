@@ -35,7 +35,7 @@ def test_bench_quick_tiny(tmp_path, corpus_file):
     assert len(res['dblast']) == 3 * (3 * 2 + 2 * 4) + 4
     assert all(1 <= r['expected_tau'] <= 4 for r in res['dblast'])
     decoded = res['dblast_decoded']
-    assert len(decoded) == 3 * 3 and all(1 <= r['tau'] <= 4 and r['speedup'] > 0 for r in decoded)
+    assert len(decoded) == 3 * 4 and all(1 <= r['tau'] <= 4 and r['speedup'] > 0 for r in decoded)
     assert [g['T'] for g in res['dblast_gain']] == bench.TEMPS
     assert [a['K'] for a in res['dblast_K_ablation']] == bench.ABLATION_KS
     assert [z['zt'] for z in res['dblast_zt_sweep']] == bench.ZTS
