@@ -153,8 +153,8 @@ def al_surrogate(a, nll, tau_threshold):
     own term; with K = 1 it then gets no gradient, with K > 1 its branches' log q_i(x_i | z) still
     do, through the posterior inside every later log Q_i' (summing to zero over the branches)."""
     tail = torch.logcumsumexp(a.flip(-1), dim=-1).flip(-1)              # t_j
-    log_tau = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
-    keep = a.detach() >= log_tau                                        # S, no gradient
+    log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_threshold                                  # S, no gradient
     n_keep = keep.sum(-1)
     al = -torch.where(keep, tail, 0.0).sum(-1) / n_keep.clamp(min=1)
     return torch.where(n_keep > 0, al, nll)
@@ -346,9 +346,12 @@ class DBlastDrafter(Drafter):
         log_q = branch_log_probs(upcast(logits), temperature, sampled)      # (N, K, n, V) log q~
         q_z = log_q.gather(1, z[:, :, None, None].expand(N, paths, n, V)).exp()   # (N, paths, n, V)
         drafts = sample(q_z, generator) if sampled else q_z.argmax(-1)      # (N, paths, n)
-        if temperature == 0.0:
-            return drafts, None       # greedy decoding: verification compares argmaxes only
-        if self.verify == 'branch' or self.paths_from == 'branches':
+        # Q of a path is its branch's q~ when verified against its branch, or when the mixture has
+        # one branch to weigh (K = 1, or Z_T = 0: the posterior stays on the argmax branch)
+        own_branch = self.verify == 'branch' or self.paths_from == 'branches' or K == 1 or self.zt == 0
+        if not sampled and (temperature == 0.0 or own_branch):
+            return drafts, None       # a point mass: each path is its branch's argmax path
+        if own_branch:
             return drafts, q_z        # each path's own branch
         rows = lambda t: t.repeat_interleave(paths, 0)                      # noqa: E731  one row per path
         Q = conditionals(rows(log_prior), rows(log_q), drafts.flatten(0, 1))   # the mixture's Q_i

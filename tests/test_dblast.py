@@ -131,12 +131,16 @@ def test_proposal_conditionals_are_distributions_that_cover_the_drafts(target, b
 
 
 def test_greedy_branches_with_one_branch_or_zt_zero_are_point_masses(target):
-    """K = 1, or Z_T = 0 (the argmax branch): the proposal is one deterministic path."""
+    """K = 1, or Z_T = 0 (the argmax branch), or a branch verified alone: the proposal is one
+    deterministic path, and the contract says so one way, Q = None. K = 4 greedy branches verified
+    against the mixture are not: Q is their mixture, dense."""
     torch.manual_seed(0)
     h, b = torch.randn(20, CFG.n_embd, dtype=torch.float64), torch.randint(V, (20,))
-    for d in (drafter_of(1, 'greedy'), drafter_of(4, 'greedy', zt=0.0)):
+    for d in (drafter_of(1, 'greedy'), drafter_of(4, 'greedy', zt=0.0), drafter_of(4, 'greedy', verify='branch')):
         drafts, Q = d.draft(h, b, target, 4, 1.0)
-        assert torch.equal(Q, F.one_hot(drafts, V).double())
+        assert Q is None and drafts.shape == (20, 3)
+    drafts, Q = drafter_of(4, 'greedy').draft(h, b, target, 4, 1.0)
+    assert Q.shape == (20, 3, V) and torch.allclose(Q.sum(-1), torch.ones(20, 3, dtype=torch.float64))
 
 
 def test_posterior_is_computed_in_log_space():
