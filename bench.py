@@ -15,6 +15,7 @@ Trains what it needs when checkpoints are missing (through train.py, under --ckp
      expected-tau evaluator; the headline rows decoded and timed; K ablation, Z_T sweep, curve
   4. where a step's time goes (BPD §6.3), t(k-token forward) / t(1-token forward), ceiling speedup
   5. several drafted paths per call (--tables paths): N = --paths-list, independent and DBlast
+  6. threads (--tables threads): 1 against the default, quiet and beside busy processes
 Prints markdown tables, writes bench/results.json and (with matplotlib) bench/*.png. Decoding runs at
 --dtype (default float32; bfloat16 by autocast) and, on CUDA, --tf32; training keeps train.py's own.
 
@@ -39,6 +40,7 @@ if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_
     signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
 
 import argparse
+import copy
 import functools
 import gc
 import json
@@ -256,7 +258,7 @@ def trainings(args, resume=True):
     order; with resume, each is skipped once trained."""
     runs = [('ckpt', train_args(args, 'base', resume=resume))]
     heads = [(False, True)] if 'bpd' not in args.tables else [(j, d) for j in (False, True) for d in (False, True)]
-    heads = heads if set(args.tables) - {'paths'} else []    # table 5 drafts with DBlast's alone
+    heads = heads if set(args.tables) - {'paths', 'threads'} else []    # tables 5 and 6 draft with DBlast's
     for joint, distill in heads:
         runs.append((f'heads{heads_tag(joint, distill)}', train_args(
             args, 'heads', '--k', str(max(BPD_KS)), '--joint' if joint else '--frozen',
@@ -291,7 +293,7 @@ def dblast_trainings(args):
         jobs += [job(T_ABLATION, 'al', 4, 'none', '_long', '--dblast-iters', str(2 * iters))]
     elif 'speed' in args.tables:
         jobs += [job(1.0, 'al', 4, 'none'), job(1.0, 'nll', 1, 'none')]
-    if 'paths' in args.tables and 'dblast' not in args.tables:   # table 3's own at T_ABLATION otherwise
+    if {'paths', 'threads'} & set(args.tables) and 'dblast' not in args.tables:   # else table 3's at T_ABLATION
         jobs += [job(T_ABLATION, 'al', 4, 'none'), job(T_ABLATION, 'nll', 1, 'none')]
     return jobs
 
@@ -537,6 +539,45 @@ def paths_table(b, base, args, results):
         best = max((r for r in rows if r['T'] == T), key=lambda r: r['speedup'])
         print(f"best at T={T}: {best['drafter']}, N={best['paths']}: tau {best['tau']:.2f}, "
               f"{best['speedup']:.2f}x over plain sampling (t(k)/t(1) = {t1:.2f})")
+
+
+def threads_table(b, base, args, results):
+    """Table 6: one thread against torch's default, quiet and beside one and two busy processes: a
+    training step of a copy of the target (batch 16 x its context) and 128-token decodes, plain
+    greedy and DBlast K = 4 sampling at T = 1.5; interleaved, median of --repeats (at least 3)."""
+    dblast = load_drafter(os.path.join(args.ckpt_dir, f"dblast_K4{dblast_tag(T_ABLATION, 'al')}.pt"), base)
+    model = copy.deepcopy(base).train()
+    opt = torch.optim.AdamW(model.parameters(), 1e-4)
+    x = torch.randint(base.config.vocab_size, (16, base.config.block_size + 1), device=b.device)
+    prompt = b.prompts[:1]
+
+    def train_step():
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad()
+    work = {'training step': train_step, 'decode 128, plain greedy': lambda: generate(base, prompt, 128),
+            'decode 128, DBlast K=4 at T=1.5': lambda: generate(base, prompt, 128, drafter=dblast, temperature=1.5)}
+    default, rows = os.cpu_count() or 1, []
+    print(f"\n### 6. Threads: 1 against {default} ({args.repeats} rounds, median)\n")
+    print(md_table(['work', 'busy processes', '1 thread (ms)', f'{default} threads (ms)', 'ratio'], []), flush=True)
+    for n_busy in (0, 1, 2):
+        busy = [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ in range(n_busy)]
+        try:
+            for name, fn in work.items():
+                times = {1: [], default: []}
+                for _ in range(max(3, args.repeats)):   # interleaved: a busy spell hits both alike
+                    for t in times:
+                        torch.set_num_threads(t)
+                        times[t].append(timed([fn], 1, b.device, warmup=False)[0][0])
+                one, many = (statistics.median(times[t]) * 1000 for t in (1, default))
+                rows.append(dict(work=name, busy=n_busy, one_thread_ms=one, default_threads_ms=many))
+                print(md_row([name, n_busy, f'{one:.0f}', f'{many:.0f}', f'{many / one:.2f}']), flush=True)
+        finally:
+            for p in busy:
+                p.kill()
+                p.wait()
+    intra_op_threads(args.threads, small=base.get_num_params() < SMALL_MODEL)
+    results['threads'] = dict(default=default, rows=rows)
 
 
 def time_table(b, base, args, results):
@@ -898,7 +939,7 @@ def short(v):
 
 # ----------------------------------------------------------------------------- main
 
-TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time', 'paths']
+TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time', 'paths', 'threads']
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=160, max_iters=300, heads_iters=150,
              dblast_iters=100, distill_samples=64, dblast_samples=64, dblast_eval_samples=8, n_prompts=4,
              max_new=64, repeats=1, eval_samples=8)
@@ -1014,7 +1055,8 @@ def main(argv=None):
     results = dict(meta=meta(args, device, str(b.precision)), method=__doc__.split('Method: ')[1].strip())
     with b.precision:   # every decode, evaluation and timing of the tables
         for name, table in [('speed', speed_table), ('bpd', bpd_tables), ('lossy', lossy_table),
-                            ('dblast', dblast_tables), ('time', time_table), ('paths', paths_table)]:
+                            ('dblast', dblast_tables), ('time', time_table), ('paths', paths_table),
+                            ('threads', threads_table)]:
             if name in args.tables:
                 table(b, base, args, results)
     results['meta']['seconds'] = time.perf_counter() - t_start

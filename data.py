@@ -70,10 +70,11 @@ SMALL_MODEL = 20_000_000   # parameters
 
 def intra_op_threads(threads=None, small=False):
     """Set the threads torch's CPU kernels use and return how many: `threads` when given (--threads),
-    else one for small work (decoding a model under SMALL_MODEL parameters, the exercises' checks),
-    else every core not already busy: the cores less the 1-minute load average, at least one. Two
-    threads on two cores that another process keeps busy were measured 3x (training) to 17x
-    (decoding) slower than one: each waits for the other at every operation."""
+    else one for small work (decoding a model under SMALL_MODEL parameters), else every core not
+    already busy: the cores less the 1-minute load average, at least one. Measured on 2 cores
+    (README, "Threads"): beside one busy process, two threads were 7x slower than one for a
+    training step and 80-180x for decoding, each thread waiting for the other at every operation;
+    on a quiet machine two were 1.7x faster for training and no faster for decoding."""
     if threads is None:
         cores = os.cpu_count() or 1
         busy = round(os.getloadavg()[0]) if hasattr(os, 'getloadavg') else 0

@@ -61,8 +61,7 @@ def main(argv=None):
     ap.add_argument('--max-new', type=int, default=128, help='try: tokens per prompt')
     ap.add_argument('--device', default='cpu')
     ap.add_argument('--threads', type=int, default=None,
-                    help="CPU threads (default 1: the checks' operations are too small to split, and a busy "
-                         "neighbour slows two threads many times over)")
+                    help="CPU threads (default: the cores not already busy, by the load average)")
     args = ap.parse_args(argv)
     if args.command == 'list':
         print_list()
@@ -74,7 +73,7 @@ def main(argv=None):
     check_number('--max-new', args.max_new, lo=1)
     if args.threads is not None:
         check_number('--threads', args.threads, lo=1, hi=1024)
-    intra_op_threads(args.threads, small=True)
+    intra_op_threads(args.threads)
     if args.number not in numbers:
         raise BadInput(f"exercise {args.number}: choose one of {', '.join(map(str, numbers))}")
     if (args.solution or args.control) and harness.solution_path(args.number) is None:
