@@ -51,7 +51,7 @@ import threading
 import time
 import traceback
 import types
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from unittest import mock
 
 import numpy as np
@@ -66,6 +66,7 @@ from data import (PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, check_numbe
                   intra_op_threads, load_checkpoint, load_dataset, load_target, newline_id, run_script)
 from dblast import expected_tau
 from decode import DTYPES, Precision, decoding_precision, generate, load_drafter, pick_device, pick_dtype
+from model import GPT, KVCache
 
 BPD_KS = [2, 4, 6, 8, 10]
 TEMPS = [0.7, 1.0, 1.5]
@@ -203,12 +204,43 @@ def tree_ratio(model, paths, k, device, B, ctx=96, repeats=200):
     return tn / tk
 
 
+@contextmanager
+def step_regions():
+    """While inside, the pieces of a decoding step run inside named profiler regions ('step.*'),
+    attached from outside so that decode.py carries no profiling code: the target's forward, the
+    verification, the cache, the drafting, and the loop's read from the device. A region entered
+    inside one of the same name (the tree's greedy verification calls verify_greedy) is not
+    counted twice."""
+    inside = set()
+
+    def region(name, fn):
+        @functools.wraps(fn)
+        def timed_fn(*a, **kw):
+            if name in inside:
+                return fn(*a, **kw)
+            inside.add(name)
+            try:
+                with torch.profiler.record_function('step.' + name):
+                    return fn(*a, **kw)
+            finally:
+                inside.discard(name)
+        return timed_fn
+    pieces = [(GPT, 'forward_cached', 'target_forward'), (KVCache, 'commit', 'cache'), (KVCache, 'keep_path', 'cache'),
+              (decode, 'propose', 'draft'), (decode, 'tokens_behind', 'host_sync')]
+    pieces += [(decode, f, 'verify') for f in ('verify_greedy', 'verify_sampled', 'verify_tree_greedy',
+                                               'verify_tree_sampled')]
+    with ExitStack() as stack:
+        for owner, attr, name in pieces:
+            stack.enter_context(mock.patch.object(owner, attr, region(name, getattr(owner, attr))))
+        yield
+
+
 def time_split(run, device):
-    """Share of run()'s time in each named region of the step (decode.span), by the profiler."""
+    """Share of run()'s time in each named region of the step (step_regions), by the profiler."""
     cuda = str(device).startswith('cuda')
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     run()  # warm-up
-    with profile(activities=acts) as prof:
+    with step_regions(), profile(activities=acts) as prof:
         t0 = time.perf_counter()
         run()
         sync(device)
@@ -1085,41 +1117,33 @@ def parse_tables(text):
     return tables
 
 
-def parse_ks(text):
+def parse_list(flag, text, cast, ok, allowed):
+    """A comma-separated flag: each item cast and ok(item), else one line saying what is allowed."""
     try:
-        ks = [int(k) for k in text.split(',')]
+        items = [cast(x.strip()) for x in text.split(',')]
     except ValueError:
-        ks = []
-    if not ks or not all(2 <= k <= max(BPD_KS) for k in ks):
-        raise BadInput(f"--speed-ks {text!r}: comma-separated block sizes from 2 to {max(BPD_KS)} (the heads' k)")
-    return ks
+        items = []
+    if not items or not all(ok(x) for x in items) or len(set(items)) < len(items):
+        raise BadInput(f"{flag} {text!r}: comma-separated, each once, {allowed}")
+    return items
+
+
+def parse_ks(text):
+    return parse_list('--speed-ks', text, int, lambda k: 2 <= k <= max(BPD_KS),
+                      f"block sizes from 2 to {max(BPD_KS)} (the heads' k)")
 
 
 def parse_parts(text):
-    parts = [p.strip() for p in text.split(',')]
-    if not parts or any(p not in PARTS for p in parts) or len(set(parts)) < len(parts):
-        raise BadInput(f"--parts {text!r}: comma-separated, each once, from {','.join(PARTS)}")
-    return parts
+    return parse_list('--parts', text, str, lambda p: p in PARTS, f"from {','.join(PARTS)}")
 
 
 def parse_paths(text):
-    try:
-        paths = [int(p) for p in text.split(',')]
-    except ValueError:
-        paths = []
-    if not paths or not all(1 <= p <= decode.MAX_PATHS for p in paths):
-        raise BadInput(f"--paths-list {text!r}: comma-separated whole numbers from 1 to {decode.MAX_PATHS}")
-    return paths
+    return parse_list('--paths-list', text, int, lambda p: 1 <= p <= decode.MAX_PATHS,
+                      f"whole numbers from 1 to {decode.MAX_PATHS}")
 
 
 def parse_temps(text):
-    try:
-        temps = [float(t) for t in text.split(',')]
-    except ValueError:
-        temps = []
-    if not temps or not all(0 < t < float('inf') for t in temps):
-        raise BadInput(f"--paths-temps {text!r}: comma-separated temperatures > 0")
-    return temps
+    return parse_list('--paths-temps', text, float, lambda t: 0 < t < float('inf'), "temperatures > 0")
 
 
 def meta(args, device, precision):

@@ -27,6 +27,7 @@ import signal
 import stat
 import sys
 import sysconfig
+import time
 
 import numpy as np
 import torch
@@ -71,16 +72,30 @@ SMALL_MODEL = 20_000_000   # parameters
 def intra_op_threads(threads=None, small=False):
     """Set the threads torch's CPU kernels use and return how many: `threads` when given (--threads),
     else one for small work (decoding a model under SMALL_MODEL parameters), else every core not
-    already busy: the cores less the 1-minute load average, at least one. Measured on 2 cores
+    already busy (busy_cores), at least one. Measured on 2 cores
     (README, "Threads"): beside one busy process, two threads were 7x slower than one for a
     training step and 80-180x for decoding, each thread waiting for the other at every operation;
     on a quiet machine two were 1.7x faster for training and no faster for decoding."""
     if threads is None:
         cores = os.cpu_count() or 1
-        busy = round(os.getloadavg()[0]) if hasattr(os, 'getloadavg') else 0
-        threads = 1 if small else max(1, min(cores, cores - busy))
+        threads = 1 if small else max(1, min(cores, cores - round(busy_cores(cores))))
     torch.set_num_threads(threads)
     return threads
+
+
+def busy_cores(cores, window=0.2):
+    """How many cores other processes keep busy now: the share of CPU time not idle over `window`
+    seconds of /proc/stat (Linux; this process sleeps meanwhile), else the 1-minute load average,
+    which lags by about a minute."""
+    def snap():
+        with open('/proc/stat') as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return sum(ticks), ticks[3] + ticks[4]          # all, idle + iowait
+    try:
+        (total0, idle0), _, (total1, idle1) = snap(), time.sleep(window), snap()
+        return cores * (1 - (idle1 - idle0) / max(1, total1 - total0))
+    except (OSError, ValueError, IndexError):
+        return os.getloadavg()[0] if hasattr(os, 'getloadavg') else 0.0
 
 
 def run_script(main, interrupted='interrupted'):

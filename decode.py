@@ -24,7 +24,7 @@ if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_
 
 import argparse
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -41,14 +41,6 @@ from model import GPTConfig, sample, tempered, upcast
 # verify_sampled, each built from small pieces named once here: which drafts pass (an acceptance
 # rule of the table ACCEPT, or speculative sampling's test accept_sampled), the bonus after a
 # rejection (residual), and what is committed (accept_prefix). Exercises replace exactly these.
-
-def span(name):
-    """A named region for torch.profiler (bench.py splits a step's time by these); near free
-    when no profiler is running, and left out of a compiled step (the compiler ignores it)."""
-    if torch.compiler.is_compiling():
-        return nullcontext()
-    return torch.profiler.record_function('step.' + name)
-
 
 # Greedy acceptance rules (BPD §3, and the lossy ones of BPD §5). A rule reads the target's logits
 # after every block position (B, k, V) and the drafts (B, k-1), and says which drafts it lets
@@ -273,37 +265,36 @@ def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
     B = block.size(0)
     n = (block.size(1) - 1) // paths                            # drafts per path, k-1
     tree = None if paths == 1 else tree_layout(paths, n, block.device)
-    with span('target_forward'):
-        h = model.forward_cached(block, cache, tree)            # (B, 1 + N n, C)  BPD §3: one call
-        logits = upcast(model.lm_head(h))                       # (B, 1 + N n, V) after each slot
-    with span('verify'):
-        drafts = block[:, 1:].view(B, paths, n)                 # (B, N, k-1)
-        if paths > 1:                                           # several paths (MATH.md §9)
-            q = None if q_block is None else q_block.view(B, paths, n, -1)
-            if temperature == 0.0:
-                accepted, n_acc, bonus, path = verify_tree_greedy(logits, drafts, accept)
-            else:
-                accepted, n_acc, bonus, path = verify_tree_sampled(logits, q, drafts, temperature, generator)
-        else:                                                   # one block: BPD §3 / §5, sampling §4
-            path = torch.zeros(B, dtype=torch.long, device=block.device)
-            if temperature == 0.0:
-                accepted, n_acc, bonus = verify_greedy(logits, drafts[:, 0], accept)
-            else:                                               # the same temperature on p and Q
-                accepted, n_acc, bonus = verify_sampled(logits, q_block, drafts[:, 0], temperature, generator)
-    with span('cache'):
-        slots = path_slots(paths, n, block.device)[path]        # (B, k): the kept path's slots
-        if paths > 1:                                           # its keys and values next to the bonus
-            cache.keep_path(slots[:, 1:])
-        cache.commit((n_acc + 1) * active)                      # b, d_1 .. d_{n_acc}
+    h = model.forward_cached(block, cache, tree)                # (B, 1 + N n, C)  BPD §3: one call
+    logits = upcast(model.lm_head(h))                           # (B, 1 + N n, V) after each slot
+
+    drafts = block[:, 1:].view(B, paths, n)                     # (B, N, k-1)
+    if paths > 1:                                               # several paths (MATH.md §9)
+        q = None if q_block is None else q_block.view(B, paths, n, -1)
+        if temperature == 0.0:
+            accepted, n_acc, bonus, path = verify_tree_greedy(logits, drafts, accept)
+        else:
+            accepted, n_acc, bonus, path = verify_tree_sampled(logits, q, drafts, temperature, generator)
+    else:                                                       # one block: BPD §3 / §5, sampling §4
+        path = torch.zeros(B, dtype=torch.long, device=block.device)
+        if temperature == 0.0:
+            accepted, n_acc, bonus = verify_greedy(logits, drafts[:, 0], accept)
+        else:                                                   # the same temperature on p and Q
+            accepted, n_acc, bonus = verify_sampled(logits, q_block, drafts[:, 0], temperature, generator)
+
+    slots = path_slots(paths, n, block.device)[path]            # (B, k): the kept path's slots
+    if paths > 1:                                               # its keys and values next to the bonus
+        cache.keep_path(slots[:, 1:])
+    cache.commit((n_acc + 1) * active)                          # b, d_1 .. d_{n_acc}
     kept = torch.cat([block[:, :1], drafts[torch.arange(B, device=block.device), path]], dim=1)   # (B, k)
     if drafter is None:
         return n_acc, kept, bonus[:, None], None
-    with span('draft'):
-        # BPD §3 merged propose: draft from the state after the last committed token. Gathering
-        # that row first and drafting once equals drafting at every slot, then gathering.
-        last = slots.gather(1, n_acc[:, None])                  # (B, 1)
-        h_acc = h.gather(1, last[:, :, None].expand(B, 1, h.size(-1))).squeeze(1)   # (B, C)
-        new_drafts, q = propose(drafter, h_acc, bonus, model, n + 1, paths, temperature, generator)
+
+    # BPD §3 merged propose: draft from the state after the last committed token. Gathering that
+    # row first and drafting once equals drafting at every slot, then gathering.
+    last = slots.gather(1, n_acc[:, None])                      # (B, 1)
+    h_acc = h.gather(1, last[:, :, None].expand(B, 1, h.size(-1))).squeeze(1)   # (B, C)
+    new_drafts, q = propose(drafter, h_acc, bonus, model, n + 1, paths, temperature, generator)
     return n_acc, kept, torch.cat([bonus[:, None], new_drafts], dim=1), q
 
 
@@ -361,6 +352,21 @@ def compiled_step(device_type):
         mode = 'reduce-overhead' if device_type == 'cuda' else None
         _COMPILED[device_type] = torch.compile(merged_step, mode=mode, dynamic=False)
     return _COMPILED[device_type]
+
+
+def replayed(step, device):
+    """A compiled step as generate's loop calls it: each call starts a new CUDA-graph step, and on
+    CUDA its outputs are copied out (a CUDA graph's outputs are overwritten by its next replay)."""
+    def run(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        out = step(*args)
+        return out if device.type != 'cuda' else tuple(None if t is None else t.clone() for t in out)
+    return run
+
+
+def tokens_behind(n_out, total):
+    """How many tokens the slowest row still has to generate: the loop's one read from the device."""
+    return int(total - n_out.min())
 
 
 @contextmanager
@@ -430,7 +436,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     out = torch.zeros(B, total + 2 * k, dtype=torch.long, device=dev)
     out[:, :T0] = prompt
     if compile:  # the compiled step draws from the global RNG, seeded below (global_rng_from)
-        step, cache, step_generator = compiled_step(dev.type), static_cache(model, B, room), None
+        step, cache, step_generator = replayed(compiled_step(dev.type), dev), static_cache(model, B, room), None
     else:
         step, cache, step_generator = merged_step, model.new_cache(B, total + room), generator
 
@@ -456,8 +462,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     with global_rng_from(generator if compile else None, dev):
         while True:
             if sure == 0:   # ask the device how far the slowest row is from the end: a host sync
-                with span('host_sync'):
-                    behind = int(total - n_out.min())
+                behind = tokens_behind(n_out, total)
                 if behind <= 0:
                     break
                 # a step commits at most k tokens a row, so the next `sure` steps are needed
@@ -465,13 +470,8 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
                 sure = -(-behind // k)
             sure -= 1
             active = n_out < total
-            if compile:
-                torch.compiler.cudagraph_mark_step_begin()
             n_acc, kept, block, q = step(model, drafter, cache, block, q, active,
                                          temperature, accept, step_generator, paths)
-            if compile and dev.type == 'cuda':  # a CUDA graph's outputs are overwritten by its next replay
-                n_acc, kept, block = n_acc.clone(), kept.clone(), block.clone()
-                q = None if q is None else q.clone()
             # write the bonus and the kept path; what was not accepted is overwritten next step
             out.scatter_(1, n_out[:, None] + offs, kept)
             calls += 1
