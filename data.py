@@ -90,10 +90,12 @@ def busy_cores(cores, window=0.2):
     def snap():
         with open('/proc/stat') as f:
             ticks = [int(x) for x in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4]          # all, idle + iowait
+        return sum(ticks), ticks[3] + ticks[4], time.process_time(), time.perf_counter()
     try:
-        (total0, idle0), _, (total1, idle1) = snap(), time.sleep(window), snap()
-        return cores * (1 - (idle1 - idle0) / max(1, total1 - total0))
+        (total0, idle0, own0, t0), _, (total1, idle1, own1, t1) = snap(), time.sleep(window), snap()
+        # less this process's own: torch's worker threads spin for a while after parallel work
+        own = (own1 - own0) / (t1 - t0)
+        return max(0.0, cores * (1 - (idle1 - idle0) / max(1, total1 - total0)) - own)
     except (OSError, ValueError, IndexError):
         return os.getloadavg()[0] if hasattr(os, 'getloadavg') else 0.0
 
