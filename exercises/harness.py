@@ -142,9 +142,20 @@ class Result:
     title: str         # the first line of its docstring
     passed: bool
     reason: str        # why it failed, one line ('' when it passed)
-    hint: str          # the 'Hint:' paragraph of its docstring
+    hint: str          # the hint of the Fail raised, else the 'Hint:' paragraph of its docstring
     seconds: float
     not_written: bool = False   # failed on a NotImplementedError
+
+
+class Fail(AssertionError):
+    """A check's failure that carries its own hint. Where one check has several causes, the
+    docstring's one 'Hint:' would mislead for some of them: raise Fail(reason, hint) at the place
+    that knows which cause it saw, and run_check prints that hint instead. reason is one line, with
+    what was expected beside what was found."""
+
+    def __init__(self, reason, hint=''):
+        super().__init__(reason)
+        self.hint = hint
 
 
 def check_functions(checks):
@@ -176,6 +187,7 @@ def run_check(checks, impl, name, fn):
         reason, not_written = f"not written yet: {e or 'NotImplementedError'}", True
     except AssertionError as e:
         reason = (str(e).strip().splitlines() or ['an assertion failed'])[0]
+        hint = getattr(e, 'hint', '') or hint     # a Fail knows its cause better than the docstring
     except Exception as e:   # the code under test crashed: say what and where
         first = (str(e).strip().splitlines() or [''])[0][:200]
         reason = f"{type(e).__name__}: {first}{where_in_student(e)}"
@@ -271,15 +283,27 @@ def sampled_continuations(model, drafter, temperature, n_rows, m=3, k=4, seed=0,
     return torch.bincount(codes, minlength=V ** m).double(), stats
 
 
-def assert_lossless(model, drafter, temperature, n_rows=20000, m=3, k=4, seed=0, decoder=generate, what=''):
+def assert_lossless(model, drafter, temperature, n_rows=20000, m=3, k=4, seed=0, decoder=generate, what='', hint=''):
     """The m-token continuations decoded with `drafter` follow the target's exact distribution
-    (chi-square at ALPHA), and the drafts were exercised: some accepted, some rejected."""
+    (chi-square at ALPHA), and the drafts were exercised: some accepted, some rejected (the
+    drafters the checks use are near enough to the target to be accepted now and then, and far
+    enough to be refused: a verifier that does neither is lossless only by never using a draft, or
+    not lossless at all). hint: the failure's hint when the distribution is wrong ('': the check's own)."""
     counts, stats = sampled_continuations(model, drafter, temperature, n_rows, m, k, seed, decoder)
     stat, crit = chi_square(counts, continuation_probs(model, PROMPT8, m, temperature))
-    assert stat < crit, (f"{what}the output is not the target's distribution: chi-square {stat:.0f} > {crit:.0f} "
-                         f"(p < {ALPHA:g}) over {n_rows} samples of {m} tokens at T={temperature}")
+    if not stat < crit:
+        raise Fail(f"{what}the output is not the target's distribution: chi-square {stat:.0f}, want below "
+                   f"{crit:.0f} (p < {ALPHA:g}) over {n_rows} samples of {m} tokens at T={temperature}", hint)
     taus = torch.tensor(stats['accept_lengths'])
-    assert (taus > 1).any() and (taus < k).any(), "the drafts were never accepted, or never rejected: no test"
+    if not (taus > 1).any():
+        raise Fail(f"{what}your code accepted no draft: tau 1 at all {len(taus)} steps, want some steps above 1",
+                   "the output is the target's only because every step emits nothing but its bonus: a draft d is "
+                   "accepted with probability min(1, P(d) / Q(d)) (Q(d) = 1 for a point mass), and these drafts "
+                   "are often likely under P, so some must pass")
+    if not (taus < k).any():
+        raise Fail(f"{what}your code accepted every draft: tau {k} at all {len(taus)} steps, want some below {k}",
+                   "these drafts are often unlikely under the target, so a lossless verifier refuses some: d is "
+                   "accepted with probability min(1, P(d) / Q(d)), Q being exactly what d was drawn from")
 
 
 @lru_cache
@@ -288,6 +312,19 @@ def tiny_target(seed=0, vocab_size=32, block_size=96):
     torch.manual_seed(seed)
     return peaky(GPT(GPTConfig(block_size=block_size, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=32)),
                  0.3, seed)
+
+
+def first_difference(out, want, T0=0):
+    """Where a decoding (B, T) first departs from the one it should equal, for a failure message:
+    'row b, new token t: got x, want y' (0-based, t counted after the T0 prompt tokens)."""
+    if out.shape != want.shape:
+        return f"shape {tuple(out.shape)}, want {tuple(want.shape)}"
+    diff = out != want
+    if not diff.any():
+        return 'no difference'
+    t = int(diff.any(0).long().argmax())                   # the earliest position any row differs at
+    b = int(diff[:, t].long().argmax())
+    return f"row {b}, new token {t - T0}: got {int(out[b, t])}, want {int(want[b, t])}"
 
 
 @torch.no_grad()

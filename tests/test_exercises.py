@@ -6,8 +6,11 @@ For the exercises whose reference is the project's own code (decode.verify_greed
 commit, dblast.posterior and conditionals, prefix_log_accept and al_surrogate), the reference run is
 also a test of the project. Without exercises/solutions/ (an instructor's handout) only the stubs
 are checked."""
+import types
+
 import pytest
 
+import decode
 from conftest import in_process
 from exercises import harness
 from exercises.__main__ import main as exercises_main
@@ -61,3 +64,32 @@ def test_check_says_pass_or_fail_per_check():
     if HAVE_SOLUTIONS:
         code, out, _ = in_process(lambda: exercises_main(['check', '1', '--solution']))
         assert code == 0 and out.count('PASS') == 5 and '5 of 5 checks pass' in out
+
+
+def test_a_failure_chooses_its_own_hint():
+    """A check that raises harness.Fail(reason, hint) shows that hint; a plain assertion shows the
+    docstring's."""
+    def with_its_own(impl):
+        """Title. Hint: the docstring's."""
+        raise harness.Fail("why it failed", "the failure's own")
+
+    def plain(impl):
+        """Title. Hint: the docstring's."""
+        assert False, "why it failed"
+    for fn, hint in ((with_its_own, "the failure's own"), (plain, "the docstring's.")):
+        r = harness.run_check(types.SimpleNamespace(), None, fn.__name__, fn)
+        assert not r.passed and r.reason == "why it failed" and r.hint == hint, r
+
+
+def test_exercise_1_takes_int32_as_well_as_long():
+    """The statement allows n_acc and bonus in int32 as well as long: int32 ones pass every check
+    (they work everywhere decode.generate takes them)."""
+    def int32(logits, drafts, accept):
+        rule, param = accept
+        accepted, n_acc, bonus = decode.accept_prefix(rule(logits, drafts, param), logits.argmax(-1))
+        return accepted, n_acc.int(), bonus.int()
+    checks = harness.checks_of(1)
+    impl = types.SimpleNamespace(verify_greedy=int32, which='int32')
+    for name, fn in harness.check_functions(checks):
+        r = harness.run_check(checks, impl, name, fn)
+        assert r.passed, f"{r.title}: {r.reason}"

@@ -19,8 +19,8 @@ def verify_greedy(logits, drafts, accept):
     Returns
         accepted (B, k-1) bool: True for the drafts that are committed, False from the first one
             the rule refuses on (whatever the rule says about the drafts after it),
-        n_acc (B,) long: how many drafts are committed,
-        bonus (B,) long: the token after the last committed one, the target's own argmax there.
+        n_acc (B,) long (int32 works too): how many drafts are committed,
+        bonus (B,) long (or int32): the token after the last committed one, the target's own argmax.
     No Python loop over positions or rows, no .item().
     """
     raise NotImplementedError("exercise 1: write verify_greedy in exercises/01_bpd_verify/student.py")

@@ -22,9 +22,40 @@ def one_position(impl, q, drafts, temperature, seed=0):
     return emitted, accepted[:, 0], bonus, F.softmax(L / temperature, -1)
 
 
-def assert_follows(tokens, p, what):
+def assert_follows(tokens, p, what, hint=''):
     stat, crit = harness.chi_square(torch.bincount(tokens, minlength=V).double(), p)
-    assert stat < crit, f"{what}: chi-square {stat:.0f} > {crit:.0f} (p < {harness.ALPHA:g}) over {len(tokens)} samples"
+    if not stat < crit:
+        raise harness.Fail(f"{what}: chi-square {stat:.0f}, want below {crit:.0f} (p < {harness.ALPHA:g}) over "
+                           f"{len(tokens)} samples", hint)
+
+
+ACCEPT_HINT = ("the drafts accepted are off: accept draft d with probability min(1, P(d) / Q(d)), i.e. when "
+               "u * Q(d) < P(d) with u ~ U(0, 1) and P = softmax(logits / T) at the temperature given")
+RESIDUAL_HINT = ("the drafts are accepted as they should be, but the bonus after a rejection is off: it is a sample "
+                 "of norm(max(0, P - Q)) at the rejected position (for a point mass, P without the draft's mass), "
+                 "with P = softmax(logits / T) tempered like the test's")
+
+
+def off(tokens, probs):
+    """Do tokens fail to follow probs (chi-square at ALPHA)? False where there is nothing to test
+    (no tokens, or one possible token)."""
+    if len(tokens) == 0 or (probs > 0).sum() < 2:
+        return False
+    stat, crit = harness.chi_square(torch.bincount(tokens, minlength=V).double(), probs / probs.sum())
+    return stat > crit
+
+
+def why_not_p(emitted, accepted, drafts, p, q):
+    """Which half of the rule is wrong, once the emitted token is known not to follow p: the
+    accepted drafts (their rate and their tokens, min(P, Q)) or the bonus after a rejection (the
+    residual). A hint, not a verdict: it runs only after the check has failed."""
+    q = F.one_hot(drafts[0, 0], V).double() if q is None else q[0, 0]
+    both = torch.minimum(p, q)
+    n, rate = len(emitted), float(both.sum())
+    z = (int(accepted.sum()) - n * rate) / max(n * rate * (1 - rate), 1e-12) ** 0.5
+    if abs(z) > 4.4 or off(drafts[accepted, 0], both):        # 4.4 standard errors: p < 1e-5 as well
+        return ACCEPT_HINT
+    return RESIDUAL_HINT if off(emitted[~accepted], (p - q).clamp(min=0)) else ''
 
 
 def test_shapes_and_the_prefix(impl):
@@ -37,12 +68,22 @@ def test_shapes_and_the_prefix(impl):
     q = F.softmax(torch.randn(B, k - 1, V, generator=g, dtype=torch.float64), -1)
     drafts = decode.sample(q, g)
     accepted, n_acc, bonus = impl.verify_sampled(logits, q, drafts, 1.0, g)
-    assert accepted.shape == (B, k - 1) and accepted.dtype == torch.bool, "accepted should be (B, k-1) bool"
-    assert n_acc.shape == (B,) and bonus.shape == (B,), "n_acc and bonus should be (B,)"
-    assert torch.equal(accepted, accepted.long().cumprod(-1).bool()), "a draft after a rejection was accepted"
-    assert torch.equal(n_acc, accepted.sum(-1)), "n_acc is not the number of accepted drafts"
-    assert 0 < n_acc.float().mean() < k - 1, "every draft was accepted, or none: the test draws nothing"
-    assert ((bonus >= 0) & (bonus < V)).all(), "the bonus is not a token"
+    assert accepted.shape == (B, k - 1) and accepted.dtype == torch.bool, \
+        f"accepted is {tuple(accepted.shape)} {accepted.dtype}, want (B, k-1) = {(B, k - 1)} torch.bool"
+    assert n_acc.shape == (B,) and bonus.shape == (B,), \
+        f"n_acc is {tuple(n_acc.shape)}, bonus {tuple(bonus.shape)}, want (B,) = ({B},) each"
+    prefix = accepted.long().cumprod(-1).bool()
+    bad = (accepted != prefix).any(-1).long().argmax()
+    assert torch.equal(accepted, prefix), \
+        f"row {int(bad)}: accepted {accepted[bad].tolist()}, want nothing after the first False: {prefix[bad].tolist()}"
+    bad = (n_acc != accepted.sum(-1)).long().argmax()
+    assert torch.equal(n_acc, accepted.sum(-1)), \
+        f"row {int(bad)}: n_acc {int(n_acc[bad])}, want the number of accepted drafts {int(accepted[bad].sum())}"
+    mean = n_acc.double().mean().item()
+    if not 0 < mean < k - 1:
+        raise harness.Fail(f"n_acc averaged {mean:.2f} over {B} rows, want between 0 and {k - 1} (some drafts "
+                           f"accepted, some refused)", ACCEPT_HINT)
+    assert ((bonus >= 0) & (bonus < V)).all(), f"the bonus is not a token: got {bonus[:8].tolist()}..., want 0..{V - 1}"
 
 
 def test_the_first_token_follows_p(impl):
@@ -53,13 +94,15 @@ def test_the_first_token_follows_p(impl):
     bonus after a rejection must come from the residual, tempered like P."""
     g = torch.Generator().manual_seed(2)
     q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, -1).expand(N, 1, V)
-    for T in (0.7, 1.3):
-        drafts = decode.sample(q, g)
-        emitted, _, _, p = one_position(impl, q, drafts, T, seed=3)
-        assert_follows(emitted, p[0], f"T={T}, sampled drafts: the first token is not the target's")
-    drafts = torch.full((N, 1), 2)                                       # always token 2, Q(2) = 1
-    emitted, _, _, p = one_position(impl, None, drafts, 1.3, seed=4)
-    assert_follows(emitted, p[0], "a point-mass draft: the first token is not the target's")
+    cases = [(q, decode.sample(q, g), T, 3, f"T={T}, sampled drafts") for T in (0.7, 1.3)]
+    cases.append((None, torch.full((N, 1), 2), 1.3, 4, "a point-mass draft (always token 2, Q(2) = 1)"))
+    for qq, drafts, T, seed, what in cases:
+        emitted, accepted, _, p = one_position(impl, qq, drafts, T, seed=seed)
+        stat, crit = harness.chi_square(torch.bincount(emitted, minlength=V).double(), p[0])
+        if not stat < crit:
+            raise harness.Fail(f"{what}: the first token is not the target's: chi-square {stat:.0f}, want below "
+                               f"{crit:.0f} (p < {harness.ALPHA:g}) over {N} samples",
+                               why_not_p(emitted, accepted, drafts, p[0], qq))
 
 
 def test_after_an_accepted_block_the_bonus_follows_p(impl):
@@ -70,7 +113,10 @@ def test_after_an_accepted_block_the_bonus_follows_p(impl):
     q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64), -1).expand(N, 1, V)
     drafts = decode.sample(q, g)
     _, accepted, bonus, p = one_position(impl, q, drafts, 0.7, seed=6)
-    assert accepted.float().mean() > 0.2, "almost nothing accepted: the test draws nothing"
+    rate = accepted.float().mean().item()
+    if not rate > 0.2:
+        raise harness.Fail(f"your code accepted {rate:.1%} of the drafts, want about "
+                           f"{float(torch.minimum(p[0], q[0, 0]).sum()):.0%}", ACCEPT_HINT)
     assert_follows(bonus[accepted], p[1], "after an accepted draft the bonus is not the target's sample")
 
 
@@ -82,30 +128,78 @@ def test_p_equal_to_q(impl):
     logits = torch.randn(64, 3, V, generator=g, dtype=torch.float64)
     q = F.softmax(logits[:, :-1] / 0.9, -1)                              # exactly p at T = 0.9
     accepted, n_acc, bonus = impl.verify_sampled(logits, q, decode.sample(q, g), 0.9, g)
-    assert accepted.all(), "with q = p every draft must be accepted"
-    assert ((bonus >= 0) & (bonus < V)).all(), f"the bonus is not a token: {bonus[:8].tolist()}"
+    if not accepted.all():
+        raise harness.Fail(f"q is p at T = 0.9, yet {int((~accepted).sum())} of {accepted.numel()} drafts were "
+                           f"refused, want none", "with Q = P the test u * Q(d) < P(d) always passes: if it does "
+                           "not, P is not softmax(logits / T) at the temperature given (or the test compares "
+                           "something else)")
+    if not ((bonus >= 0) & (bonus < V)).all():
+        raise harness.Fail(f"the bonus is not a token: got {bonus[:8].tolist()}..., want tokens in 0..{V - 1}",
+                           "the residual max(0, P - Q) sums to 0 here and normalising it divides by zero: fall "
+                           "back to P where it sums to 0 (a rejection has probability 0 there)")
 
 
 def test_no_host_sync(impl):
-    """No host sync. Hint: draw every candidate bonus at once and gather the one at n_acc."""
+    """No host sync. For sampled drafts (q given) and for point masses (q None). Hint: draw every
+    candidate bonus at once and gather the one at n_acc."""
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(8, 4, V, generator=g, dtype=torch.float64)
     q = F.softmax(torch.randn(8, 3, V, generator=g, dtype=torch.float64), -1)
     drafts = decode.sample(q, g)
-    with harness.HostSyncs() as syncs:
-        impl.verify_sampled(logits, q, drafts, 1.0, g)
-    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}"
+    point_mass = ("only the point-mass path syncs (F.one_hot? It checks its input's range on the host): remove the "
+                  "draft's mass with p.scatter(-1, drafts[..., None], 0.0) instead")
+    for qq, what, hint in ((q, 'sampled drafts (q given)', ''), (None, 'point-mass drafts (q None)', point_mass)):
+        with harness.HostSyncs() as syncs:
+            impl.verify_sampled(logits, qq, drafts, 1.0, g)
+        if syncs.seen:
+            raise harness.Fail(f"{what}: host syncs {', '.join(sorted(set(syncs.seen)))}, want none", hint)
+
+
+def differ(a, b):
+    """How many rows of two (accepted, n_acc, bonus) differ anywhere."""
+    return int(torch.stack([(x != y).reshape(len(x), -1).any(-1) for x, y in zip(a, b)]).any(0).sum())
+
+
+def test_the_same_seed_gives_the_same_output(impl):
+    """The same seed gives the same output. Generators seeded alike give identical accepted, n_acc
+    and bonus whatever state the global RNG is in, and a generator seeded otherwise gives other
+    ones, for sampled drafts and point masses. Hint: draw every random number from `generator`:
+    the coins (torch.rand(..., generator=generator)) and the bonuses (model.sample(weights,
+    generator)); the global RNG makes the distribution right but the text unrepeatable."""
+    g = torch.Generator().manual_seed(9)
+    B = 400
+    logits = torch.randn(B, 4, V, generator=g, dtype=torch.float64) * 1.5
+    q = F.softmax(torch.randn(B, 3, V, generator=g, dtype=torch.float64), -1)
+    for qq, drafts, what in ((q, decode.sample(q, g), 'sampled drafts'),
+                             (None, logits[:, :-1].argmax(-1), 'point-mass drafts')):
+        runs = []
+        with torch.random.fork_rng(devices=[]):                           # the caller's global RNG untouched
+            for global_seed, seed in ((1, 0), (2, 0), (1, 1)):
+                torch.manual_seed(global_seed)
+                runs.append(impl.verify_sampled(logits, qq, drafts, 1.0, torch.Generator().manual_seed(seed)))
+        if differ(runs[0], runs[1]):
+            raise harness.Fail(f"{what}: the same generator seed, the global RNG seeded otherwise: "
+                               f"{differ(runs[0], runs[1])} of {B} rows differ, want 0")
+        if not differ(runs[0], runs[2]):
+            raise harness.Fail(f"{what}: generators seeded 0 and 1 gave identical outputs in all {B} rows, want "
+                               f"other draws", "the draws ignore `generator` (a fixed seed, or no draw at all?): "
+                               "the coins and the bonuses are random, drawn from it")
 
 
 def test_lossless_through_generate(impl):
     """Lossless through decode.generate. Speculative sampling with BPD heads that sample their
     drafts, and with argmax drafts: every 3-token continuation of the enumerable world's prompt
     comes out with the target's exact probability (chi-square, 20,000 samples).
-    Hint: if the checks above pass, look at what merged_step gives you: q is None for argmax drafts."""
+    Hint: the checks above test one block at a time, and say which half of the rule is off; if they
+    pass and this fails, look at what merged_step gives you: several drafts per block, k = 4."""
     model = harness.target8()
     for sample_drafts, T in ((True, 1.3), (False, 0.8)):
         heads = harness.peaky(BlockHeads(model.config, 4, sample_drafts=sample_drafts), 0.3, 1)
-        harness.assert_lossless(model, heads, T, what=f"{'sampled' if sample_drafts else 'argmax'} drafts, T={T}: ")
+        hint = '' if sample_drafts else ("for argmax drafts merged_step gives you q None, a point mass (Q(d) = 1): "
+                                         "the residual is P without the draft's mass, P = softmax(logits / T) at "
+                                         "the T given (0.8 here), for the test and the bonus alike")
+        harness.assert_lossless(model, heads, T, what=f"{'sampled' if sample_drafts else 'argmax'} drafts, T={T}: ",
+                                hint=hint)
 
 
 def try_it(impl, tryout):

@@ -15,12 +15,14 @@ def verify_sampled(logits, q, drafts, temperature, generator=None):
     logits (B, k, V): the target's logits after each position of the block [bonus, d_1 .. d_{k-1}].
     q (B, k-1, V): the proposal's distribution each draft was drawn from, Q_{j+1}(.) for draft j+1,
         at `temperature` already; or None when the drafts are a point mass (Q(d) = 1).
-    drafts (B, k-1); temperature > 0; generator: draw every random number from it.
+    drafts (B, k-1); temperature > 0; generator: draw every random number from it (the coins and
+        the bonuses), never from the global RNG, so the same seed gives the same output.
 
     Returns accepted (B, k-1) bool, n_acc (B,) long and bonus (B,) long, as verify_greedy does:
     draft j+1 is accepted with probability min(1, P_j(d) / Q_{j+1}(d)) where P_j = softmax of
     logits[:, j] / T; nothing counts past the first rejection; the bonus is a sample of
     norm(max(0, P - Q)) at the rejected position, or of P_{k-1} when every draft was accepted.
-    No Python loop over positions or rows, no .item(), no division by zero.
+    No Python loop over positions or rows, no .item() or other host sync (F.one_hot syncs on a CPU;
+    Tensor.scatter does not), no division by zero.
     """
     raise NotImplementedError("exercise 2: write verify_sampled in exercises/02_spec_sampling/student.py")

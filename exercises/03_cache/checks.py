@@ -27,7 +27,7 @@ def test_a_prefill_matches_the_full_forward(impl):
     impl.commit(cache, 9)
     assert cache.lengths.tolist() == [9, 9], f"lengths {cache.lengths.tolist()} after committing 9 tokens, want [9, 9]"
     err = (model.lm_head(h) - model(prompt)[0]).abs().max().item()
-    assert err < TOL, f"cached logits differ from the full forward by {err:.2e}"
+    assert err < TOL, f"cached logits differ from the full forward by {err:.2e}, want below {TOL:g}"
 
 
 def test_rows_keep_their_own_lengths(impl):
@@ -60,10 +60,43 @@ def test_rejected_entries_are_overwritten(impl):
     for b in range(2):
         seq = torch.cat([prompt[b], block[b, :keep[b]], nxt[b]])
         err = (got[b] - model(seq[None])[0][0, -3:]).abs().max().item()
-        assert err < TOL, f"row {b} (kept {int(keep[b])} of 6): the next block's logits differ by {err:.2e}"
+        assert err < TOL, \
+            f"row {b} (kept {int(keep[b])} of 6): the next block's logits differ by {err:.2e}, want below {TOL:g}"
         seq = torch.cat([seq, last[b]])
         err = (got_last[b] - model(seq[None])[0][0, -2:]).abs().max().item()
-        assert err < TOL, f"row {b}: the block after that differs by {err:.2e}"
+        assert err < TOL, f"row {b}: the block after that differs by {err:.2e}, want below {TOL:g}"
+
+
+def test_the_buffers_stay_in_place(impl):
+    """The buffers stay in place. After write and commit (an int and a (B,) tensor), cache.k,
+    cache.v and cache.lengths are the very tensors they were, at the same addresses, and write
+    returns views of the layer's buffers, not copies: a compiled step and a CUDA graph hold on to
+    these addresses, and a rebound buffer is one they never see. Hint: everything in place:
+    cache.lengths += n; index assignment or scatter_ into cache.k and cache.v."""
+    model = harness.tiny_target()
+    cache = model.new_cache(2, 32)
+    before = {name: (getattr(cache, name), getattr(cache, name).data_ptr()) for name in ('k', 'v', 'lengths')}
+    k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
+    K, V = impl.write(cache, 1, k, k, torch.tensor([[0, 1, 2], [4, 5, 6]]))
+    for name, got in (('K', K), ('V', V)):
+        buffer = getattr(cache, name.lower())[1]
+        if not (isinstance(got, torch.Tensor) and got.shape == buffer.shape and got.data_ptr() == buffer.data_ptr()):
+            raise harness.Fail(f"write returned a {name} that is not cache.{name.lower()}[layer_idx] (want a view at "
+                               f"its address {buffer.data_ptr():#x}, shape {tuple(buffer.shape)})",
+                               f"return cache.{name.lower()}[layer_idx] itself, after writing into it in place")
+    impl.commit(cache, 1)
+    impl.commit(cache, torch.tensor([1, 2]))
+    for name, (tensor, ptr) in before.items():
+        now = getattr(cache, name)
+        if now is not tensor or now.data_ptr() != ptr:
+            hint = ("commit must move the lengths in place: cache.lengths += n, not cache.lengths = cache.lengths + n"
+                    if name == 'lengths' else
+                    f"write into cache.{name} in place (index assignment, or scatter_ on a view of it), not into a "
+                    f"new tensor bound to it (torch.cat, scatter without the underscore, .clone())")
+            raise harness.Fail(f"cache.{name} is a new tensor after {'commit' if name == 'lengths' else 'write'} "
+                               f"(at {now.data_ptr():#x}), want the same tensor at {ptr:#x}", hint)
+    assert cache.lengths.tolist() == [2, 3], \
+        f"lengths {cache.lengths.tolist()} after commit(1), commit([1, 2]), want [2, 3]"
 
 
 def test_no_host_sync(impl):
@@ -76,22 +109,27 @@ def test_no_host_sync(impl):
     with harness.HostSyncs() as syncs:
         impl.write(cache, 1, k, k, pos)
         impl.commit(cache, n)
-    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}"
+    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none"
 
 
 def test_decodes_exactly_greedy(impl):
     """Decodes exactly greedy. Through decode.generate with your cache: the output is plain greedy
     decoding's, with drafts right, sometimes wrong and mostly wrong, rows of one batch advancing
-    by their own tau. Hint: a row that accepts less than another must not inherit its length."""
+    by their own tau. Hint: the checks above test write and commit alone and say which is off; if
+    they pass and this fails, look at rows at different lengths: row b is written at its own
+    cache.lengths[b] + 0..L-1 and moves by its own n[b]."""
     model = harness.tiny_target()
     prompts = tokens((3, 8), 5)
     m = 40
-    ref = harness.plain_greedy(model, prompts, m + 10)
+    full = harness.plain_greedy(model, prompts, m + 10)                  # the oracle drafts past the end too
+    ref = full[:, :8 + m]
     for k, wrong in ((4, lambda t, j: t % 5 == 2 and j == t % 3), (6, lambda t, j: t % 2 == 0 and j == 1)):
-        out, _ = decode.generate(model, prompts, m, drafter=harness.GreedyOracle(model, ref, k, wrong), k=k)
-        assert torch.equal(out, ref[:, :8 + m]), f"k={k}: the output differs from plain greedy decoding"
+        out, _ = decode.generate(model, prompts, m, drafter=harness.GreedyOracle(model, full, k, wrong), k=k)
+        assert torch.equal(out, ref), \
+            f"k={k}: the output differs from plain greedy decoding at {harness.first_difference(out, ref, 8)}"
     out, _ = decode.generate(model, prompts, m, drafter=harness.peaky(BlockHeads(model.config, 4), 0.5, 4), k=4)
-    assert torch.equal(out, ref[:, :8 + m]), "random heads: the output differs from plain greedy decoding"
+    assert torch.equal(out, ref), \
+        f"random heads: the output differs from plain greedy decoding at {harness.first_difference(out, ref, 8)}"
 
 
 def try_it(impl, tryout):

@@ -15,7 +15,8 @@ def write(cache, layer_idx, k, v, pos):
     k, v (B, n_head, L, head_dim): the block's keys and values at layer layer_idx.
     pos (B, L): where each row's block goes in the buffer (row b: cache.lengths[b] + 0..L-1).
     Returns (K, V), each (B, n_head, max_len, head_dim): the layer's buffers after the write.
-    Write in place, at the positions: nothing concatenated, nothing allocated per step.
+    Write in place, at the positions: nothing concatenated, nothing allocated per step;
+    cache.k and cache.v stay the same tensors, and K, V are cache.k[layer_idx], cache.v[layer_idx].
     """
     raise NotImplementedError("exercise 3: write `write` in exercises/03_cache/student.py")
 
@@ -23,5 +24,5 @@ def write(cache, layer_idx, k, v, pos):
 def commit(cache, n):
     """Keep the first n (B,) tokens (or an int for every row) of the block just written: they
     become part of each row's sequence. The entries past them stay in the buffer until the next
-    block overwrites them."""
+    block overwrites them. In place: cache.lengths stays the same tensor (+=, not a new one)."""
     raise NotImplementedError("exercise 3: write `commit` in exercises/03_cache/student.py")

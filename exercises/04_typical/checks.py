@@ -29,8 +29,39 @@ def test_the_greedy_token_always_passes(impl):
     logits, _ = random_block()
     for param in SETTINGS:
         ok = impl.typical(logits, logits[:, :-1].argmax(-1), param)
-        assert ok.shape == (400, 4) and ok.dtype == torch.bool, f"ok should be (B, k-1) bool, got {tuple(ok.shape)}"
-        assert ok.all(), f"(epsilon, delta) = {param}: the argmax was refused in {int((~ok).sum())} places"
+        assert ok.shape == (400, 4) and ok.dtype == torch.bool, \
+            f"ok should be (B, k-1) = (400, 4) bool, got {tuple(ok.shape)} {ok.dtype}"
+        if not ok.all():
+            raise harness.Fail(f"(epsilon, delta) = {param}: the argmax was refused in {int((~ok).sum())} of "
+                               f"{ok.numel()} places, want none",
+                               misread(ok, logits, logits[:, :-1].argmax(-1), *param))
+
+
+def bar(logits, drafts, eps, delta, judge=slice(None, -1), pick=torch.minimum, sign=-1):
+    """The rule written out in float64: each draft's p_j(d) (B, k-1) and the bar it must clear
+    (B, k-1). The keywords give the ways it is commonly miswritten, for the hints: judged by other
+    logits, another combination of the two bars, exp(+H)."""
+    p = F.softmax(logits[:, judge].double(), -1)
+    H = -torch.special.xlogy(p, p).sum(-1)                              # 0 log 0 = 0
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1), pick(torch.full_like(H, eps), delta * torch.exp(sign * H))
+
+
+def rule(logits, drafts, eps, delta, **how):
+    p_d, threshold = bar(logits, drafts, eps, delta, **how)
+    return p_d > threshold
+
+
+MISREAD = [   # (how the rule was misread, the hint that says so)
+    (dict(judge=slice(1, None)), "you judged draft j+1 by logits[:, j + 1]: it is judged by logits[:, j], the "
+                                 "target's prediction after the block position before it, so use logits[:, :-1]"),
+    (dict(pick=torch.maximum), "you took the larger of the two bars: the bar is min(epsilon, delta exp(-H))"),
+    (dict(sign=1), "you used exp(+H): the bar is delta exp(-H(p)), lower where the target is unsure"),
+]
+
+
+def misread(got, logits, drafts, eps, delta):
+    """The hint for verdicts `got` that one of the common misreadings gives exactly ('' if none)."""
+    return next((hint for how, hint in MISREAD if torch.equal(got, rule(logits, drafts, eps, delta, **how))), '')
 
 
 def test_the_threshold(impl):
@@ -39,15 +70,46 @@ def test_the_threshold(impl):
     logits[:, j] (the target's prediction after the block position before it), so use
     logits[:, :-1]; H = -sum p log p."""
     logits, drafts = random_block(seed=1)
-    p = F.softmax(logits[:, :-1], -1)
-    H = -(p * p.clamp_min(1e-300).log()).sum(-1)
-    p_d = p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     for eps, delta in SETTINGS:
-        want = p_d > torch.minimum(torch.full_like(H, eps), delta * torch.exp(-H))
+        want = rule(logits, drafts, eps, delta)
         got = impl.typical(logits, drafts, (eps, delta))
         bad = int((got != want).sum())
-        assert bad == 0, f"(epsilon, delta) = {(eps, delta)}: {bad} of {want.numel()} drafts judged otherwise"
+        if bad:
+            raise harness.Fail(f"(epsilon, delta) = {(eps, delta)}: {bad} of {want.numel()} drafts judged otherwise "
+                               f"than the rule, want 0", misread(got, logits, drafts, eps, delta))
         assert 0 < want.float().mean() < 1, "the test block should have drafts on both sides"
+
+
+def test_float32_and_huge_gaps(impl):
+    """float32, and tokens far below the rest. Logits in float32, as decoding computes them, where
+    some tokens sit 120 and 1,000 below the rest (their probability underflows to 0 in float32):
+    the argmax still passes, those tokens are refused, and every draft is judged as the rule
+    computed in float64 judges it."""
+    base, drafts = random_block(seed=5)
+    B, k, V = base.shape
+    g = torch.Generator().manual_seed(6)
+    far = torch.randint(V, (B, k, 2), generator=g)                        # two tokens per position, far below
+    low = base.amin(-1, keepdim=True) - torch.tensor([120.0, 1000.0], dtype=torch.float64)
+    logits = base.scatter(-1, far, low).float()
+    drafts = torch.where(torch.arange(B)[:, None] % 4 == 0, far[:, :-1, 0], drafts)   # a quarter drafts a far token
+    p_d, threshold = bar(logits, drafts, 0.09, 0.3)
+    clear = (p_d - threshold).abs() > 1e-4 * threshold                  # float32 may judge a near tie otherwise
+    greedy = logits[:, :-1].argmax(-1)
+    argmax_ok = impl.typical(logits, greedy, (0.09, 0.3))
+    if not argmax_ok.all():
+        in_float64 = impl.typical(base, base[:, :-1].argmax(-1), (0.09, 0.3)).all()     # no gaps, float64
+        raise harness.Fail(
+            f"float32 logits with tokens 120 and 1000 below the rest: the argmax was refused in "
+            f"{int((~argmax_ok).sum())} of {argmax_ok.numel()} places, want none",
+            "in float32 those tokens' p underflows to 0, and 0 * log 0 is NaN (NaN > anything is False): guard "
+            "the entropy (torch.special.xlogy(p, p), or clamp p at torch.finfo(p.dtype).tiny; 1e-300 is 0 in "
+            "float32), or compute it in float64" if in_float64 else
+            "the same logits in float64 are refused too, so it is the rule, not the precision: the checks above "
+            "say more")
+    got = impl.typical(logits, drafts, (0.09, 0.3))
+    bad = int(((got != (p_d > threshold)) & clear).sum())
+    assert bad == 0, f"float32 logits with tokens far below the rest: {bad} of {int(clear.sum())} drafts judged " \
+                     f"otherwise than the rule in float64, want 0"
 
 
 def test_tau_does_not_fall_as_epsilon_falls(impl):
@@ -58,24 +120,31 @@ def test_tau_does_not_fall_as_epsilon_falls(impl):
     for eps in (0.5, 0.2, 0.05, 0.01, 0.001):
         _, n_acc, _ = decode.accept_prefix(impl.typical(logits, drafts, (eps, 0.3)), logits.argmax(-1))
         if prev is not None:
-            assert (n_acc >= prev).all(), f"epsilon {eps}: some rows keep fewer drafts than at a larger epsilon"
-        prev = n_acc
+            fewer = n_acc < prev[1]
+            r = int(fewer.long().argmax())
+            assert not fewer.any(), f"epsilon {eps}: {int(fewer.sum())} rows keep fewer drafts than at epsilon " \
+                                    f"{prev[0]} (row {r}: {int(n_acc[r])}, want at least {int(prev[1][r])})"
+        prev = eps, n_acc
 
 
 def test_the_parameter_is_read_and_checked(impl):
     """The parameter is read and checked. 'typical:0.09,0.3' gives (0.09, 0.3); malformed or
     out-of-range values are refused with a one-line error naming --accept. Hint: raise ValueError
     with a short reason; decode.parse_accept adds the rest."""
-    assert tuple(impl.parse_typical('0.09,0.3', 50)) == (0.09, 0.3), "'0.09,0.3' should read as (0.09, 0.3)"
-    rule, param = decode.parse_accept('typical:0.2,0.5', 50)
-    assert rule is impl.typical and tuple(param) == (0.2, 0.5), "decode.parse_accept does not reach your entry"
+    got = tuple(impl.parse_typical('0.09,0.3', 50))
+    assert got == (0.09, 0.3), f"parse_typical('0.09,0.3') gave {got}, want (0.09, 0.3)"
+    fn, param = decode.parse_accept('typical:0.2,0.5', 50)
+    assert fn is impl.typical and tuple(param) == (0.2, 0.5), \
+        f"decode.parse_accept('typical:0.2,0.5') gave ({getattr(fn, '__name__', fn)}, {param}), " \
+        f"want (typical, (0.2, 0.5))"
     for bad in ('0.09', 'a,b', '0,0.3', '0.09,1', '1.5,0.3', '-1,0.3', 'nan,0.3', '0.1,0.2,0.3', ''):
         try:
             decode.parse_accept(f'typical:{bad}', 50, cli=True)
         except BadInput as e:
-            assert '--accept' in str(e) and '\n' not in str(e), f"'typical:{bad}': the error should be one line naming --accept"
+            assert '--accept' in str(e) and '\n' not in str(e), \
+                f"'typical:{bad}': the error {str(e)!r} should be one line naming --accept"
             continue
-        raise AssertionError(f"'typical:{bad}' was accepted; it should be refused")
+        raise AssertionError(f"'typical:{bad}' was accepted; want it refused (0 < EPSILON <= 1, 0 < DELTA < 1)")
 
 
 def test_no_host_sync(impl):
@@ -83,7 +152,7 @@ def test_no_host_sync(impl):
     logits, drafts = random_block(B=8, seed=3)
     with harness.HostSyncs() as syncs:
         impl.typical(logits, drafts, (0.09, 0.3))
-    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}"
+    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none"
 
 
 @torch.no_grad()
@@ -105,15 +174,24 @@ def test_every_committed_draft_passes(impl):
         t = 8 - 1                                           # the last committed position before a step
         for tau in stats['accept_lengths']:
             s = t + 1                                       # the step's bonus
-            assert out[0, s] == logits[t].argmax(), f"step at {s}: the bonus is not the target's argmax"
+            assert out[0, s] == logits[t].argmax(), \
+                f"step at position {s}: the bonus is {int(out[0, s])}, want the target's argmax " \
+                f"{int(logits[t].argmax())}"
             m = min(tau, k - 1)                             # its committed drafts, and the refused one
             if s + m < out.size(1):
                 ok = impl.typical(logits[None, s:s + m + 1], drafts_at[None, t, :m], (0.3, 0.6))[0]
-                assert ok[:tau - 1].all(), f"step at {s}: a committed draft fails the rule"
-                assert tau == k or not ok[tau - 1], f"step at {s}: draft {tau} passes the rule but was refused"
+                assert ok[:tau - 1].all(), \
+                    f"step at position {s}: the rule says {ok[:tau - 1].tolist()} of its {tau - 1} committed " \
+                    f"drafts, want all True"
+                assert tau == k or not ok[tau - 1], \
+                    f"step at position {s}: its draft {tau - 1} (from 0) passes the rule but was refused, " \
+                    f"want it committed"
             taus_all.append(tau)
             t += tau
-    assert max(taus_all) > 2, "the drafts were hardly ever accepted: the check decodes nothing"
+    if not max(taus_all) > 2:
+        raise harness.Fail(f"your rule let through at most {max(taus_all) - 1} of a step's drafts, want 2 or more at "
+                           f"some steps: these heads' drafts are often typical",
+                           "the checks above test the rule alone, and say what is off")
 
 
 @torch.no_grad()

@@ -14,13 +14,14 @@ def typical(logits, drafts, param):
 
     logits (B, k, V): the target's logits after each block position; drafts (B, k-1);
     param: (epsilon, delta), what parse_typical returned. Returns ok (B, k-1) bool.
-    Like decode.exact, top_n and min_block: no loop, no .item().
+    Like decode.exact, top_n and min_block: no loop, no .item(). The logits may be float32 with
+    probabilities that underflow to 0: 0 log 0 is 0 there, never NaN.
     """
     raise NotImplementedError("exercise 4: write typical in exercises/04_typical/student.py")
 
 
 def parse_typical(text, vocab_size):
     """The parameter of 'typical:EPSILON,DELTA' from its text 'EPSILON,DELTA' -> (epsilon, delta),
-    two numbers with 0 < epsilon <= 1 and 0 < delta < 1. Anything else: raise ValueError with a
-    short reason (decode turns it into a one-line error naming the flag)."""
+    exactly two numbers with 0 < epsilon <= 1 and 0 < delta < 1 (nan refused). Anything else: raise
+    ValueError with a short reason (decode turns it into a one-line error naming the flag)."""
     raise NotImplementedError("exercise 4: write parse_typical in exercises/04_typical/student.py")

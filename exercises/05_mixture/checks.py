@@ -20,29 +20,48 @@ def random_mixture(N=6, K=3, n=4, V=5, seed=0):
     return log_prior, log_q, drafts
 
 
-def brute_force(log_prior, log_q, drafts):
-    """w (N, n, K) and Q (N, n, V) from the definitions, in probability space (fine for 4 positions)."""
+def brute_force(log_prior, log_q, drafts, seen=0):
+    """w (N, n, K) and Q (N, n, V) from the definitions, in probability space (fine for 4 positions).
+    seen: how many drafts position i conditions on beyond those before it (0; for the hints, 1: its
+    own draft too)."""
     pi, q = log_prior.exp(), log_q.exp()
     N, K, n, V = q.shape
     qd = q.gather(-1, drafts[:, None, :, None].expand(N, K, n, 1)).squeeze(-1)   # (N, K, n)
     w = torch.empty(N, n, K, dtype=q.dtype)
     for i in range(n):
-        joint = pi * qd[:, :, :i].prod(-1)                                        # pi_z prod_{l<i}
+        joint = pi * qd[:, :, :i + seen].prod(-1)                                 # pi_z prod_{l<i}
         w[:, i] = joint / joint.sum(-1, keepdim=True)
     return w, torch.einsum('nik,nkiv->niv', w, q)
+
+
+PRIOR = ("you gave the prior at every position: position i's posterior weighs each branch by how likely it made "
+         "the drafts before i, pi'_z prod_{l<i} q~_l(d_l | z)")
+OWN_DRAFT = ("position i saw its own draft: the sum over l < i is exclusive (position 0 sees no draft, so its "
+             "posterior is the prior): shift the cumulative sum by one")
+
+
+def misread(w, log_prior, log_q, drafts):
+    """The hint for a posterior w (N, n, K) that a common misreading gives ('' if none)."""
+    if (w - log_prior.exp()[:, None]).abs().max() < 1e-9:
+        return PRIOR
+    if (w - brute_force(log_prior, log_q, drafts, seen=1)[0]).abs().max() < 1e-9:
+        return OWN_DRAFT
+    return ''
 
 
 def test_the_posterior_by_enumeration(impl):
     """The posterior by enumeration. log w (N, n, K) equals pi'_z prod_{l<i} q~_l(d_l | z),
     normalised, computed directly. Hint: an exclusive cumulative sum of log q over positions
-    (position 1 sees none, so w at position 1 is the prior), then log_softmax over z."""
+    (position 0 sees none, so w at position 0 is the prior), then log_softmax over z."""
     log_prior, log_q, drafts = random_mixture()
     log_qd = log_q.gather(-1, drafts[:, None, :, None].expand(-1, 3, -1, 1)).squeeze(-1)
     log_w = impl.posterior(log_prior, log_qd)
     assert log_w.shape == (6, 4, 3), f"log w should be (N, n, K) = (6, 4, 3), got {tuple(log_w.shape)}"
     w, _ = brute_force(log_prior, log_q, drafts)
     err = (log_w.exp() - w).abs().max().item()
-    assert err < 1e-12, f"the posterior differs from the definition by {err:.1e} (position 1 must be the prior)"
+    if not err < 1e-12:
+        raise harness.Fail(f"the posterior differs from the definition by {err:.1e}, want below 1e-12",
+                           misread(log_w.exp(), log_prior, log_q, drafts))
 
 
 def test_the_conditionals_by_enumeration(impl):
@@ -54,15 +73,25 @@ def test_the_conditionals_by_enumeration(impl):
     assert Q.shape == (6, 4, 5), f"Q should be (N, n, V) = (6, 4, 5), got {tuple(Q.shape)}"
     _, want = brute_force(log_prior, log_q, drafts)
     err = (Q - want).abs().max().item()
-    assert err < 1e-12, f"Q differs from sum_z w_iz q_i(.|z) by {err:.1e}"
+    if not err < 1e-12:
+        # the posteriors of the common misreadings: does one of them give this Q?
+        wrong = [log_prior.exp()[:, None].expand(-1, 4, -1), brute_force(log_prior, log_q, drafts, seen=1)[0]]
+        hint = next((misread(w, log_prior, log_q, drafts) for w in wrong
+                     if (Q - torch.einsum('nik,nkiv->niv', w, log_q.exp())).abs().max() < 1e-9), '')
+        raise harness.Fail(f"Q differs from sum_z w_iz q_i(.|z) by {err:.1e}, want below 1e-12", hint)
     # greedy branches: each branch a path, the drafts along branch 0's path
     paths = log_q.argmax(-1)                                                      # (N, K, n)
     one_hot = torch.full_like(log_q, -math.inf).scatter_(-1, paths.unsqueeze(-1), 0.0)
     Q = impl.conditionals(log_prior, one_hot, paths[:, 0])
-    assert torch.isfinite(Q).all(), "greedy branches: Q has NaN or inf"
-    assert torch.allclose(Q.sum(-1), torch.ones(6, 4, dtype=Q.dtype)), "greedy branches: Q does not sum to 1"
+    bad = int((~torch.isfinite(Q)).sum())
+    assert bad == 0, f"greedy branches: {bad} of Q's {Q.numel()} entries are NaN or inf, want none"
+    total = Q.sum(-1)
+    assert torch.allclose(total, torch.ones(6, 4, dtype=Q.dtype)), \
+        f"greedy branches: Q's rows sum to {total.min().item():.3g}..{total.max().item():.3g}, want 1"
     _, want = brute_force(log_prior, one_hot, paths[:, 0])
-    assert (Q - want).abs().max().item() < 1e-12, "greedy branches: Q is not the posterior mass on each path's token"
+    err = (Q - want).abs().max().item()
+    assert err < 1e-12, f"greedy branches: Q differs from the posterior mass on each path's token by {err:.1e}, " \
+                        f"want below 1e-12"
 
 
 def test_no_underflow_over_32_tokens(impl):
@@ -72,10 +101,19 @@ def test_no_underflow_over_32_tokens(impl):
     log_qd = torch.tensor([[-40.0], [-40.3], [-41.0]], dtype=torch.float64).expand(3, n)[None]   # (1, K=3, n)
     log_w = impl.posterior(torch.log(torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64)), log_qd)
     w = log_w.exp()
-    assert torch.isfinite(w).all(), "the posterior underflowed: NaN or inf"
+    bad = ~torch.isfinite(w).all(-1)[0]
+    assert not bad.any(), \
+        f"the posterior underflowed: NaN or inf from position {int(bad.long().argmax())} on, want finite"
     i = torch.arange(n, dtype=torch.float64)
     want = torch.exp(-0.3 * i) * 0.3 / 0.2                                        # w_1 / w_0 before position i
-    assert torch.allclose(w[0, :, 1] / w[0, :, 0], want, rtol=1e-9), "the posterior is wrong far into the block"
+    got = w[0, :, 1] / w[0, :, 0]
+    off = ~torch.isclose(got, want, rtol=1e-9)
+    j = int(off.long().argmax())
+    if off.any():
+        hint = next((h for h, w in ((PRIOR, torch.full_like(want, 1.5)), (OWN_DRAFT, want * math.exp(-0.3)))
+                     if torch.allclose(got, w, rtol=1e-9)), '')
+        raise harness.Fail(f"position {j}: the posterior ratio of branches 1 and 0 is {got[j].item():.6g}, want "
+                           f"{want[j].item():.6g}", hint)
 
 
 def test_no_host_sync(impl):
@@ -83,14 +121,15 @@ def test_no_host_sync(impl):
     log_prior, log_q, drafts = random_mixture(seed=2)
     with harness.HostSyncs() as syncs:
         impl.conditionals(log_prior, log_q, drafts)
-    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}"
+    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none"
 
 
 def test_lossless_through_generate(impl):
     """Lossless through decode.generate. A K = 4 DBlast drafter with sampled branches (Z_T = 1,
     T = 1.3) and greedy branches (Z_T = 0.5, T = 0.8), verified against your Q: every 3-token
     continuation comes out with the target's probability (chi-square, 20,000 samples).
-    Hint: the drafts were drawn from the branch z ~ pi'; Q must weigh the branches by pi' too."""
+    Hint: the drafts were drawn from the branch z ~ pi'; Q must weigh the branches by pi' too; the
+    checks above test the posterior and Q alone, and say which is off."""
     model = harness.target8()
     for sample_drafts, zt, T in ((True, 1.0, 1.3), (False, 0.5, 0.8)):
         d = harness.peaky(DBlastDrafter(model.config, 4, 4, sample_drafts=sample_drafts, zt=zt), 0.3, 2)

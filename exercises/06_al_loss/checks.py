@@ -17,6 +17,11 @@ SEAMS = {'dblast.prefix_log_accept': 'prefix_log_accept', 'dblast.al_surrogate':
 REFERENCE = {'prefix_log_accept': 'dblast.prefix_log_accept', 'al_surrogate': 'dblast.al_surrogate'}
 
 
+def fmt(t):
+    """A short tensor for a message: [1.409, 4.084]."""
+    return '[' + ', '.join(f"{x:.4g}" for x in t.detach().reshape(-1).tolist()) + ']'
+
+
 def random_block(N=8, K=3, n=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     log_prior = F.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64), -1)
@@ -38,15 +43,16 @@ def test_the_prefix_weights_by_enumeration(impl):
     Q = joint / torch.cat([torch.ones_like(joint[:, :1]), joint[:, :-1]], 1)       # Q_i(x_i)
     want = torch.minimum(torch.ones_like(Q), Q / log_px.exp()).cumprod(-1).log()
     err = (a - want).abs().max().item()
-    assert err < 1e-12, f"a differs from log prod min(1, Q_i / p_i) by {err:.1e}"
+    assert err < 1e-12, f"a differs from log prod min(1, Q_i / p_i) by {err:.1e}, want below 1e-12"
 
 
 @torch.no_grad()
 def test_the_acceptance_length_identity(impl):
     """The acceptance-length identity. E_{x ~ p}[sum_j exp(a_j)], summed exactly over every block of
     the 8-token world, equals the accepted drafts speculative decoding measures (20,000 first steps
-    of a K = 4 drafter). Hint: if the enumeration check passes, this one does too; if it fails
-    alone, the clamp at 0 is missing or misplaced."""
+    of a K = 4 drafter). Hint: the identity sums exp(a_j) of your prefix_log_accept, which the
+    first check tests alone; if that one passes and this fails, the clamp at 0 is missing or
+    misplaced."""
     model = harness.target8()
     d = harness.peaky(DBlastDrafter(model.config, 4, 4), 0.3, 2)
     T, n = 1.0, 3
@@ -64,39 +70,63 @@ def test_the_acceptance_length_identity(impl):
     first = torch.tensor(stats['accept_lengths'][:rows], dtype=torch.float64) - 1
     mean, se = first.mean().item(), first.std().item() / math.sqrt(rows)
     assert abs(mean - expected) < 4.5 * se, \
-        f"the identity gives {expected:.3f} accepted drafts, decoding measures {mean:.3f} +- {se:.3f}"
+        f"the identity gives {expected:.3f} accepted drafts, decoding measures {mean:.3f} +- {se:.3f}, want them " \
+        f"within 4.5 standard errors ({4.5 * se:.3f})"
 
 
 def test_the_threshold_and_the_fallback(impl):
     """The threshold and the fallback. Every prefix kept at tau_threshold 0 (L = -mean_j t_j); only
     a_j >= log tau kept in between; the row's NLL where nothing is kept. Hint: t_j = logsumexp
-    over j' >= j: a flipped logcumsumexp."""
+    over j' >= j: a flipped logcumsumexp; tau_threshold 0 keeps everything (log 0 = -inf)."""
     a = torch.tensor([[-0.1, -0.5, -2.0, -4.0], [-3.0, -3.5, -5.0, -6.0]], dtype=torch.float64)
     nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
     t = torch.stack([torch.logsumexp(a[:, j:], -1) for j in range(4)], -1)
     got = impl.al_surrogate(a, nll, 0.0)
-    assert torch.allclose(got, -t.mean(-1)), f"tau_threshold 0: {got.tolist()}, want -mean t_j {(-t.mean(-1)).tolist()}"
-    got = impl.al_surrogate(a, nll, math.exp(-1.0))                               # keeps j = 1, 2 of row 0 only
+    if not torch.allclose(got, -t.mean(-1)):
+        hint = ("tau_threshold 0 keeps every prefix (log 0 = -inf, below any a_j): take it as -inf, not as a "
+                "math error" if not torch.isfinite(got).all() else '')
+        raise harness.Fail(f"tau_threshold 0: {fmt(got)}, want -mean_j t_j {fmt(-t.mean(-1))}", hint)
+    got = impl.al_surrogate(a, nll, math.exp(-1.0))                 # keeps a[0, 0] and a[0, 1], nothing of row 1
     want = torch.stack([-(t[0, 0] + t[0, 1]) / 2, nll[1]])
-    assert torch.allclose(got, want), f"tau_threshold e^-1: {got.tolist()}, want {want.tolist()} (row 2 keeps nothing)"
+    if not torch.allclose(got, want):
+        hint = ("row 1 keeps no prefix (every a_j below log tau): its loss is its NLL, nll[1]"
+                if torch.isclose(got[0], want[0]) else
+                "row 0 keeps a[0, 0] and a[0, 1] (a >= log tau = -1): the loss averages t[0, 0] and t[0, 1] over those "
+                "two, each t[0, j] the logsumexp of a[0, j:]")
+        raise harness.Fail(f"tau_threshold e^-1: {fmt(got)}, want {fmt(want)} (row 0 keeps positions 0 and 1, "
+                           f"row 1 nothing)", hint)
 
 
 def test_gradient_reaches_past_S(impl):
-    """The gradient reaches past S, not past the clamp. With S = {1}, t_1 still sums over the later
-    prefixes, so log q at positions 2.. gets gradient (MATH.md §6); where q >= p it gets none.
-    Hint: choose S on a.detach(), and keep t_j whole."""
+    """The gradient reaches past S, not past the clamp. With S = {0} (only a[:, 0] kept), t[:, 0]
+    still sums over the later prefixes, so log q at positions 1.. gets gradient (MATH.md §6);
+    where q >= p it gets none. Hint: choose S on a.detach(), and keep t_j whole."""
     log_qx = torch.tensor([[[-1.0, -1.0, -1.0, -3.0]]], dtype=torch.float64, requires_grad=True)   # K = 1, n = 4
-    log_px = torch.tensor([[-0.5, -0.5, -2.0, -0.5]], dtype=torch.float64)        # position 3: q above p
+    log_px = torch.tensor([[-0.5, -0.5, -2.0, -0.5]], dtype=torch.float64)        # position 2: q above p
     a = impl.prefix_log_accept(torch.zeros(1, 1, dtype=torch.float64), log_qx, log_px, 'mixture')
-    assert torch.allclose(a.detach(), torch.tensor([[-0.5, -1.0, -1.0, -3.5]], dtype=torch.float64)), \
-        f"a = {a.tolist()}, want [-0.5, -1.0, -1.0, -3.5]"
-    loss = impl.al_surrogate(a, torch.zeros(1, dtype=torch.float64), math.exp(-0.75))     # S = {1}
-    assert torch.allclose(loss, -torch.logsumexp(a.detach()[0], 0).reshape(1)), "with S = {1} the loss is -t_1"
+    want = torch.tensor([[-0.5, -1.0, -1.0, -3.5]], dtype=torch.float64)
+    if not torch.allclose(a.detach(), want):
+        raise harness.Fail(f"a = {fmt(a)}, want {fmt(want)}", "a itself is off (the first check tests it alone): "
+                           "a_j = sum_{i<=j} min(0, log Q_i(x_i) - log p_i(x_i)), clamped term by term")
+    loss = impl.al_surrogate(a, torch.zeros(1, dtype=torch.float64), math.exp(-0.75))     # S = {0}
+    want = -torch.logsumexp(a.detach()[0], 0).reshape(1)
+    if not torch.allclose(loss, want):
+        raise harness.Fail(f"with S = {{0}} the loss is {fmt(loss)}, want -t[0] = {fmt(want)}",
+                           "only a[0] >= log tau = -0.75, so S = {0} and the loss is -t[0], the logsumexp of the "
+                           "whole of a (the check above tests the threshold on hand-made values)")
     loss.sum().backward()
     grad = log_qx.grad[0, 0]
-    assert grad[0] < 0, f"position 1, in S, gets no gradient: {grad.tolist()}"
-    assert grad[1] < 0 and grad[3] < 0, f"positions after S get no gradient: {grad.tolist()}"
-    assert grad[2] == 0, f"the clamped position gets gradient: {grad.tolist()}"
+    if not grad[0] < 0:
+        raise harness.Fail(f"position 0, in S, gets gradient {grad[0].item():.3g}, want below 0 (grad {fmt(grad)})",
+                           "the loss must be a function of a (no .detach() on the t_j you average, only on the "
+                           "mask that chooses S)")
+    if not (grad[1] < 0 and grad[3] < 0):
+        raise harness.Fail(f"positions 1 and 3, after S, get gradient {grad[1].item():.3g} and {grad[3].item():.3g}, "
+                           f"want below 0 (grad {fmt(grad)})",
+                           "t[0] = logsumexp of a[0], a[1], .. (the whole tail): the positions after S reach the loss "
+                           "through it; a[0] alone in place of t[0] cuts them off")
+    assert grad[2] == 0, f"position 2, clamped (q above p), gets gradient {grad[2].item():.3g}, want 0 " \
+                         f"(grad {fmt(grad)})"
 
 
 def test_the_loss_prefers_longer_acceptance(impl):
@@ -111,8 +141,10 @@ def test_the_loss_prefers_longer_acceptance(impl):
         a = impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture')
         accepts.append(float(a.exp().sum(-1).mean()))
         losses.append(float(impl.al_surrogate(a, -log_qx.sum((1, 2)), 0.01).mean()))
-    assert accepts[0] > accepts[1], "the closer proposal should be accepted longer (check the prefix weights)"
-    assert losses[0] < losses[1], f"AL loss {losses[0]:.3f} for the closer proposal, {losses[1]:.3f} for the farther"
+    assert accepts[0] > accepts[1], f"expected accepted drafts {accepts[0]:.3f} for the closer proposal, " \
+                                    f"{accepts[1]:.3f} for the farther, want the closer one's larger (see a_j)"
+    assert losses[0] < losses[1], f"AL loss {losses[0]:.3f} for the closer proposal, {losses[1]:.3f} for the " \
+                                  f"farther, want the closer one's lower"
 
 
 @torch.no_grad()

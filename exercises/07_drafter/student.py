@@ -29,10 +29,13 @@ class MyDrafter(Drafter):
         raise NotImplementedError("exercise 7: build MyDrafter in exercises/07_drafter/student.py")
 
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
-        """h (N, C), bonus (N,) -> drafts (N, k-1), Q (N, k-1, V) or None (see heads.Drafter)."""
+        """h (N, C), bonus (N,) -> drafts (N, k-1), Q (N, k-1, V) or None (see heads.Drafter).
+        Every draw from `generator`; Q at `temperature`, applied once (not T^2, not 1)."""
         raise NotImplementedError("exercise 7: write MyDrafter.draft")
 
     def loss(self, h, bonus, target, x, temperature=1.0):
         """The training loss of a block x (N, k-1) the target sampled after the bonus: a scalar
-        (for example the cross-entropy of your distributions at `temperature` against x)."""
+        (for example the cross-entropy of your distributions at `temperature` against x). The
+        temperature enters as it does in draft, once: the checks train at T = 1.5 and then ask
+        draft for drafts at 1.5."""
         raise NotImplementedError("exercise 7: write MyDrafter.loss")

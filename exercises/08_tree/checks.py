@@ -89,19 +89,25 @@ def test_greedy_accepts_the_longest_branch(impl):
     n_acc, branch, nxt, h = impl.tree_step(model, cache, bonus, paths, torch.ones(B, dtype=torch.bool), 0.0)
     want = single_branch_n_acc(model, prefix, bonus, paths).max(-1).values
     assert n_acc.tolist() == want.tolist(), f"n_acc {n_acc.tolist()}, want the longest single branch's {want.tolist()}"
-    assert branch.tolist() == [1, 1, 1], f"branch {branch.tolist()}: branch 1 is the longest in every row"
+    assert branch.tolist() == [1, 1, 1], \
+        f"branch {branch.tolist()}, want [1, 1, 1]: branch 1 is the longest in every row"
     committed = [torch.cat([prefix[b], bonus[b:b + 1], paths[b, 1, :int(n_acc[b])]]) for b in range(B)]
     for b in range(B):
         logits = model(committed[b][None])[0][0]
-        assert int(nxt[b]) == int(logits[-1].argmax()), f"row {b}: the next bonus is not the target's argmax"
+        assert int(nxt[b]) == int(logits[-1].argmax()), \
+            f"row {b}: the next bonus is {int(nxt[b])}, want the target's argmax {int(logits[-1].argmax())}"
         assert torch.allclose(h[b], model.hidden(committed[b][None])[0, -1], atol=1e-10), \
-            f"row {b}: h is not the state at the last committed token"
-    assert cache.lengths.tolist() == [6 + 1 + int(a) for a in n_acc], f"cache lengths {cache.lengths.tolist()}"
+            f"row {b}: h differs from the state at the last committed token by " \
+            f"{(h[b] - model.hidden(committed[b][None])[0, -1]).abs().max().item():.2e}, want below 1e-10"
+    assert cache.lengths.tolist() == [6 + 1 + int(a) for a in n_acc], \
+        f"cache lengths {cache.lengths.tolist()}, want {[6 + 1 + int(a) for a in n_acc]} (the prefix, the bonus, n_acc)"
     probe = torch.randint(32, (B, 2), generator=torch.Generator().manual_seed(2))
     got = model.lm_head(model.forward_cached(probe, cache))
     for b in range(B):
         want = model(torch.cat([committed[b], probe[b]])[None])[0][0, -2:]
-        assert (got[b] - want).abs().max() < 1e-10, f"row {b}: the cache does not hold the committed tokens"
+        assert (got[b] - want).abs().max() < 1e-10, \
+            f"row {b}: the cache does not hold the committed tokens: logits after it differ by " \
+            f"{(got[b] - want).abs().max().item():.2e}, want below 1e-10"
 
 
 def test_inactive_rows_stay(impl):
@@ -123,7 +129,9 @@ def test_decodes_exactly_greedy(impl):
     d = random_drafter(model.config)
     prompts = torch.randint(32, (3, 8), generator=torch.Generator().manual_seed(5))
     out, _ = tree_generate(model, prompts, 30, drafter=d, step=impl.tree_step)
-    assert torch.equal(out, harness.plain_greedy(model, prompts, 30)), "the output differs from plain greedy decoding"
+    ref = harness.plain_greedy(model, prompts, 30)
+    assert torch.equal(out, ref), \
+        f"the output differs from plain greedy decoding at {harness.first_difference(out, ref, 8)}"
 
 
 @torch.no_grad()
@@ -149,12 +157,13 @@ def test_sampling_the_first_tokens_follow_p(impl):
     seq = torch.cat([harness.PROMPT8[0], torch.tensor([3])])
     p1 = F.softmax(harness.target8()(seq[None])[0][0, -1] / T, -1)
     stat, crit = harness.chi_square(torch.bincount(first, minlength=8).double(), p1)
-    assert stat < crit, f"the first token is not the target's: chi-square {stat:.0f} > {crit:.0f}"
+    assert stat < crit, f"the first token is not the target's: chi-square {stat:.0f}, want below {crit:.0f}"
     at_a = first == 0
     second = torch.where(n_acc[at_a] >= 2, chosen[at_a, 1], nxt[at_a])
     p2 = F.softmax(harness.target8()(torch.cat([seq, torch.tensor([0])])[None])[0][0, -1] / T, -1)
     stat, crit = harness.chi_square(torch.bincount(second, minlength=8).double(), p2)
-    assert stat < crit, f"after the shared first token the second is not the target's: chi-square {stat:.0f} > {crit:.0f}"
+    assert stat < crit, f"after the shared first token the second is not the target's: chi-square {stat:.0f}, " \
+                        f"want below {crit:.0f}"
 
 
 def test_sampling_is_lossless(impl):

@@ -38,9 +38,36 @@ def ratio_upside_down(logits, q, drafts, temperature, generator=None):
     return accept_prefix(ok, sample(weights, generator))
 
 
+def coins_from_the_global_rng(logits, q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_d = 1.0 if q is None else q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    ok = torch.rand_like(p_d) * q_d < p_d                               # the right law, not `generator`'s
+    weights = torch.cat([residual(p[:, :-1], q, drafts), p[:, -1:]], 1)
+    return accept_prefix(ok, sample(weights, generator))
+
+
+def bonus_from_the_global_rng(logits, q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], q, drafts, generator)
+    weights = torch.cat([residual(p[:, :-1], q, drafts), p[:, -1:]], 1)
+    return accept_prefix(ok, sample(weights))                          # generator forgotten here
+
+
+def point_mass_by_one_hot(logits, q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    point = F.one_hot(drafts, p.size(-1)).to(p.dtype) if q is None else q    # exact, but syncs on the host
+    ok = accept_sampled(p[:, :-1], point, drafts, generator)
+    weights = torch.cat([residual(p[:, :-1], point, drafts), p[:, -1:]], 1)
+    return accept_prefix(ok, sample(weights, generator))
+
+
 CONTROLS = {
     'residual without subtracting q': dict(verify_sampled=residual_without_q),
     'temperature on the acceptance test only': dict(verify_sampled=temperature_on_the_test_only),
     'counts past the first rejection': dict(verify_sampled=counts_past_the_first_rejection),
     'acceptance ratio upside down': dict(verify_sampled=ratio_upside_down),
+    'the coins drawn from the global RNG': dict(verify_sampled=coins_from_the_global_rng),
+    'the bonus drawn from the global RNG': dict(verify_sampled=bonus_from_the_global_rng),
+    'a point mass made with F.one_hot (a host sync)': dict(verify_sampled=point_mass_by_one_hot),
 }

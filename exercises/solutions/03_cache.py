@@ -22,8 +22,23 @@ def every_row_at_row_0s_positions(cache, layer_idx, k, v, pos):
     return project_write(cache, layer_idx, k, v, pos[:1].expand_as(pos))   # one row's positions for all
 
 
+def lengths_rebound(cache, n):
+    cache.lengths = cache.lengths + n                   # the right values, in a new tensor
+
+
+def buffers_rebuilt(cache, layer_idx, k, v, pos):
+    idx = pos[:, None, :, None].expand(-1, k.size(1), -1, k.size(3))                # (B, nh, L, hs)
+    for name, new in (('k', k), ('v', v)):
+        buf = getattr(cache, name)
+        layer = buf[layer_idx].scatter(2, idx, new.to(buf.dtype))                     # scatter, not scatter_
+        setattr(cache, name, torch.cat([buf[:layer_idx], layer[None], buf[layer_idx + 1:]]))
+    return cache.k[layer_idx], cache.v[layer_idx]
+
+
 CONTROLS = {
     'commits the same length for every row': dict(commit=same_length_for_every_row),
     'writes the block at the start of the buffer': dict(write=write_at_the_start),
     "writes every row at row 0's positions": dict(write=every_row_at_row_0s_positions),
+    'commit rebinds the lengths to a new tensor': dict(commit=lengths_rebound),
+    'write rebuilds the buffers (torch.cat of the layers)': dict(write=buffers_rebuilt),
 }

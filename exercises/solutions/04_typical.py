@@ -43,8 +43,26 @@ def exp_of_plus_entropy(logits, drafts, param):
     return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
 
 
+def entropy_without_a_guard(logits, drafts, param):
+    epsilon, delta = param
+    p = F.softmax(logits[:, :-1], dim=-1)                           # at the logits' own precision
+    entropy = -(p * p.log()).sum(-1)                                # 0 * log 0 = NaN where p underflows
+    threshold = (delta * torch.exp(-entropy)).clamp(max=epsilon)
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
+
+
+def float64_guard_in_float32(logits, drafts, param):
+    epsilon, delta = param
+    p = F.softmax(logits[:, :-1], dim=-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)              # 1e-300 is 0 in float32: no guard there
+    threshold = (delta * torch.exp(-entropy)).clamp(max=epsilon)
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
     'exp(+H) instead of exp(-H)': dict(typical=exp_of_plus_entropy),
+    'an entropy without a guard (NaN in float32)': dict(typical=entropy_without_a_guard),
+    "float64's guard 1e-300 in float32 (where it is 0)": dict(typical=float64_guard_in_float32),
 }

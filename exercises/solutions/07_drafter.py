@@ -71,8 +71,45 @@ class GlobalRandomness(MyDrafter):
         return torch.multinomial(q.flatten(0, 1), 1).view(q.shape[:-1]), q
 
 
+class DrawsAtOne(MyDrafter):
+    """Drafts sampled at T = 1, while the Q handed to the verifier is the softmax at T."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        logits = self.logits(h, bonus, target, k - 1)
+        if temperature == 0.0 or not self.sample_drafts:
+            return logits.argmax(-1), None
+        return sample(F.softmax(logits, -1), generator), F.softmax(tempered(logits, temperature), -1)
+
+
+class TemperedTwice(MyDrafter):
+    """The logits come out of a helper already over T, and draft tempers them again: drafts and Q
+    agree (lossless), but at T^2, not at the T the loss trained."""
+
+    def tempered_logits(self, h, bonus, target, n, temperature):
+        return tempered(self.logits(h, bonus, target, n), temperature)
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        if temperature == 0.0 or not self.sample_drafts:
+            return self.logits(h, bonus, target, k - 1).argmax(-1), None
+        q = F.softmax(tempered(self.tempered_logits(h, bonus, target, k - 1, temperature), temperature), -1)
+        return sample(q, generator), q
+
+
+class LossAtOne(MyDrafter):
+    """The loss leaves the temperature out: trained at T = 1 on samples at T, it drafts at T."""
+
+    def loss(self, h, bonus, target, x, temperature=1.0):
+        logits = self.logits(h, bonus, target, x.size(1))
+        return F.cross_entropy(logits.flatten(0, 1), x.flatten())
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
     'draws from the global RNG': dict(MyDrafter=GlobalRandomness),
+    'drafts drawn at T = 1 while Q is at T': dict(MyDrafter=DrawsAtOne),
+    'the temperature applied twice (lossless, at T^2)': dict(MyDrafter=TemperedTwice),
+    'the loss without the temperature (trained at T = 1)': dict(MyDrafter=LossAtOne),
 }
