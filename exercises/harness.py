@@ -396,7 +396,8 @@ class Tryout:
         self.checks, self.impl, self.args = checks, impl, args
         path = os.path.join(args.out_dir, 'ckpt.pt')
         if not os.path.isfile(path):
-            raise BadInput(f"{path} not found: run `python train.py` first (or give --out-dir)")
+            raise BadInput(f"{path} not found: run `python train.py` first (12 minutes on 2 cores; "
+                           f"`python train.py --preset quick`: a smaller target in under a minute), or give --out-dir")
         ckpt = load_checkpoint(path)
         self.model = target_from(ckpt, path, args.device)
         self.vocab = vocab_for(ckpt, path, self.model.config.vocab_size)
@@ -410,7 +411,8 @@ class Tryout:
         """'heads.pt', 'dblast_K4.pt', 'dblast_K1.pt' of --out-dir, loaded once."""
         path = os.path.join(self.args.out_dir, name)
         if not os.path.isfile(path):
-            raise BadInput(f"{path} not found: run `python train.py` (all stages) first")
+            raise BadInput(f"{path} not found: run `python train.py` (all stages; `--preset quick` for a "
+                           f"smaller target in under a minute) first")
         return load_drafter(path, self.model)
 
     def decode(self, yours, temperature=0.0, decoder=generate, **kw):
