@@ -855,6 +855,24 @@ def part_speed(c):
     return dict(ok=True, tables=tables)
 
 
+def part_host_syncs(c):
+    """i: what the loop's few host syncs save. Plain and BPD decoding, eager and compiled, timed
+    interleaved as generate runs (it reads the device once, then runs the steps that are needed
+    whatever they accept) and with a read every step (tokens_behind capped at 1 token)."""
+    real = decode.tokens_behind
+    every_step = lambda n_out, total: min(real(n_out, total), 1)       # noqa: E731  'not done yet', each step
+    rows = []
+    for mode, b in (('eager', c.eager), ('compiled', c.compiled)):
+        for name in (PLAIN, HEADS):
+            def per_step():
+                with mock.patch.object(decode, 'tokens_behind', every_step):
+                    return b.decode_all(c.base, **c.configs[name])
+            (few, each), _ = timed([lambda: b.decode_all(c.base, **c.configs[name]), per_step], c.args.repeats,
+                                   c.device)
+            rows.append(dict(config=name, mode=mode, seconds=few, seconds_sync_every_step=each, ratio=each / few))
+    return dict(ok=True, rows=rows)
+
+
 # key -> (title, part, time limit in seconds). The limits are about twice the README's estimate
 # of each part on one H200, cold: a part past its limit fails, and the next one runs.
 PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 150),
@@ -864,8 +882,9 @@ PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 1
          'e': ('seeded sampling: same seed same tokens, other seed other tokens', part_seeds, 60),
          'f': ('no host sync inside an eager step, float32 and bfloat16 (CUDA)', part_sync_debug, 60),
          'g': ('memory decoding adds (CUDA)', part_decode_memory, 60),
-         'h': ('speed tables: eager and compiled float32, eager bfloat16', part_speed, 200)}
-PART_ORDER = 'a,h,c,d,e,f,g'   # the speed figures early; b (compiled training, the slowest) when asked
+         'h': ('speed tables: eager and compiled float32, eager bfloat16', part_speed, 200),
+         'i': ("the loop's host syncs: as they are against one every step", part_host_syncs, 60)}
+PART_ORDER = 'a,h,c,d,e,f,g,i'   # the speed figures early; b (compiled training, the slowest) when asked
 
 
 def gpu_check(args, device, prompts, val):

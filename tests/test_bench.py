@@ -52,17 +52,19 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
     skipped with the reason), passes, is printed and lands in gpu_check.json."""
     out, compiled_before = tmp_path / 'gc', dict(bench.decode._COMPILED)
     code, stdout, stderr = cli('bench.py', ['--gpu-check', '--quick', '--device', 'cpu', '--out', out,
-                                            '--data', corpus_file, '--parts', 'a,h,c,d,e,f,g,b'])
+                                            '--data', corpus_file, '--parts', 'a,h,c,d,e,f,g,i,b'])
     assert code == 0, stderr[-3000:]
     res = json.loads((out / 'gpu_check.json').read_text())
     parts = res['parts']
     assert {k: p['status'] for k, p in parts.items()} == dict(a='pass', h='pass', c='pass', d='pass', e='pass',
-                                                              f='skipped', g='skipped', b='skipped')
-    assert list(parts) == list('ahcdefgb')   # the speed figures early, as --parts orders them
+                                                              f='skipped', g='skipped', i='pass', b='skipped')
+    assert list(parts) == list('ahcdefgib')   # the speed figures early, as --parts orders them
     assert res['failed'] == [] and 'aot_eager' in res['compiled_decoding']
     # every part's record, a line of parts.jsonl the moment it ended, names what it ran on
     lines = [json.loads(x) for x in (out / 'parts.jsonl').read_text().splitlines()]
-    assert [r['part'] for r in lines] == list('ahcdefgb') and lines == list(parts.values())
+    assert [r['part'] for r in lines] == list('ahcdefgib') and lines == list(parts.values())
+    assert [(r['config'], r['mode']) for r in parts['i']['rows']] == [(bench.PLAIN, 'eager'), (bench.HEADS, 'eager'),
+                                                                       (bench.PLAIN, 'compiled'), (bench.HEADS, 'compiled')]
     for r in lines:
         assert r['torch'] == torch.__version__ and 'cuda' in r and r['device'] == 'cpu' and r['device_name']
         assert r['dtype'] and r['time_limit'] > 0 and r['graphs_compiled'] >= 0 and r['cudagraph_skips'] == 0
