@@ -19,9 +19,10 @@ Trains what it needs when checkpoints are missing (through train.py, under --ckp
 Prints markdown tables, writes bench/results.json and (with matplotlib) bench/*.png. Decoding runs at
 --dtype (default float32; bfloat16 by autocast) and, on CUDA, --tf32; training keeps train.py's own.
 
---gpu-check runs instead a check in parts a-h (training eager and compiled, compiled decoding's
+--gpu-check runs instead a check in parts a-i (training eager and compiled, compiled decoding's
 recompiles and CUDA graphs, compiled against eager tokens, seeds, host syncs, memory, the speed
-tables) and writes OUT/gpu_check.json; --gpu-check --quick is the same at tiny sizes, for a CPU.
+tables, the loop's syncs), each part's record appended to OUT/parts.jsonl the moment it ends and
+OUT/gpu_check.json rewritten; --gpu-check --quick is the same at tiny sizes, for a CPU.
 
 Method: the same held-out prompts for every row, decoded one request at a time by default (--batch
 1, the papers' latency setting; a batch advances at the pace of its slowest row); with --compile
@@ -665,9 +666,10 @@ def plots(results, out_dir):
 
 
 # ----------------------------------------------------------------------------- the GPU check
-# What a first run on one GPU has to show, in parts a-h, each printed as it runs and recorded
-# (status pass / fail / skipped, and its figures) in OUT/gpu_check.json; exit status 1 naming the
-# failed parts. A part that crashes fails, and the parts after it still run.
+# What a first run on one GPU has to show, in parts a-i, each printed as it runs and recorded
+# (status pass / fail / skipped, and its figures) in OUT/parts.jsonl and OUT/gpu_check.json; exit
+# status 1 naming the failed parts. A part that crashes or runs past its time limit fails, and the
+# parts after it still run.
 
 PLAIN, HEADS, SAMPLED = 'plain greedy', 'BPD heads greedy, k=8', 'DBlast K=4 sampling, T=1'
 NEAR_TIE = 1e-3   # logits: compiled kernels sum in another order, so a tie this close may break either way
@@ -1014,8 +1016,8 @@ def main(argv=None):
                                                            '(with --gpu-check: tiny, for a CPU)')
     size.add_argument('--full', action='store_true', help='the one-GPU sweep (GPU preset, more prompts)')
     ap.add_argument('--gpu-check', action='store_true',
-                    help='minutes on one GPU: the check in parts a-h (training eager and compiled, compiled '
-                         'decoding, seeds, host syncs, memory, speed tables) -> OUT/gpu_check.json')
+                    help='minutes on one GPU: the check in parts a-i (training eager and compiled, compiled '
+                         'decoding, seeds, host syncs, memory, speed tables) -> OUT/parts.jsonl, gpu_check.json')
     ap.add_argument('--tables', default=None,
                     help=f"comma-separated, from {','.join(TABLES)} (default: all but speed)")
     ap.add_argument('--compile', action='store_true',
