@@ -5,8 +5,9 @@ speculative sampling with a block drafter (BPD heads or DBlast).
 Everything runs through one function, `merged_step` (MATH.md §2): the pending block
 [bonus, d_1 .. d_{k-1}] goes through the target in one call; the same call verifies the drafts,
 picks the next bonus and drafts the next block from H_{n_acc}, the target's state after the last
-committed token. Plain decoding is the same step with k = 1 and no drafter. Drafters follow one
-contract (heads.Drafter).
+committed token. Plain decoding is the same step with k = 1 and no drafter. With paths=N the block
+is a tree of N drafted paths after the bonus, verified in the same one call (MATH.md §9). Drafters
+follow one contract (heads.Drafter).
 
     python decode.py --ckpt out/ckpt.pt --prompt "def " --max-new-tokens 200
     python decode.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8
