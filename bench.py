@@ -52,7 +52,7 @@ import threading
 import time
 import traceback
 import types
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, redirect_stdout
 from unittest import mock
 
 import numpy as np
@@ -1106,7 +1106,8 @@ def main(argv=None):
     b = Bench(args, device, prompts, ds.val, precision)
     torch.manual_seed(args.seed)
     results = dict(meta=meta(args, device, str(b.precision)), method=__doc__.split('Method: ')[1].strip())
-    with b.precision:   # every decode, evaluation and timing of the tables
+    printed = Tee(sys.stdout)
+    with b.precision, redirect_stdout(printed):   # every decode, evaluation and timing of the tables
         for name, table in [('speed', speed_table), ('bpd', bpd_tables), ('lossy', lossy_table),
                             ('dblast', dblast_tables), ('time', time_table), ('paths', paths_table),
                             ('threads', threads_table)]:
@@ -1115,17 +1116,47 @@ def main(argv=None):
     results['meta']['seconds'] = time.perf_counter() - t_start
     path = os.path.join(args.out, 'results.json')
     write_json(results, path)
-    print(f"\nresults -> {path} ({results['meta']['seconds']:.0f}s)")
+    write_text(results_md(results['meta'], printed.text()), os.path.join(args.out, 'RESULTS.md'))
+    print(f"\nresults -> {path} and RESULTS.md ({results['meta']['seconds']:.0f}s)")
     if {'bpd', 'dblast', 'time'} <= set(args.tables):
         plots(results, args.out)
 
 
 def write_json(obj, path):
+    write_text(json.dumps(obj, indent=1), path)
+
+
+def write_text(text, path):
     """Atomically: a reader never sees half a file."""
     tmp = path + '.tmp'
     with open(tmp, 'w') as f:
-        json.dump(obj, f, indent=1)
+        f.write(text)
     os.replace(tmp, path)
+
+
+class Tee:
+    """stdout that is also kept: the tables as printed, for RESULTS.md."""
+
+    def __init__(self, stream):
+        self.stream, self.parts = stream, []
+
+    def write(self, text):
+        self.parts.append(text)
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+    def text(self):
+        return ''.join(self.parts)
+
+
+def results_md(meta, tables):
+    """RESULTS.md: the tables as this run printed them, under what made them."""
+    return (f"# Results\n\nMade by `{meta['command']}` at commit {meta['git_commit'][:7] or 'unknown'} on "
+            f"{meta['machine']} ({meta['device_name']}, {meta['cpu_count']} cores, {meta['threads']} threads), torch "
+            f"{meta['torch']}, decoding in {meta['precision']}; {meta['seconds']:.0f} s in all. Written by bench.py "
+            f"with results.json beside it; not edited by hand.\n{tables}")
 
 
 def parse_tables(text):

@@ -42,6 +42,8 @@ def test_bench_quick_tiny(tmp_path, corpus_file):
     curve = res['dblast_curve']
     assert curve['long'][-1][0] == 2 * curve['preset'][-1][0]   # twice the preset's steps
     assert all(r['t_k_over_t_1'] > 0 for r in res['time']['rows'])
+    md = (out / 'RESULTS.md').read_text()   # the tables as printed, under the commit and command
+    assert md.startswith('# Results') and 'python bench.py' in md and '### 1. ' in md and '### 4. ' in md
     split = res['time']['split_k8']
     assert {'target_forward', 'verify', 'draft', 'cache', 'host_sync'} <= set(split)
     assert split['target_forward'] > 0
