@@ -63,10 +63,11 @@ from torch.profiler import ProfilerActivity, profile
 
 import decode
 import train
-from data import (PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, check_number, check_out_dir, heldout_prompts,
-                  intra_op_threads, load_checkpoint, load_dataset, load_target, newline_id, run_script)
+from data import (DTYPES, PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, Precision, check_number, check_out_dir,
+                  decoding_precision, heldout_prompts, intra_op_threads, load_checkpoint, load_dataset, load_target,
+                  newline_id, pick_device, pick_dtype, run_script)
 from dblast import expected_tau
-from decode import DTYPES, Precision, decoding_precision, generate, load_drafter, pick_device, pick_dtype
+from decode import generate, load_drafter
 from model import GPT, KVCache
 
 BPD_KS = [2, 4, 6, 8, 10]
@@ -102,7 +103,7 @@ def timed(fns, repeats, device, warmup=True):
 
 
 class Bench:
-    """Decodes the prompts with args.compile; `precision` (decode.Precision) is what the caller
+    """Decodes the prompts with args.compile; `precision` (data.Precision) is what the caller
     enters around the tables (named in their headings), not entered here."""
 
     def __init__(self, args, device, prompts, val, precision):
@@ -955,12 +956,12 @@ def run_parts(c, parts, report, path):
                       graphs_compiled=after[0] - before[0], cudagraph_skips=after[1] - before[1],
                       **versions(c.device), **res)
         report['parts'][key] = record
-        with open(lines, 'a') as f:
+        report['failed'] = [k for k, p in report['parts'].items() if p['status'] == 'fail']
+        write_json(report, path)                  # first the summary, so that a record in parts.jsonl
+        with open(lines, 'a') as f:               # means the summary holds it too
             f.write(json.dumps(record) + '\n')
             f.flush()
             os.fsync(f.fileno())
-        report['failed'] = [k for k, p in report['parts'].items() if p['status'] == 'fail']
-        write_json(report, path)
         if res.get('rows'):
             print(md_table(list(res['rows'][0]), [[short(v) for v in r.values()] for r in res['rows']]))
         note = res.get('skipped') or res.get('error')

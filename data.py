@@ -28,6 +28,7 @@ import stat
 import sys
 import sysconfig
 import time
+from contextlib import ExitStack, contextmanager
 
 import numpy as np
 import torch
@@ -113,6 +114,99 @@ def run_script(main, interrupted='interrupted'):
     except KeyboardInterrupt as e:   # a script may raise its own, saying what was saved
         print(f"\n{str(e) or interrupted}", file=sys.stderr)
         sys.exit(130)
+
+
+# ----------------------------------------------------------------------------- device and precision
+
+def pick_device(name=None):
+    """The device to run on: `name` if this machine has it (a one-line error if not), else the best
+    available."""
+    if name is None:
+        if torch.cuda.is_available():
+            return 'cuda'
+        mps = getattr(torch.backends, 'mps', None)
+        return 'mps' if mps is not None and mps.is_available() else 'cpu'
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise BadInput(f"--device {name!r}: not a device; use cpu, cuda, cuda:N or mps")
+    if dev.type == 'cuda' and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
+        raise BadInput(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type == 'mps' and not (getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available()):
+        raise BadInput(f"--device {name}: MPS is not available on this machine")
+    if dev.type not in ('cpu', 'cuda', 'mps'):
+        raise BadInput(f"--device {name}: use cpu, cuda, cuda:N or mps")
+    return name
+
+
+# name -> what it computes in: float32, or bfloat16 by autocast (the weights, the optimizer and the
+# sampling arithmetic stay float32; 'auto' is resolved by pick_dtype)
+DTYPES = ('auto', 'float32', 'bfloat16')
+
+
+def pick_dtype(name, device, training=False, flag='--dtype'):
+    """'float32' or 'bfloat16' for `name` in DTYPES on `device` (a one-line error where the device
+    cannot). auto: bfloat16 for training on a CUDA device that supports it; float32 elsewhere, and
+    for decoding always (its greedy output is compared token for token with plain decoding's)."""
+    kind = torch.device(device).type
+    bf16_ok = kind == 'cpu' or (kind == 'cuda' and torch.cuda.is_bf16_supported())
+    if name == 'auto':
+        return 'bfloat16' if training and kind == 'cuda' and bf16_ok else 'float32'
+    if name not in DTYPES:
+        raise BadInput(f"{flag} {name!r}: choose one of {', '.join(DTYPES)}")
+    if name == 'bfloat16' and not bf16_ok:
+        raise BadInput(f"{flag} bfloat16: not supported on {device} here; use float32")
+    return name
+
+
+class Precision:
+    """The precision a piece of work runs at, stated once and entered where it runs:
+    `dtype` 'float32', or 'bfloat16' by autocast on the device; `tf32`: float32 matmuls on CUDA
+    may round through TF32. Entering sets both and leaving restores what was there, so the TF32
+    of a training step never leaks into decoding in the same process (bench.py trains in-process),
+    where a k-token verification and a one-token step would otherwise round differently."""
+
+    def __init__(self, dtype='float32', device='cpu', tf32=False):
+        self.dtype, self.device_type, self.tf32 = dtype, torch.device(device).type, tf32
+        self._stack = []
+
+    def __str__(self):
+        return self.dtype + (' autocast' if self.dtype != 'float32' else '') + (' + TF32' if self.tf32 else '')
+
+    def autocast(self):
+        # float32 switches autocast off: decoding's float32 inside a bf16 step stays float32
+        return torch.autocast(self.device_type, dtype=getattr(torch, self.dtype), enabled=self.dtype != 'float32')
+
+    @contextmanager
+    def matmuls(self):
+        """Only the float32 matmul precision (TF32 or not; CUDA only: CPU kernels are left alone)."""
+        before = torch.get_float32_matmul_precision()
+        if self.device_type == 'cuda':
+            torch.set_float32_matmul_precision('high' if self.tf32 else 'highest')
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+
+    def __enter__(self):
+        stack = ExitStack()
+        stack.enter_context(self.matmuls())
+        stack.enter_context(self.autocast())
+        self._stack.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stack.pop().__exit__(*exc)
+
+
+def decoding_precision(name, device, tf32=False):
+    """decode.py's and bench.py's --dtype and --tf32 as a Precision (one-line errors for what
+    means nothing or what the device cannot do)."""
+    dtype = pick_dtype(name, device)
+    if tf32 and (torch.device(device).type != 'cuda' or dtype != 'float32'):
+        raise BadInput(f"--tf32 means nothing here: it applies to float32 on a CUDA device (this run: {dtype} "
+                       f"on {device})")
+    return Precision(dtype, device, tf32)
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -7,7 +7,7 @@ Train the target GPT, then its drafters, in stages:
           target's own greedy continuations (sequence-level distillation, --no-distill for corpus text)
   dblast  DBlast dependent drafters (K = --branches and the K = 1 baseline) on the target's own samples
 
-    python train.py                         # everything, CPU preset in about 10 minutes
+    python train.py                         # everything, CPU preset in about 6 minutes on 2 cores
     python train.py --stages heads --k 4    # only the heads, on the existing out/ckpt.pt
     torchrun --nproc_per_node 2 train.py    # data parallel (NCCL on CUDA, gloo on CPU)
 
@@ -38,17 +38,16 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from data import (PROMPT_LEN, ArgumentParser, BadInput, Vocab, check_finite, check_number, check_out_dir,
-                  heldout_prompts, intra_op_threads, load_checkpoint, load_dataset, newline_id, run_script,
-                  save_checkpoint,
+from data import (DTYPES, PROMPT_LEN, ArgumentParser, BadInput, Precision, Vocab, check_finite, check_number,
+                  check_out_dir, decoding_precision, heldout_prompts, intra_op_threads, load_checkpoint, load_dataset,
+                  newline_id, pick_device, pick_dtype, run_script, save_checkpoint,
                   target_from, vocab_for, windows)
 from dblast import LOSSES, DBlastDrafter, TargetSamples, anchors, expected_tau
-from decode import (DTYPES, Precision, closing_demos, decoding_precision, generate, load_drafter, pick_device,
-                    pick_dtype)
+from decode import closing_demos, generate, load_drafter
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
-# Presets, picked by device. CPU: the whole `python train.py` in about 10 minutes on 2 cores.
+# Presets, picked by device. CPU: the whole `python train.py` in about 6 minutes on 2 quiet cores.
 PRESETS = {
     'cpu': dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16, max_iters=1300,
                 lr=2e-3, warmup_iters=100, eval_interval=250, eval_iters=20,

@@ -20,7 +20,8 @@ import torch
 
 from conftest import ROOT, Proc, assert_clean_error, cli, naive_greedy, randomise, run_py, tiny_model
 from data import BadInput, save_checkpoint
-from decode import Precision, generate, load_drafter, merged_step, pick_dtype, static_cache
+from data import Precision, pick_dtype
+from decode import generate, load_drafter, merged_step, static_cache
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
