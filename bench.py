@@ -1205,7 +1205,7 @@ def meta(args, device, precision):
                                 cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     except OSError:
         commit = ''
-    return dict(command='python bench.py ' + ' '.join(sys.argv[1:]), machine=platform.platform(), device=device,
+    return dict(command=' '.join(['python bench.py'] + sys.argv[1:]), machine=platform.platform(), device=device,
                 device_name=device_name(device), cpu_count=os.cpu_count(), torch=torch.__version__, git_commit=commit,
                 threads=torch.get_num_threads(), precision=precision, args=vars(args))
 
