@@ -180,17 +180,21 @@ def path_slots(paths, n, device):
                       1 + torch.arange(paths * n, device=device).view(paths, n)], dim=1)
 
 
+def longest(n_accs):
+    """n_accs (B, N) accepted drafts per path -> the most (B,) and the first path with it (B,)."""
+    path = n_accs.argmax(-1)                                    # argmax: the first of equals
+    return n_accs.gather(1, path[:, None]).squeeze(1), path
+
+
 def verify_tree_greedy(logits, drafts, accept=(exact, None)):
     """Greedy verification of N paths (B, N, n) from the logits after every slot (B, 1 + N n, V):
     each path verified as one block by the acceptance rule (verify_greedy), the longest kept
-    (ties: the first). Returns accepted (B, n), n_acc (B,), bonus (B,), path (B,)."""
+    (ties: the first). Returns n_acc (B,), bonus (B,), path (B,)."""
     B, N, n = drafts.shape
     per_path = logits[:, path_slots(N, n, logits.device)]                      # (B, N, 1 + n, V)
     _, n_accs, bonuses = verify_greedy(per_path.flatten(0, 1), drafts.flatten(0, 1), accept)
-    n_accs = n_accs.view(B, N)
-    n_acc, path = n_accs.max(-1).values, n_accs.argmax(-1)                     # argmax: the first longest
-    bonus = bonuses.view(B, N).gather(1, path[:, None]).squeeze(1)
-    return torch.arange(n, device=drafts.device) < n_acc[:, None], n_acc, bonus, path
+    n_acc, path = longest(n_accs.view(B, N))
+    return n_acc, bonuses.view(B, N).gather(1, path[:, None]).squeeze(1), path
 
 
 def verify_tree_sampled(logits, q, drafts, temperature, generator=None):
@@ -209,7 +213,7 @@ def verify_tree_sampled(logits, q, drafts, temperature, generator=None):
     the walk does not reach is never read), then the walk from the bonus follows the accepted
     tokens: path z's token d is kept where it is the token accepted at its parent node, so the
     paths that continue below a node are all those with the accepted prefix, duplicates included.
-    Returns accepted (B, n), n_acc (B,), bonus (B,), path (B,): the first path with the kept prefix."""
+    Returns n_acc (B,), bonus (B,), path (B,): the first path with the kept prefix."""
     B, N, n = drafts.shape
     dev = drafts.device
     p = F.softmax(tempered(logits, temperature), dim=-1)               # (B, S, V) p_target at each slot
@@ -238,11 +242,9 @@ def verify_tree_sampled(logits, q, drafts, temperature, generator=None):
     kept_token = torch.where(done, cand.gather(-1, chosen[..., None]).squeeze(-1), -1)   # (B, S)
     fallback = sample(r, generator)                                                      # (B, S)
     match = kept_token.gather(1, node[:, :, :-1].flatten(1)).view(B, N, n) == drafts     # (B, N, n)
-    n_accs = match.long().cumprod(-1).sum(-1)                                            # (B, N)
-    n_acc, path = n_accs.max(-1).values, n_accs.argmax(-1)
+    n_acc, path = longest(match.long().cumprod(-1).sum(-1))                              # (B,), (B,)
     last = node[torch.arange(B, device=dev), path, n_acc]                 # where the walk stops
-    bonus = fallback.gather(1, last[:, None]).squeeze(1)
-    return torch.arange(n, device=dev) < n_acc[:, None], n_acc, bonus, path
+    return n_acc, fallback.gather(1, last[:, None]).squeeze(1), path
 
 
 # ------------------------------------------------------------------------- the merged step
@@ -274,15 +276,15 @@ def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
     if paths > 1:                                               # several paths (MATH.md §9)
         q = None if q_block is None else q_block.view(B, paths, n, -1)
         if temperature == 0.0:
-            accepted, n_acc, bonus, path = verify_tree_greedy(logits, drafts, accept)
+            n_acc, bonus, path = verify_tree_greedy(logits, drafts, accept)
         else:
-            accepted, n_acc, bonus, path = verify_tree_sampled(logits, q, drafts, temperature, generator)
+            n_acc, bonus, path = verify_tree_sampled(logits, q, drafts, temperature, generator)
     else:                                                       # one block: BPD §3 / §5, sampling §4
         path = torch.zeros(B, dtype=torch.long, device=block.device)
         if temperature == 0.0:
-            accepted, n_acc, bonus = verify_greedy(logits, drafts[:, 0], accept)
+            _, n_acc, bonus = verify_greedy(logits, drafts[:, 0], accept)
         else:                                                   # the same temperature on p and Q
-            accepted, n_acc, bonus = verify_sampled(logits, q_block, drafts[:, 0], temperature, generator)
+            _, n_acc, bonus = verify_sampled(logits, q_block, drafts[:, 0], temperature, generator)
 
     slots = path_slots(paths, n, block.device)[path]            # (B, k): the kept path's slots
     if paths > 1:                                               # its keys and values next to the bonus
