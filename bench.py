@@ -1,28 +1,24 @@
 """
 The papers' findings at small scale, measured on this machine.
 
-    python bench.py            # CPU-sized default (about 40 minutes on 2 cores)
+    python bench.py            # the CPU-sized default, tables 1-4 (about 25 minutes on 2 cores)
     python bench.py --quick    # a few minutes: smaller models, fewer prompts and repeats
-    python bench.py --full --device cuda   # the one-GPU sweep
-    python bench.py --gpu-check --device cuda   # minutes: what a first run on one GPU must show
-    python bench.py --tables speed --dtype bfloat16   # any table at another precision
+    python bench.py --full --device cuda              # the one-GPU sweep
+    python bench.py --tables speed --compile --out bench/speed --ckpt-dir bench/ckpt   # any tables, anywhere
 
 Trains what it needs when checkpoints are missing (through train.py, under --ckpt-dir), then:
-  0. speed at a glance (--tables speed): tokens/s, tau and speedup, greedy k = 2..10 and sampling
+  0. speed at a glance (speed): tokens/s, tau and speedup, greedy k = 2..10 and sampling
   1. BPD table (paper Table 1, p.9): k x {frozen, joint} x {corpus, distilled}
   2. lossy acceptance (BPD §5): top-N and minimum-block
   3. speculative sampling at T = 0.7, 1.0, 1.5: every drafter and way of drafting by the exact
      expected-tau evaluator; the headline rows decoded and timed; K ablation, Z_T sweep, curve
   4. where a step's time goes (BPD §6.3), t(k-token forward) / t(1-token forward), ceiling speedup
-  5. several drafted paths per call (--tables paths): N = --paths-list, independent and DBlast
-  6. threads (--tables threads): 1 against the default, quiet and beside busy processes
-Prints markdown tables, writes bench/results.json and (with matplotlib) bench/*.png. Decoding runs at
+  5. several drafted paths per call (paths): N = --paths-list, independent and DBlast
+  6. threads (threads): 1 against the default, quiet and beside busy processes
+Prints markdown tables and writes them to OUT/RESULTS.md under the commit, command, machine and
+torch that made them, with OUT/results.json and (with matplotlib) OUT/bench.png. Decoding runs at
 --dtype (default float32; bfloat16 by autocast) and, on CUDA, --tf32; training keeps train.py's own.
-
---gpu-check runs instead a check in parts a-i (training eager and compiled, compiled decoding's
-recompiles and CUDA graphs, compiled against eager tokens, seeds, host syncs, memory, the speed
-tables, the loop's syncs), each part's record appended to OUT/parts.jsonl the moment it ends and
-OUT/gpu_check.json rewritten; --gpu-check --quick is the same at tiny sizes, for a CPU.
+The first run on a GPU: gpu_check.py.
 
 Method: the same held-out prompts for every row, decoded one request at a time by default (--batch
 1, the papers' latency setting; a batch advances at the pace of its slowest row); with --compile
@@ -43,14 +39,11 @@ if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_
 import argparse
 import copy
 import functools
-import gc
 import json
 import platform
 import statistics
 import subprocess
-import threading
 import time
-import traceback
 import types
 from contextlib import ExitStack, contextmanager, redirect_stdout
 from unittest import mock
@@ -58,14 +51,13 @@ from unittest import mock
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 from torch.profiler import ProfilerActivity, profile
 
 import decode
 import train
-from data import (DTYPES, PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, Precision, check_number, check_out_dir,
+from data import (DTYPES, PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, check_number, check_out_dir,
                   decoding_precision, heldout_prompts, intra_op_threads, load_checkpoint, load_dataset, load_target,
-                  newline_id, pick_device, pick_dtype, run_script)
+                  newline_id, pick_device, run_script)
 from dblast import expected_tau
 from decode import generate, load_drafter
 from model import GPT, KVCache
@@ -666,331 +658,6 @@ def plots(results, out_dir):
     print(f"plot -> {path}")
 
 
-# ----------------------------------------------------------------------------- the GPU check
-# What a first run on one GPU has to show, in parts a-i, each printed as it runs and recorded
-# (status pass / fail / skipped, and its figures) in OUT/parts.jsonl and OUT/gpu_check.json; exit
-# status 1 naming the failed parts. A part that crashes or runs past its time limit fails, and the
-# parts after it still run.
-
-PLAIN, HEADS, SAMPLED = 'plain greedy', 'BPD heads greedy, k=8', 'DBlast K=4 sampling, T=1'
-NEAR_TIE = 1e-3   # logits: compiled kernels sum in another order, so a tie this close may break either way
-
-
-def compiled_dir(args):
-    return args.ckpt_dir.rstrip('/') + '_compiled'
-
-
-def with_(args, **changes):
-    return argparse.Namespace(**{**vars(args), **changes})
-
-
-def measured(device, fn):
-    """(fn(), its seconds, the memory it added at its peak over what was allocated before it, in
-    MiB: CUDA only, else None). Weights, drafters, static caches and graphs already resident are
-    not counted; what fn leaves allocated is."""
-    cuda = torch.device(device).type == 'cuda'
-    if cuda:   # what the last stage left for the collector is not this one's
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        resident = torch.cuda.memory_allocated()
-    t0 = time.perf_counter()
-    result = fn()
-    sync(device)
-    return result, time.perf_counter() - t0, (torch.cuda.max_memory_allocated() - resident) / 2 ** 20 if cuda else None
-
-
-class Check:
-    """What the parts share: the flags, device and prompts, one Bench per way of decoding, and the
-    target and drafters part a trains (loaded on first use, so a part after a failed part a fails
-    by itself, naming the missing checkpoint)."""
-
-    def __init__(self, args, device, prompts, val):
-        self.args, self.device, self.cuda = args, device, torch.device(device).type == 'cuda'
-        self.f32, self.bf16 = Precision('float32', device), Precision('bfloat16', device)
-        self.eager = Bench(with_(args, compile=False), device, prompts, val, self.f32)
-        self.compiled = Bench(with_(args, compile=True), device, prompts, val, self.f32)
-        self.eager_bf16 = Bench(with_(args, compile=False), device, prompts, val, self.bf16)
-
-    @functools.cached_property
-    def base(self):
-        return load_target(os.path.join(self.args.ckpt_dir, 'ckpt.pt'), self.device)
-
-    @functools.cached_property
-    def configs(self):   # name -> decode_all's arguments
-        ck = self.args.ckpt_dir
-        heads = load_drafter(os.path.join(ck, f"heads{heads_tag(False, True)}.pt"), self.base)
-        dblast = load_drafter(os.path.join(ck, f"dblast_K4{dblast_tag(1.0, 'al')}.pt"), self.base)
-        return {PLAIN: {}, HEADS: dict(drafter=heads, k=8),
-                SAMPLED: dict(drafter=dblast, k=self.args.dblast_k, temperature=1.0)}
-
-
-def part_train(c, compile=False):
-    """a / b: every stage the speed table needs, one train.main call each, fresh (a check measures
-    training, so nothing is resumed): its seconds and peak memory. b: with --compile, elsewhere."""
-    if compile and c.args.quick and not c.cuda:
-        return dict(skipped="inductor's C++ compile of four training steps takes minutes on a CPU; run it on "
-                            "CUDA, or without --quick")
-    args = with_(c.args, ckpt_dir=compiled_dir(c.args)) if compile else c.args
-    stages = []
-    for name, argv in trainings(args, resume=False):
-        _, seconds, mib = measured(c.device, lambda: train.main(argv + ['--compile'] * compile))
-        stages.append(dict(stage=name, seconds=seconds, added_memory_mib=mib))
-    return dict(ok=True, ckpt_dir=args.ckpt_dir, rows=stages)
-
-
-def part_recompiles(c):
-    """c: compiled decoding with dynamo's recompile and CUDA-graph logs on: after a warm-up call (it
-    compiles, unless part h did already), the same call again must compile no new graph and, on CUDA, no CUDA graph may be
-    skipped (a skipped one runs the step without graphs, silently slower)."""
-    count = lambda: (counters['stats']['unique_graphs'], counters['inductor']['cudagraph_skips'])  # noqa: E731
-    rows = []
-    torch._logging.set_logs(recompiles=True, cudagraphs=True)
-    try:
-        for name, kw in c.configs.items():
-            before = count()
-            c.compiled.decode_all(c.base, **kw)
-            warm = count()
-            c.compiled.decode_all(c.base, **kw)
-            after = count()
-            rows.append(dict(config=name, warmup_graphs=warm[0] - before[0], new_graphs=after[0] - warm[0],
-                             cudagraph_skips=after[1] - before[1]))
-    finally:   # the user's own settings again (TORCH_LOGS), not the defaults
-        torch._logging.set_logs()
-        torch._logging._init_logs()
-    return dict(ok=all(r['new_graphs'] == 0 and r['cudagraph_skips'] == 0 for r in rows), rows=rows)
-
-
-def part_compiled_tokens(c):
-    """d: compiled greedy tokens against eager ones. Passes where they are identical, or where each
-    row's first difference is a near-tie of the target's logits (rounding, MATH.md §2)."""
-    T0, rows = c.eager.prompts.size(1), []
-    for name in (PLAIN, HEADS):
-        eager, compiled = (b.decode_all(c.base, **c.configs[name])[0] for b in (c.eager, c.compiled))
-        rows.append(dict(config=name, identical_tokens=identical(compiled, eager, T0),
-                         gaps_where_they_part=divergence_gaps(c.base, eager, compiled, T0)))
-    return dict(ok=all(g < NEAR_TIE for r in rows for g in r['gaps_where_they_part']), near_tie=NEAR_TIE, rows=rows)
-
-
-@torch.no_grad()
-def divergence_gaps(model, a, b, T0):
-    """For each row where a and b differ after the prompt: the gap between the target's logits of
-    their two tokens at the first position they differ."""
-    gaps = []
-    for row in (a[:, T0:] != b[:, T0:]).any(-1).nonzero().flatten().tolist():
-        j = T0 + int((a[row, T0:] != b[row, T0:]).nonzero()[0])
-        logits = model(a[row:row + 1, :j])[0][0, -1].float()
-        gaps.append(abs(float(logits[a[row, j]] - logits[b[row, j]])))
-    return gaps
-
-
-def part_seeds(c):
-    """e: sampling with a seeded torch.Generator, eager and compiled: the same seed gives the same
-    tokens, another seed other tokens."""
-    rows = []
-    for mode, b in (('eager', c.eager), ('compiled', c.compiled)):
-        first, again, other = (b.decode_all(c.base, seed=s, **c.configs[SAMPLED])[0] for s in (0, 0, 1))
-        rows.append(dict(config=SAMPLED, mode=mode, same_seed_same_tokens=torch.equal(first, again),
-                         other_seed_other_tokens=not torch.equal(first, other)))
-    return dict(ok=all(r['same_seed_same_tokens'] and r['other_seed_other_tokens'] for r in rows), rows=rows)
-
-
-@contextmanager
-def steps_in_sync_debug():
-    """While inside, every decode.merged_step runs under torch.cuda.set_sync_debug_mode('error'):
-    only the step, since generate's loop syncs now and then by design (how far is the slowest row?).
-    Yields a list holding the number of steps run."""
-    step, calls = decode.merged_step, [0]
-
-    def guarded(*a, **kw):
-        before = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode('error')
-        calls[0] += 1
-        try:
-            return step(*a, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode(before)
-    with mock.patch.object(decode, 'merged_step', guarded):
-        yield calls
-
-
-def part_sync_debug(c):
-    """f (CUDA): eager decoding in float32 and in bfloat16 with no host sync inside a step."""
-    if not c.cuda:
-        return dict(skipped='no CUDA')
-    rows = []
-    for precision in (c.f32, c.bf16):
-        for name, kw in c.configs.items():
-            error = None
-            with precision, steps_in_sync_debug() as steps:
-                try:
-                    c.eager.decode_all(c.base, **kw)
-                except RuntimeError as e:   # what sync debug mode 'error' raises
-                    error = first_line(e)
-            rows.append(dict(precision=str(precision), config=name, steps=steps[0], error=error))
-    return dict(ok=all(r['error'] is None for r in rows), rows=rows)
-
-
-def part_decode_memory(c):
-    """g (CUDA): the memory decoding adds at its peak over what is resident (weights, drafters, static
-    caches, graphs), every configuration, eager and compiled (each run once before it is measured,
-    so a first call's caches and graphs count as resident), beside the weights'."""
-    if not c.cuda:
-        return dict(skipped='no CUDA')
-    rows = []
-    for name, kw in c.configs.items():
-        for mode, b in (('eager', c.eager), ('compiled', c.compiled)):
-            b.decode_all(c.base, **kw)
-            rows.append(dict(config=name, mode=mode,
-                             added_memory_mib=measured(c.device, lambda: b.decode_all(c.base, **kw))[2]))
-    weights = sum(p.numel() * p.element_size() for p in c.base.parameters()) / 2 ** 20
-    return dict(ok=True, weights_mib=weights, rows=rows)
-
-
-def part_speed(c):
-    """h: the speed table, eager then compiled in float32, then eager in bfloat16 (it prints its rows)."""
-    tables = {}
-    for b in (c.eager, c.compiled, c.eager_bf16):
-        res = {}
-        with b.precision:
-            speed_table(b, c.base, b.args, res)
-        tables[f"{res['speed']['mode']}, {res['speed']['precision']}"] = res['speed']
-    return dict(ok=True, tables=tables)
-
-
-def part_host_syncs(c):
-    """i: what the loop's few host syncs save. Plain and BPD decoding, eager and compiled, timed
-    interleaved as generate runs (it reads the device once, then runs the steps that are needed
-    whatever they accept) and with a read every step (tokens_behind capped at 1 token)."""
-    real = decode.tokens_behind
-    every_step = lambda n_out, total: min(real(n_out, total), 1)       # noqa: E731  'not done yet', each step
-    rows = []
-    for mode, b in (('eager', c.eager), ('compiled', c.compiled)):
-        for name in (PLAIN, HEADS):
-            def per_step():
-                with mock.patch.object(decode, 'tokens_behind', every_step):
-                    return b.decode_all(c.base, **c.configs[name])
-            (few, each), _ = timed([lambda: b.decode_all(c.base, **c.configs[name]), per_step], c.args.repeats,
-                                   c.device)
-            rows.append(dict(config=name, mode=mode, seconds=few, seconds_sync_every_step=each, ratio=each / few))
-    return dict(ok=True, rows=rows)
-
-
-# key -> (title, part, time limit in seconds). The limits are about twice the README's estimate
-# of each part on one H200, cold: a part past its limit fails, and the next one runs.
-PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 150),
-         'b': ('every stage trained with --compile', functools.partial(part_train, compile=True), 200),
-         'c': ('compiled decoding: a second call compiles nothing, skips no CUDA graph', part_recompiles, 120),
-         'd': ('compiled against eager greedy tokens', part_compiled_tokens, 60),
-         'e': ('seeded sampling: same seed same tokens, other seed other tokens', part_seeds, 60),
-         'f': ('no host sync inside an eager step, float32 and bfloat16 (CUDA)', part_sync_debug, 60),
-         'g': ('memory decoding adds (CUDA)', part_decode_memory, 60),
-         'h': ('speed tables: eager and compiled float32, eager bfloat16', part_speed, 200),
-         'i': ("the loop's host syncs: as they are against one every step", part_host_syncs, 60)}
-PART_ORDER = 'a,h,c,d,e,f,g,i'   # the speed figures early; b (compiled training, the slowest) when asked
-
-
-def gpu_check(args, device, prompts, val):
-    intra_op_threads(args.threads, small=True)   # the GPU preset's model (10.75M) decodes small on a CPU
-    c = Check(args, device, prompts, val)
-    saved = dict(decode._COMPILED)
-    backend = 'inductor' + (', CUDA graphs' if c.cuda else '')
-    if args.quick and not c.cuda:   # inductor's C++ codegen would cost seconds per graph on a small CPU
-        decode.compiled_step('cpu')   # dynamo's cache limit raised, as for the real one
-        decode._COMPILED['cpu'] = torch.compile(decode.merged_step, backend='aot_eager', dynamic=False)
-        backend = "aot_eager (CPU under --quick: dynamo's graphs, guards and recompiles, no codegen)"
-    report = dict(meta=meta(args, device, 'float32; bfloat16 autocast where a part says so'),
-                  compiled_decoding=backend)
-    try:
-        run_parts(c, [(key, *PARTS[key]) for key in args.parts], report, os.path.join(args.out, 'gpu_check.json'))
-    finally:   # this process may decode compiled again (the tests do)
-        decode._COMPILED.clear()
-        decode._COMPILED.update(saved)
-
-
-class PartTimeout(Exception):
-    pass
-
-
-@contextmanager
-def time_limit(seconds):
-    """Raise PartTimeout inside the block after `seconds` (SIGALRM, where this process can: the main
-    thread of a POSIX process). A hang inside one native call (a CUDA sync) ends when that call
-    returns; a hang in Python code ends on time."""
-    if not hasattr(signal, 'setitimer') or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise PartTimeout(f"over its time limit of {seconds} s")
-    before = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, before)
-
-
-def run_parts(c, parts, report, path):
-    """Each part (key, title, function, time limit) in order, in float32 (training enters train.py's
-    own precision inside): printed, then recorded the moment it ends, as one line of parts.jsonl
-    beside `path` (appended and flushed to disk) and in the summary JSON at `path` (rewritten), so
-    that a check killed in any part keeps every part before it. A part that crashes or runs past
-    its limit fails, and the next one runs. Then SystemExit naming the failed parts, if any."""
-    report['parts'] = {}
-    lines = os.path.join(os.path.dirname(path), 'parts.jsonl')
-    graphs = lambda: (counters['stats']['unique_graphs'], counters['inductor']['cudagraph_skips'])  # noqa: E731
-    for key, title, part, limit in parts:
-        print(f"\n## {key}. {title}\n", flush=True)
-        t0, before = time.perf_counter(), graphs()
-        try:
-            with Precision('float32', c.device), time_limit(limit):
-                res = part(c)
-        except Exception as e:   # a crash or the time limit fails this part; the next ones still run
-            traceback.print_exc()
-            res = dict(ok=False, error=f'{type(e).__name__}: {first_line(e)}')
-        status = 'skipped' if 'skipped' in res else 'pass' if res.pop('ok') else 'fail'
-        after = graphs()
-        record = dict(part=key, title=title, status=status, seconds=time.perf_counter() - t0, time_limit=limit,
-                      graphs_compiled=after[0] - before[0], cudagraph_skips=after[1] - before[1],
-                      **versions(c.device), **res)
-        report['parts'][key] = record
-        report['failed'] = [k for k, p in report['parts'].items() if p['status'] == 'fail']
-        write_json(report, path)                  # first the summary, so that a record in parts.jsonl
-        with open(lines, 'a') as f:               # means the summary holds it too
-            f.write(json.dumps(record) + '\n')
-            f.flush()
-            os.fsync(f.fileno())
-        if res.get('rows'):
-            print(md_table(list(res['rows'][0]), [[short(v) for v in r.values()] for r in res['rows']]))
-        note = res.get('skipped') or res.get('error')
-        print(f"{key}: {status}{': ' + note if note else ''} ({record['seconds']:.1f}s)", flush=True)
-    print(f"\ngpu check -> {path} and {lines}: " + ', '.join(f"{k} {p['status']}" for k, p in report['parts'].items()))
-    if report['failed']:
-        raise SystemExit(f"gpu check: failed parts {', '.join(report['failed'])} (see {path})")
-
-
-def versions(device):
-    """What every record of the check names: torch, CUDA, the device and the precision it decodes at."""
-    return dict(torch=torch.__version__, cuda=torch.version.cuda, device=str(device), device_name=device_name(device),
-                dtype='float32; bfloat16 autocast where the part says so')
-
-
-def device_name(device):
-    if torch.device(device).type == 'cuda':
-        return torch.cuda.get_device_name(torch.device(device))
-    return platform.processor() or platform.machine()
-
-
-def first_line(e):
-    return (str(e).strip().splitlines() or [''])[0][:300]
-
-
-def short(v):
-    return f'{v:.3g}' if isinstance(v, float) else v
-
-
 # ----------------------------------------------------------------------------- main
 
 TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time', 'paths', 'threads']
@@ -999,112 +666,95 @@ QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=160, max_iters=300, head
              max_new=64, repeats=1, eval_samples=8)
 DEFAULT = dict(n_prompts=16, max_new=128, repeats=3, eval_samples=64)
 FULL = dict(n_prompts=32, max_new=256, repeats=5, eval_samples=256)
-# --gpu-check: train.py's GPU preset model on CUDA (its CPU one elsewhere), trained a few dozen
-# steps per stage (what it checks is how training and decoding run, not how well); with --quick,
-# tiny shapes and a handful of steps, prompts and tokens, so that it runs on a CPU in seconds
-GPU_CHECK = dict(max_iters=600, heads_iters=300, dblast_iters=300, distill_samples=256, dblast_samples=256,
-                 dblast_eval_samples=16, n_prompts=4, max_new=128, repeats=2, eval_samples=16, tables='speed',
-                 speed_ks='8')
-GPU_CHECK_QUICK = dict(n_layer=1, n_head=2, n_embd=16, block_size=64, batch_size=4, max_iters=20, heads_iters=4,
-                       dblast_iters=4, distill_samples=4, dblast_samples=4, dblast_eval_samples=4, n_prompts=2,
-                       max_new=16, repeats=1, eval_samples=4, tables='speed', speed_ks='8')
+SIZES = ('n_prompts', 'max_new', 'repeats', 'eval_samples', 'n_layer', 'n_head', 'n_embd', 'block_size', 'batch_size',
+         'dblast_eval_samples', 'max_iters', 'heads_iters', 'dblast_iters', 'distill_samples', 'dblast_samples')
 
 
-def main(argv=None):
-    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    size = ap.add_mutually_exclusive_group()
-    size.add_argument('--quick', action='store_true', help='a few minutes: small models, few prompts '
-                                                           '(with --gpu-check: tiny, for a CPU)')
-    size.add_argument('--full', action='store_true', help='the one-GPU sweep (GPU preset, more prompts)')
-    ap.add_argument('--gpu-check', action='store_true',
-                    help='minutes on one GPU: the check in parts a-i (training eager and compiled, compiled '
-                         'decoding, seeds, host syncs, memory, speed tables) -> OUT/parts.jsonl, gpu_check.json')
-    ap.add_argument('--tables', default=None,
-                    help=f"comma-separated, from {','.join(TABLES)} (default: all but speed)")
-    ap.add_argument('--compile', action='store_true',
-                    help='decode with the compiled step (CUDA graphs on GPU); compiling happens in the warm-up round')
-    ap.add_argument('--dtype', default=None, choices=DTYPES,
-                    help='decoding precision (default auto: float32; bfloat16: autocast, on a CPU too)')
-    ap.add_argument('--tf32', action='store_true', help='CUDA, float32: let matmuls use TF32 (default off)')
+def common_flags(ap, out):
+    """The flags bench.py and gpu_check.py share: where, what, how big. `out`: the default folder."""
     ap.add_argument('--device', default=None)
     ap.add_argument('--data', default=None, help='corpus (default: the stdlib .py files)')
-    ap.add_argument('--out', default=None, help='folder for results.json and plots (default: bench; '
-                                                '--gpu-check: bench/gpu)')
+    ap.add_argument('--out', default=out, help=f'folder for the results (default: {out})')
     ap.add_argument('--ckpt-dir', default=None, help='checkpoints (default: OUT/ckpt)')
     ap.add_argument('--seed', type=int, default=1337)
     ap.add_argument('--threads', type=int, default=None,
                     help='CPU threads for decoding (default: 1 for a small model, else the cores not busy)')
     ap.add_argument('--dblast-k', type=int, default=4)
-    ap.add_argument('--speed-ks', default=None, help='the speed table\'s block sizes, comma-separated (default '
-                                                      '2,4,6,8,10; --gpu-check: 8)')
-    ap.add_argument('--parts', default=None, help=f"--gpu-check: which parts, in which order (default {PART_ORDER}; "
-                                                  f"b, compiled training, only when asked)")
-    ap.add_argument('--paths-list', default='1,2,4,8', help='table 5: drafted paths per call, comma-separated')
-    ap.add_argument('--paths-temps', default=','.join(map(str, TEMPS)), help='table 5: temperatures, comma-separated')
+    ap.add_argument('--speed-ks', default=None, help="the speed table's block sizes, comma-separated")
     ap.add_argument('--batch', type=int, default=1,
                     help='prompts per generate() call (1: per-request latency, as in the papers)')
-    for name in ('n_prompts', 'max_new', 'repeats', 'eval_samples', 'n_layer', 'n_head', 'n_embd', 'block_size',
-                 'batch_size', 'dblast_eval_samples',
-                 'max_iters', 'heads_iters', 'dblast_iters', 'distill_samples', 'dblast_samples'):
+    for name in SIZES:
         ap.add_argument('--' + name.replace('_', '-'), type=int, default=None)
-    args = ap.parse_args(argv)
-    if args.gpu_check:   # it picks its own tables, modes and precisions
-        for flag, given in [('--full', args.full), ('--tables', args.tables is not None), ('--compile', args.compile),
-                            ('--dtype', args.dtype is not None), ('--tf32', args.tf32)]:
-            if given:
-                raise BadInput(f"{flag} means nothing with --gpu-check: it runs its own tables, eager and compiled, "
-                               f"in float32 and bfloat16")
-    preset = (GPU_CHECK_QUICK if args.quick else GPU_CHECK) if args.gpu_check else \
-        QUICK if args.quick else FULL if args.full else DEFAULT
+
+
+def settle(args, preset):
+    """Fill in what the flags left to the preset and check every flag before any work: the bench's
+    own, then train.py's for each stage. Returns (device, held-out prompts, held-out text)."""
     for key, v in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, v)
     args.speed_ks = parse_ks(args.speed_ks or ','.join(map(str, BPD_KS)))
-    if args.parts is not None and not args.gpu_check:
-        raise BadInput("--parts means nothing here: it applies to --gpu-check")
-    args.parts = parse_parts(args.parts or PART_ORDER) if args.gpu_check else None
-    args.tables = parse_tables('bpd,lossy,dblast,time' if args.tables is None else args.tables)
-    args.out = args.out or ('bench/gpu' if args.gpu_check else 'bench')
+    args.tables = parse_tables(args.tables)
     args.ckpt_dir = args.ckpt_dir or os.path.join(args.out, 'ckpt')
-    # every flag is checked before any training: the bench's own, then train.py's for each stage
     for name in ('n_prompts', 'max_new', 'repeats', 'eval_samples', 'batch'):
         check_number('--' + name.replace('_', '-'), getattr(args, name), lo=1)
     check_number('--dblast-k', args.dblast_k, lo=2, hi=64)
     if args.threads is not None:
         check_number('--threads', args.threads, lo=1, hi=1024)
-    args.paths_list = parse_paths(args.paths_list)
-    args.paths_temps = parse_temps(args.paths_temps)
     check_number('--seed', args.seed, lo=0, hi=2 ** 63 - 1)
     device = pick_device(args.device)
-    precision = decoding_precision(args.dtype or 'auto', device, args.tf32)
     block_size = train.parse_args(train_args(args, 'base')).block_size
     for stage in ('heads', 'dblast'):
         train.parse_args(train_args(args, stage))
-    if args.gpu_check:   # bfloat16 where the device has it, and the compiled training's flags
-        pick_dtype('bfloat16', device)
-        for _, argv in trainings(args):
-            train.parse_args(argv + ['--compile'])
     longest = max(max(BPD_KS), args.dblast_k)
     if PROMPT_LEN + args.max_new + longest > block_size:
         raise BadInput(f"--max-new {args.max_new}: a {PROMPT_LEN}-token prompt, {args.max_new} tokens and a "
                        f"block of up to {longest} must fit the context of {block_size} (--block-size)")
-    if args.full and device != 'cuda':
-        print("note: --full is sized for one GPU; on this device it will take long", file=sys.stderr)
+    return device
+
+
+def prepare(args, device):
+    """After every flag is checked: the folders, and the held-out prompts every row decodes with
+    the held-out text they come from."""
     check_out_dir(args.out, '--out')
     check_out_dir(args.ckpt_dir, '--ckpt-dir')
-    if args.gpu_check:
-        check_out_dir(compiled_dir(args), '--ckpt-dir (+ _compiled)')
     ds = load_dataset(args.data, os.path.join(args.ckpt_dir, 'data'))
     if len(ds.val) < PROMPT_LEN + args.n_prompts + 1:
         raise BadInput(f"--n-prompts {args.n_prompts}: the held-out text is too short for that many prompts")
-    prompts = heldout_prompts(ds.val, args.n_prompts, PROMPT_LEN, newline_id(ds.vocab)).to(device)
+    return heldout_prompts(ds.val, args.n_prompts, PROMPT_LEN, newline_id(ds.vocab)).to(device), ds.val
+
+
+def main(argv=None):
+    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument('--quick', action='store_true', help='a few minutes: small models, few prompts')
+    size.add_argument('--full', action='store_true', help='the one-GPU sweep (GPU preset, more prompts)')
+    ap.add_argument('--tables', default='bpd,lossy,dblast,time',
+                    help=f"comma-separated, from {','.join(TABLES)} (default: bpd,lossy,dblast,time)")
+    ap.add_argument('--compile', action='store_true',
+                    help='decode with the compiled step (CUDA graphs on GPU); compiling happens in the warm-up round')
+    ap.add_argument('--dtype', default=None, choices=DTYPES,
+                    help='decoding precision (default auto: float32; bfloat16: autocast, on a CPU too)')
+    ap.add_argument('--tf32', action='store_true', help='CUDA, float32: let matmuls use TF32 (default off)')
+    ap.add_argument('--paths-list', default='1,2,4,8', help='table 5: drafted paths per call, comma-separated')
+    ap.add_argument('--paths-temps', default=','.join(map(str, TEMPS)), help='table 5: temperatures, comma-separated')
+    ap.add_argument('--gpu-check', action='store_true', help=argparse.SUPPRESS)
+    common_flags(ap, 'bench')
+    args = ap.parse_args(argv)
     if args.gpu_check:
-        return gpu_check(args, device, prompts, ds.val)
+        raise BadInput("--gpu-check is a script of its own: python gpu_check.py --device cuda (--help for its flags)")
+    device = settle(args, QUICK if args.quick else FULL if args.full else DEFAULT)
+    args.paths_list = parse_paths(args.paths_list)
+    args.paths_temps = parse_temps(args.paths_temps)
+    precision = decoding_precision(args.dtype or 'auto', device, args.tf32)
+    if args.full and device != 'cuda':
+        print("note: --full is sized for one GPU; on this device it will take long", file=sys.stderr)
+    prompts, val = prepare(args, device)
     t_start = time.perf_counter()
     ensure_checkpoints(args)   # at train.py's own precision and threads
     base = load_target(os.path.join(args.ckpt_dir, 'ckpt.pt'), device)
     intra_op_threads(args.threads, small=base.get_num_params() < SMALL_MODEL)
-    b = Bench(args, device, prompts, ds.val, precision)
+    b = Bench(args, device, prompts, val, precision)
     torch.manual_seed(args.seed)
     results = dict(meta=meta(args, device, str(b.precision)), method=__doc__.split('Method: ')[1].strip())
     printed = Tee(sys.stdout)
@@ -1186,10 +836,6 @@ def parse_ks(text):
                       f"block sizes from 2 to {max(BPD_KS)} (the heads' k)")
 
 
-def parse_parts(text):
-    return parse_list('--parts', text, str, lambda p: p in PARTS, f"from {','.join(PARTS)}")
-
-
 def parse_paths(text):
     return parse_list('--paths-list', text, int, lambda p: 1 <= p <= decode.MAX_PATHS,
                       f"whole numbers from 1 to {decode.MAX_PATHS}")
@@ -1197,6 +843,12 @@ def parse_paths(text):
 
 def parse_temps(text):
     return parse_list('--paths-temps', text, float, lambda t: 0 < t < float('inf'), "temperatures > 0")
+
+
+def device_name(device):
+    if torch.device(device).type == 'cuda':
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
 
 
 def meta(args, device, precision):

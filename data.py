@@ -111,6 +111,9 @@ def run_script(main, interrupted='interrupted'):
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NotImplementedError as e:   # a handout (python -m exercises handout): an exercise not written yet
+        print(f"not written yet: {e}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt as e:   # a script may raise its own, saying what was saved
         print(f"\n{str(e) or interrupted}", file=sys.stderr)
         sys.exit(130)

@@ -281,7 +281,9 @@ def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
             n_acc, bonus, path = verify_tree_sampled(logits, q, drafts, temperature, generator)
     else:                                                       # one block: BPD §3 / §5, sampling §4
         path = torch.zeros(B, dtype=torch.long, device=block.device)
-        if temperature == 0.0:
+        if n == 0:                                              # plain decoding: nothing to verify
+            n_acc, bonus = path, target_choice(logits[:, 0], temperature, generator)
+        elif temperature == 0.0:
             _, n_acc, bonus = verify_greedy(logits, drafts[:, 0], accept)
         else:                                                   # the same temperature on p and Q
             _, n_acc, bonus = verify_sampled(logits, q_block, drafts[:, 0], temperature, generator)
@@ -300,6 +302,13 @@ def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
     h_acc = h.gather(1, last[:, :, None].expand(B, 1, h.size(-1))).squeeze(1)   # (B, C)
     new_drafts, q = propose(drafter, h_acc, bonus, model, n + 1, paths, temperature, generator)
     return n_acc, kept, torch.cat([bonus[:, None], new_drafts], dim=1), q
+
+
+def target_choice(logits, temperature, generator=None):
+    """The target's own next token from its logits (B, V): argmax, or a sample at the temperature."""
+    if temperature == 0.0:
+        return logits.argmax(-1)
+    return sample(F.softmax(tempered(logits, temperature), dim=-1), generator)
 
 
 def propose(drafter, h, bonus, target, k, paths, temperature, generator):
@@ -447,11 +456,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     # prefill (call 1): the prompt's last hidden state gives the first bonus and drafts
     h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
     cache.commit(T0)
-    logits = upcast(model.lm_head(h))
-    if temperature == 0.0:
-        bonus = logits.argmax(-1)
-    else:
-        bonus = sample(F.softmax(tempered(logits, temperature), dim=-1), generator)
+    bonus = target_choice(upcast(model.lm_head(h)), temperature, generator)
     block, q = bonus[:, None], None
     if drafter is not None:
         drafts, q = propose(drafter, h, bonus, model, k, paths, temperature, generator)
@@ -526,7 +531,7 @@ def load_drafter(path, target, kind=None, vocab=None):
     return drafter.to(p.device, p.dtype).eval()
 
 
-# ------------------------------------------------------------------------- timing and demos
+# ------------------------------------------------------------------------- timing
 
 def timed_generate(*args, **kw):
     """generate() and its wall-clock seconds (synchronising CUDA so the time is real)."""
@@ -544,48 +549,6 @@ def agreement(out, base, T0):
     """'n/m tokens': how many generated tokens of `out` equal plain decoding's `base` (B, T)."""
     same = (out[:, T0:] == base[:, T0:])
     return f"{int(same.sum())}/{same.numel()} tokens"
-
-
-def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print, paths=1):
-    """tau and wall-clock speedup over plain decoding of the same model and prompts, one request
-    at a time (latency, as the papers measure it), timed in the same run; under greedy decoding,
-    how many tokens equal plain greedy's. Returns the outputs."""
-    def run(**extra):  # -> outputs, stats of every prompt, seconds in all
-        g = torch.Generator(device=prompts.device).manual_seed(0)
-        runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, **extra)
-                for p in prompts]
-        return torch.cat([r[0] for r in runs]), [r[1] for r in runs], sum(r[2] for r in runs)
-    run(drafter=drafter, k=k, paths=paths)  # warm-up, both ways
-    run()
-    out, stats, dt = run(drafter=drafter, k=k, paths=paths)
-    base, _, dt0 = run()
-    taus = [t for s in stats for t in s['accept_lengths']]
-    calls = sum(s['calls'] for s in stats)
-    same = f", same as plain greedy: {agreement(out, base, prompts.size(1))}" if temperature == 0 else ''
-    log(f"{label}: mean tau {sum(taus) / len(taus):.2f} at k={k}{f', {paths} paths' if paths > 1 else ''}, {calls} calls for {len(prompts)} prompts "
-        f"x {max_new} tokens (plain: {len(prompts) * (max_new + 1)}), speedup {dt0 / dt:.2f}x{same}")
-    return out
-
-
-DEMO_PATHS = 4   # paths per call in train.py's closing demo of several paths (bench.py's table 5)
-
-
-def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print):
-    """train.py's closing demos on held-out prompts: BPD heads against plain greedy, then each
-    (label, drafter) of `dblast` against plain sampling at `temperature`, then the first of them
-    with DEMO_PATHS i.i.d. paths per call (MATH.md §9)."""
-    max_new = min(128, model.config.block_size - prompts.size(1) - max(k, dblast_k))
-    if heads is not None:
-        log("\n=== blockwise parallel decoding, held-out prompts, greedy")
-        out = demo(model, prompts, heads, k, 0.0, "BPD heads", max_new, log)
-        log(f"--- sample ---\n{vocab.decode(out[0].tolist())}\n--------------")
-    if dblast:
-        log(f"\n=== speculative sampling at T={temperature}, held-out prompts: the dependent drafter "
-            f"against the independent one (sampled drafts, mixture verification)")
-    for label, drafter in dblast:
-        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log)
-    for label, drafter in dblast[:1]:
-        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, paths=DEMO_PATHS)
 
 
 # ------------------------------------------------------------------------- CLI

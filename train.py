@@ -43,7 +43,7 @@ from data import (DTYPES, PROMPT_LEN, ArgumentParser, BadInput, Precision, Vocab
                   newline_id, pick_device, pick_dtype, run_script, save_checkpoint,
                   target_from, vocab_for, windows)
 from dblast import LOSSES, DBlastDrafter, TargetSamples, anchors, expected_tau
-from decode import closing_demos, generate, load_drafter
+from decode import agreement, generate, load_drafter, timed_generate
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
@@ -475,8 +475,50 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
 
 # ----------------------------------------------------------------------------- demos
 
+def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print, paths=1):
+    """tau and wall-clock speedup over plain decoding of the same model and prompts, one request
+    at a time (latency, as the papers measure it), timed in the same run; under greedy decoding,
+    how many tokens equal plain greedy's. Returns the outputs."""
+    def run(**extra):  # -> outputs, stats of every prompt, seconds in all
+        g = torch.Generator(device=prompts.device).manual_seed(0)
+        runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, **extra)
+                for p in prompts]
+        return torch.cat([r[0] for r in runs]), [r[1] for r in runs], sum(r[2] for r in runs)
+    run(drafter=drafter, k=k, paths=paths)  # warm-up, both ways
+    run()
+    out, stats, dt = run(drafter=drafter, k=k, paths=paths)
+    base, _, dt0 = run()
+    taus = [t for s in stats for t in s['accept_lengths']]
+    calls = sum(s['calls'] for s in stats)
+    same = f", same as plain greedy: {agreement(out, base, prompts.size(1))}" if temperature == 0 else ''
+    log(f"{label}: mean tau {sum(taus) / len(taus):.2f} at k={k}{f', {paths} paths' if paths > 1 else ''}, {calls} calls for {len(prompts)} prompts "
+        f"x {max_new} tokens (plain: {len(prompts) * (max_new + 1)}), speedup {dt0 / dt:.2f}x{same}")
+    return out
+
+
+DEMO_PATHS = 4   # paths per call in train.py's closing demo of several paths (bench.py's table 5)
+
+
+def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print):
+    """train.py's closing demos on held-out prompts: BPD heads against plain greedy, then each
+    (label, drafter) of `dblast` against plain sampling at `temperature`, then the first of them
+    with DEMO_PATHS i.i.d. paths per call (MATH.md §9)."""
+    max_new = min(128, model.config.block_size - prompts.size(1) - max(k, dblast_k))
+    if heads is not None:
+        log("\n=== blockwise parallel decoding, held-out prompts, greedy")
+        out = demo(model, prompts, heads, k, 0.0, "BPD heads", max_new, log)
+        log(f"--- sample ---\n{vocab.decode(out[0].tolist())}\n--------------")
+    if dblast:
+        log(f"\n=== speculative sampling at T={temperature}, held-out prompts: the dependent drafter "
+            f"against the independent one (sampled drafts, mixture verification)")
+    for label, drafter in dblast:
+        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log)
+    for label, drafter in dblast[:1]:
+        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, paths=DEMO_PATHS)
+
+
 def run_demos(rt, args, model, heads, ds, vocab):
-    """decode.closing_demos on 8 held-out prompts, with the drafters this run trained."""
+    """closing_demos on 8 held-out prompts, with the drafters this run trained."""
     prompts = heldout_prompts(ds.val, 8, PROMPT_LEN, newline_id(vocab)).to(rt.device)
     drafters = dblast_drafters(args)
     dblast = []

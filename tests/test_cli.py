@@ -355,6 +355,8 @@ CASES = [
          ('interrupted',), out='fresh', interrupt=when_torch_loads),
     Case('bench-ctrl-c-at-start-up', ['bench.py', '--quick', '--device', 'cpu', '--out', '{out}/bench'], 130,
          ('interrupted',), out='fresh', interrupt=when_torch_loads),
+    Case('gpu-check-ctrl-c-at-start-up', ['gpu_check.py', '--quick', '--device', 'cpu', '--out', '{out}/gc'], 130,
+         ('interrupted',), out='fresh', interrupt=when_torch_loads),
     Case('exercises-ctrl-c-at-start-up', ['-m', 'exercises', 'check', '7', '--solution'], 130, ('interrupted',),
          interrupt=when_torch_loads, only_line=True),
 
