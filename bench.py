@@ -344,7 +344,7 @@ def md_table(headers, rows):
 
 def speed_table(b, base, args, results):
     """The figures at a glance, one row printed as soon as it is measured: tokens/s of plain and
-    blockwise decoding, greedy with the frozen distilled heads at k = 2..10 (--gpu-check --quick: 8),
+    blockwise decoding, greedy with the frozen distilled heads at k = 2..10 (gpu_check.py: 8),
     then sampling at T=1
     with the independent K = 1 NLL drafter and DBlast K = 4 AL (sampled drafts, mixture verification).
     Greedy rows also give the share of tokens identical to plain greedy decoding at the same
@@ -680,7 +680,8 @@ def common_flags(ap, out):
     ap.add_argument('--threads', type=int, default=None,
                     help='CPU threads for decoding (default: 1 for a small model, else the cores not busy)')
     ap.add_argument('--dblast-k', type=int, default=4)
-    ap.add_argument('--speed-ks', default=None, help="the speed table's block sizes, comma-separated")
+    ap.add_argument('--speed-ks', default=None, help="the speed table's block sizes, comma-separated (default 2,4,6,8,10; "
+                                                          "gpu_check.py: 8)")
     ap.add_argument('--batch', type=int, default=1,
                     help='prompts per generate() call (1: per-request latency, as in the papers)')
     for name in SIZES:

@@ -496,7 +496,7 @@ def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print,
     return out
 
 
-DEMO_PATHS = 4   # paths per call in train.py's closing demo of several paths (bench.py's table 5)
+DEMO_PATHS = 4   # paths per call in train.py's closing demo of several paths (bench.py's paths table)
 
 
 def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print):

@@ -5,6 +5,7 @@ The coursework exercises (exercises/README.md).
     python -m exercises check 2              # exercise 2's checks on your exercises/02_*/student.py
     python -m exercises check 2 --solution   # the same checks on the reference
     python -m exercises try 2                # your code through the real decoder, on train.py's out/
+    python -m exercises handout DIR          # instructors: a student's copy of the project in DIR
 """
 import os
 import signal
@@ -18,7 +19,7 @@ if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_
 import argparse
 import time
 
-from exercises import harness
+from exercises import handout, harness
 from data import ArgumentParser, BadInput, check_number, intra_op_threads, run_script
 
 
@@ -28,7 +29,8 @@ def print_list():
         title = open(os.path.join(harness.HERE, name, 'README.md')).readline().lstrip('# ').strip()
         print(f"  {n}  {name:<20} {title}")
     print("\npython -m exercises check N       run exercise N's checks on your student.py (--solution: the reference)"
-          "\npython -m exercises try N         run your code through the decoder on train.py's checkpoints")
+          "\npython -m exercises try N         run your code through the decoder on train.py's checkpoints"
+          "\npython -m exercises handout DIR   instructors: write a student's copy (no solutions) into DIR")
 
 
 def check(n, which):
@@ -49,11 +51,21 @@ def check(n, which):
     return passed == len(results)
 
 
+def make_handout(args):
+    if args.number is None:
+        raise BadInput("handout: give the folder to write the student's copy into "
+                       "(python -m exercises handout DIR; a new folder or an empty one)")
+    if args.solution or args.control:
+        raise BadInput("handout: --solution and --control are for check and try")
+    handout.make(args.number)
+
+
 def main(argv=None):
     ap = ArgumentParser(prog='python -m exercises', description=__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('command', nargs='?', choices=['list', 'check', 'try'], default='list')
-    ap.add_argument('number', nargs='?', type=int, help='the exercise')
+    ap.add_argument('command', nargs='?', choices=['list', 'check', 'try', 'handout'], default='list')
+    # one positional after the command: check and try take a number, handout a folder
+    ap.add_argument('number', nargs='?', metavar='N|DIR', help='check, try: the exercise; handout: the folder to write')
     ap.add_argument('--solution', action='store_true', help='run the reference instead of student.py')
     ap.add_argument('--control', default=None, help='check: run a negative control (a plausible wrong answer)')
     ap.add_argument('--out-dir', default='out', help="try: train.py's checkpoints (default out/)")
@@ -66,9 +78,17 @@ def main(argv=None):
     if args.command == 'list':
         print_list()
         return
+    if args.command == 'handout':
+        make_handout(args)
+        return
     numbers = harness.exercises()
     if args.number is None:
         raise BadInput(f"{args.command}: give an exercise number ({', '.join(map(str, numbers))})")
+    try:
+        args.number = int(args.number)
+    except ValueError:
+        raise BadInput(f"{args.command} {args.number}: not an exercise number; choose one of "
+                       f"{', '.join(map(str, numbers))}")
     check_number('--prompts', args.prompts, lo=1)
     check_number('--max-new', args.max_new, lo=1)
     if args.threads is not None:

@@ -54,7 +54,7 @@ def test_every_stage_at_the_gpu_preset_shapes_under_bf16_and_compile(tmp_path, m
     assert history and all(1 <= tau <= 4 for _, tau in history)            # evaluated, in float32
 
     # decoding with both drafters: the heads greedy in float32, DBlast sampling in bf16 (the
-    # compiled step at these shapes: tests/test_compiled.py and bench.py --gpu-check)
+    # compiled step at these shapes: tests/test_compiled.py and gpu_check.py)
     common = ['--ckpt', out / 'ckpt.pt', '--max-new-tokens', '12', '--device', 'cpu']
     code, stdout, stderr = cli('decode.py', common + ['--heads', out / 'heads.pt'])
     assert code == 0 and '(float32)' in stdout and 'same as plain greedy decoding: ' in stdout, stderr[-2000:]
