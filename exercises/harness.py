@@ -396,7 +396,7 @@ class Tryout:
         self.checks, self.impl, self.args = checks, impl, args
         path = os.path.join(args.out_dir, 'ckpt.pt')
         if not os.path.isfile(path):
-            raise BadInput(f"{path} not found: run `python train.py` first (12 minutes on 2 cores; "
+            raise BadInput(f"{path} not found: run `python train.py` first (about 6 minutes on 2 cores; "
                            f"`python train.py --preset quick`: a smaller target in under a minute), or give --out-dir")
         ckpt = load_checkpoint(path)
         self.model = target_from(ckpt, path, args.device)
