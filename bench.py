@@ -1,7 +1,7 @@
 """
 The papers' findings at small scale, measured on this machine.
 
-    python bench.py            # the CPU-sized default, tables 1-4 (about 25 minutes on 2 cores)
+    python bench.py            # the CPU-sized default, tables 1-4 (about 22 minutes on 2 cores)
     python bench.py --quick    # a few minutes: smaller models, fewer prompts and repeats
     python bench.py --full --device cuda              # the one-GPU sweep
     python bench.py --tables speed --compile --out bench/speed --ckpt-dir bench/ckpt   # any tables, anywhere
@@ -690,7 +690,7 @@ def common_flags(ap, out):
 
 def settle(args, preset):
     """Fill in what the flags left to the preset and check every flag before any work: the bench's
-    own, then train.py's for each stage. Returns (device, held-out prompts, held-out text)."""
+    own, then train.py's for each stage. Returns the device."""
     for key, v in preset.items():
         if getattr(args, key, None) is None:
             setattr(args, key, v)
