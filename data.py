@@ -65,18 +65,19 @@ def check_number(flag, value, lo=None, hi=None, open_lo=False, open_hi=False, no
     return value
 
 
-# A model this small decodes one token in operations too small to split between threads (README,
-# "Threads"): one thread is as fast on a quiet machine, and many times faster beside a busy one.
+# A model this small decodes one token in operations too small to split between threads
+# (bench/threads/RESULTS.md): one thread is as fast on a quiet machine, and many times faster beside
+# a busy one.
 SMALL_MODEL = 20_000_000   # parameters
 
 
 def intra_op_threads(threads=None, small=False):
     """Set the threads torch's CPU kernels use and return how many: `threads` when given (--threads),
     else one for small work (decoding a model under SMALL_MODEL parameters), else every core not
-    already busy (busy_cores), at least one. Measured on 2 cores (README, "Threads"): beside busy
-    processes two threads were up to 6x slower than one for a training step and up to 176x for a
-    decode, each thread waiting for the other at every operation; on a quiet machine two were 1.7x
-    faster for training and no faster for decoding."""
+    already busy (busy_cores), at least one. Measured on 2 cores (bench/threads/RESULTS.md): beside
+    busy processes two threads were up to 1.8x slower than one for a training step and up to 250x
+    for a decode, each thread waiting for the other at every operation; on a quiet machine two were
+    1.9x faster for training and no faster for decoding."""
     if threads is None:
         cores = os.cpu_count() or 1
         threads = 1 if small else max(1, min(cores, cores - round(busy_cores(cores))))
