@@ -21,6 +21,7 @@ import torch
 from conftest import ROOT, Proc, assert_clean_error, cli, naive_greedy, randomise, run_py, tiny_model
 from data import BadInput, save_checkpoint
 from data import Precision, pick_dtype
+import decode
 from decode import generate, load_drafter, merged_step, static_cache
 from heads import BlockHeads
 from model import GPT, GPTConfig
@@ -198,6 +199,29 @@ def make_heads(kind, model, trained_heads, seed=0):
 def test_plain_generate_matches_naive_full_recompute(model, prompts, greedy_ref):
     """The reference the other tests compare to: static-cache plain greedy == full recompute."""
     assert torch.equal(greedy_ref, naive_greedy(model, prompts, M + 2 * K_MAX))
+
+
+@pytest.mark.parametrize('temperature', [0.0, 0.8])
+def test_plain_decoding_calls_no_verifier(model, prompts, greedy_ref, temperature, monkeypatch):
+    """Plain decoding has no drafts to verify: its step takes the target's own token
+    (decode.target_choice), so it runs with every verifier broken (as in a handout where only the
+    cache is written), greedy equal to full recompute, sampled the same tokens as from the target
+    directly with the same generator."""
+    def broken(*a, **kw):
+        raise AssertionError("plain decoding called a verifier")
+    for name in ('verify_greedy', 'verify_sampled', 'verify_tree_greedy', 'verify_tree_sampled'):
+        monkeypatch.setattr(decode, name, broken)
+    m = 12
+    out, stats = generate(model, prompts, m, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert stats['calls'] == m + 1 and all(t == 1 for t in stats['accept_lengths'])
+    if temperature == 0.0:
+        assert torch.equal(out, greedy_ref[:, :out.size(1)])
+        return
+    g, x = torch.Generator().manual_seed(0), prompts
+    for _ in range(m):   # the same draws: one per row per token, from the tempered softmax
+        logits = model(x)[0][:, -1].double()
+        x = torch.cat([x, decode.target_choice(logits, temperature, g)[:, None]], dim=1)
+    assert torch.equal(out, x)
 
 
 def test_fixture_heads_span_acceptance_range(model, trained, prompts):
