@@ -29,6 +29,7 @@ LOADER = '''
 # handout: the project runs on the student's exercises/*/student.py (python -m exercises handout)
 def _student(folder):
     """exercises/<folder>/student.py as a module, loaded once per process."""
+    # imported here, not at the top: the rest of the module keeps the names the project gave it
     import importlib.util
     import os
     import sys
