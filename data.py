@@ -1,6 +1,6 @@
 """
 What comes in from outside the program, and how bad input is refused: command-line numbers,
-checkpoint files, vocabularies, corpora and held-out prompts, for decode.py, train.py and bench.py
+checkpoint files, vocabularies, corpora and held-out prompts, for generate.py, train.py and bench.py
 alike. Every user error is a `BadInput`, which the scripts print as one `error:` line.
 
 Checkpoints (`load_checkpoint`, `save_checkpoint`, `load_target`): written atomically, read with
@@ -204,7 +204,7 @@ class Precision:
 
 
 def decoding_precision(name, device, tf32=False):
-    """decode.py's and bench.py's --dtype and --tf32 as a Precision (one-line errors for what
+    """generate.py's and bench.py's --dtype and --tf32 as a Precision (one-line errors for what
     means nothing or what the device cannot do)."""
     dtype = pick_dtype(name, device)
     if tf32 and (torch.device(device).type != 'cuda' or dtype != 'float32'):

@@ -7,33 +7,17 @@ Everything runs through one function, `merged_step` (MATH.md §2): the pending b
 picks the next bonus and drafts the next block from H_{n_acc}, the target's state after the last
 committed token. Plain decoding is the same step with k = 1 and no drafter. With paths=N the block
 is a tree of N drafted paths after the bonus, verified in the same one call (MATH.md §9). Drafters
-follow one contract (heads.Drafter).
-
-    python decode.py --ckpt out/ckpt.pt --prompt "def " --max-new-tokens 200
-    python decode.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8
-    python decode.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5
-    python decode.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --paths 4
+follow one contract (heads.Drafter). The command line is generate.py's.
 """
-import os
-import signal
 import sys
-
-if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    # Ctrl-C while the imports below load (seconds on a busy machine): the one line data.run_script
-    # prints later too, not a traceback from inside torch's import
-    signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
-
-import argparse
 import time
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-from data import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, Vocab, check_finite, check_number,
-                  decoding_precision, intra_op_threads, load_checkpoint, pick_device, run_script, target_from,
-                  vocab_for)
-from dblast import PATHS_FROM, VERIFY, DBlastDrafter
+from data import BadInput, Vocab, check_finite, check_number, load_checkpoint
+from dblast import DBlastDrafter
 from heads import BlockHeads
 from model import GPTConfig, sample, tempered, upcast
 
@@ -92,7 +76,7 @@ def named(name, value, cli=False):
 
 def parse_accept(accept, vocab_size=None, cli=False):
     """'exact' | 'topk:N' | 'minblock:N' | any entry of ACCEPT -> (rule, param). Without a
-    vocab_size only what the text itself says is checked (decode.py does it before loading)."""
+    vocab_size only what the text itself says is checked (generate.py does it before loading)."""
     name, colon, text = accept.partition(':')
     usage = ', '.join(n if read is None else f"{n}:N" for n, (_, read) in ACCEPT.items())
     if name not in ACCEPT or (ACCEPT[name][1] is None) != (not colon):
@@ -431,7 +415,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     The rules are exact: greedy output under accept='exact' is plain greedy decoding's, and sampled
     output has the target's distribution. In floating point a k-token verification pass and a
     one-token step round differently, so a near-tie between two tokens can break the other way
-    (MATH.md §2); bench.py and decode.py measure agreement with plain greedy instead of assuming it.
+    (MATH.md §2); bench.py and generate.py measure agreement with plain greedy instead of assuming it.
     stats: calls (prefill included), accept_lengths (tau of every step of every row, bonus
     included), accept_rate (per draft position, share of steps it was accepted).
     paths=N verifies N drafted paths per call (MATH.md §9): drafter.draft_paths proposes them.
@@ -551,165 +535,7 @@ def agreement(out, base, T0):
     return f"{int(same.sum())}/{same.numel()} tokens"
 
 
-# ------------------------------------------------------------------------- CLI
-
-def colour_blocks(vocab, tokens, taus, colour):
-    """Text with each step's committed block in alternating colours (ANSI)."""
-    if not colour:
-        return vocab.decode(tokens)
-    parts, i = [], 0
-    for s, t in enumerate(taus):
-        if i >= len(tokens):
-            break
-        code = '\033[30;46m' if s % 2 else '\033[30;43m'
-        parts.append(code + vocab.decode(tokens[i:i + t]) + '\033[0m')
-        i += t
-    return ''.join(parts)
-
-
-def main(argv=None):
-    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('--ckpt', default='out/ckpt.pt', help='target checkpoint (ours or nanoGPT)')
-    ap.add_argument('--meta', default=None, help="nanoGPT meta.pkl of a character-level target (default: "
-                                                 "where nanoGPT's sample.py looks, or beside --ckpt)")
-    ap.add_argument('--prompt', default='def ', help='prompt text')
-    ap.add_argument('--max-new-tokens', type=int, default=None,
-                    help="tokens to generate (default: 200, or what fits the model's context)")
-    ap.add_argument('--temperature', type=float, default=0.0, help='0 = greedy')
-    ap.add_argument('--seed', type=int, default=0)
-    ap.add_argument('--heads', default=None, help='BPD heads checkpoint: blockwise parallel decoding')
-    ap.add_argument('--drafter', default=None, help='DBlast drafter checkpoint')
-    ap.add_argument('--k', type=int, default=None, help='block size (default: what the drafter was trained for)')
-    ap.add_argument('--accept', default='exact', help="exact | topk:N | minblock:N (greedy only)")
-    ap.add_argument('--zt', type=float, default=None, help='DBlast category temperature Z_T (default 1; 0 = argmax branch)')
-    ap.add_argument('--sample-drafts', action=argparse.BooleanOptionalAction, default=None,
-                    help="under sampling, draw each draft from the drafter's q (default) or take its argmax "
-                         "(--no-sample-drafts; DBlast: greedy branches, the paper's drafting; with --verify branch, "
-                         "the paper's inference end to end)")
-    ap.add_argument('--verify', default=None, choices=VERIFY,
-                    help="DBlast: verify against the mixture's conditionals (default), or the drawn branch's "
-                         "alone (ablation)")
-    ap.add_argument('--paths', type=int, default=1,
-                    help=f'drafted paths verified per call as one tree (default 1; up to {MAX_PATHS})')
-    ap.add_argument('--paths-from', default=None, choices=PATHS_FROM,
-                    help="DBlast, --paths > 1: i.i.d. samples of the mixture (default), or one path per branch, "
-                         "the branches drawn without replacement from the prior")
-    ap.add_argument('--no-color', action='store_true', help='plain text even on a terminal')
-    ap.add_argument('--device', default=None, help='cpu | cuda | mps (default: best available)')
-    ap.add_argument('--compile', action='store_true',
-                    help='torch.compile the step (CUDA graphs on GPU); warm-up excluded from timing')
-    ap.add_argument('--dtype', default='auto', choices=DTYPES,
-                    help='compute precision (default auto: float32; bfloat16: autocast, on a CPU too)')
-    ap.add_argument('--tf32', action='store_true', help='CUDA: let float32 matmuls use TF32 (default off)')
-    ap.add_argument('--threads', type=int, default=None,
-                    help=f'CPU threads (default: 1 for a model under {SMALL_MODEL // 10 ** 6}M parameters, else the '
-                         f'cores not already busy)')
-    run_cli(ap.parse_args(argv))
-
-
-def check_cli(args):
-    """Every flag, before anything is loaded: ranges, and options that mean nothing in this mode."""
-    drafter = args.heads or args.drafter
-    if args.heads and args.drafter:
-        raise BadInput("give --heads or --drafter, not both")
-    check_number('--temperature', args.temperature, lo=0.0, note='0 = greedy')
-    check_number('--seed', args.seed, lo=0, hi=2 ** 63 - 1)
-    if args.max_new_tokens is not None:
-        check_number('--max-new-tokens', args.max_new_tokens, lo=1)
-    if args.zt is not None:
-        check_number('--zt', args.zt, lo=0.0, note='0 = argmax branch')
-    if args.k is not None:
-        check_number('--k', args.k, lo=2)
-    check_number('--paths', args.paths, lo=1, hi=MAX_PATHS)
-    if args.threads is not None:
-        check_number('--threads', args.threads, lo=1, hi=1024)
-    parse_accept(args.accept, cli=True)
-    meaningless = [   # (given, flag, what it applies to)
-        (args.k is not None and not drafter, '--k', '--heads or --drafter'),
-        (args.accept != 'exact' and not drafter, '--accept', '--heads or --drafter'),
-        (args.zt is not None and not args.drafter, '--zt', 'a DBlast --drafter'),
-        (args.verify is not None and not args.drafter, '--verify', 'a DBlast --drafter'),
-        (args.paths > 1 and not drafter, '--paths', '--heads or --drafter'),
-        (args.paths_from is not None and (not args.drafter or args.paths == 1), '--paths-from',
-         'a DBlast --drafter with --paths > 1'),
-        (args.verify is not None and args.paths_from == 'branches', '--verify',
-         'i.i.d. paths (with --paths-from branches each path is verified against its own branch)'),
-        (args.sample_drafts is not None and (not drafter or args.temperature == 0), '--[no-]sample-drafts',
-         'sampling with a drafter')]
-    for given, flag, applies_to in meaningless:
-        if given:
-            raise BadInput(f"{flag} means nothing here: it applies to {applies_to}")
-
-
-def run_cli(args):
-    check_cli(args)
-    device = pick_device(args.device)
-    with decoding_precision(args.dtype, device, args.tf32) as precision:
-        decode_cli(args, device, precision)
-
-
-def decode_cli(args, device, precision):
-    if args.meta and not os.path.isfile(args.meta):
-        raise BadInput(f"--meta {args.meta}: no such file")
-    ckpt = load_checkpoint(args.ckpt)
-    model = target_from(ckpt, args.ckpt, device)
-    vocab = vocab_for(ckpt, args.ckpt, model.config.vocab_size, args.meta)
-    del ckpt
-    intra_op_threads(args.threads, small=model.get_num_params() < SMALL_MODEL)
-    if not args.prompt:
-        raise BadInput("prompt is empty: give at least one character with --prompt")
-    ids = vocab.encode(args.prompt, 'the prompt')
-    prompt = torch.tensor([ids], dtype=torch.long, device=device)
-    room = model.config.block_size - prompt.size(1)
-    max_new = args.max_new_tokens
-    if max_new is None:
-        max_new = min(200, room)
-        if max_new < 1:
-            raise BadInput(f"the prompt ({prompt.size(1)} tokens) fills the model's context of "
-                           f"{model.config.block_size} tokens")
-        if max_new < 200:
-            print(f"note: generating {max_new} tokens, what fits the model's context of "
-                  f"{model.config.block_size} after the {prompt.size(1)}-token prompt", file=sys.stderr)
-    drafter = None
-    if args.heads or args.drafter:
-        drafter = load_drafter(args.heads or args.drafter, model, 'heads' if args.heads else 'dblast', vocab)
-        drafter.sample_drafts = args.sample_drafts is not False
-        if args.drafter:   # a DBlast mixture (check_cli refused --verify and --zt otherwise)
-            drafter.verify = args.verify or drafter.verify
-            drafter.zt = drafter.zt if args.zt is None else args.zt
-            drafter.paths_from = args.paths_from or drafter.paths_from
-    check_args(model, prompt, max_new, drafter, args.k or (drafter.k if drafter else 1), args.temperature,
-               args.accept, cli=True, paths=args.paths)
-    kw = dict(temperature=args.temperature, compile=args.compile)
-
-    def gen(**extra):
-        g = torch.Generator(device=device).manual_seed(args.seed)
-        return timed_generate(model, prompt, max_new, **kw, **extra, generator=g)
-
-    if drafter is None:
-        gen()  # warm-up
-        out, stats, dt = gen()
-        print(vocab.decode(out[0].tolist()))
-        print(f"\n--- {max_new} tokens in {dt:.3f}s: {max_new / dt:.1f} tokens/s, {stats['calls']} calls ({precision})")
-        return
-    spec = dict(drafter=drafter, k=args.k, accept=args.accept, paths=args.paths)
-    gen(**spec)  # warm-up both paths so neither pays first-call costs in the timing
-    gen()
-    out, stats, dt = gen(**spec)
-    base, base_stats, dt_base = gen()
-    colour = sys.stdout.isatty() and not args.no_color
-    T0 = prompt.size(1)
-    print(vocab.decode(out[0, :T0].tolist()) + colour_blocks(vocab, out[0, T0:].tolist(), stats['accept_lengths'], colour))
-    taus = stats['accept_lengths']
-    plain = 'greedy' if args.temperature == 0 else 'sampling'
-    print(f"\n--- k={args.k or drafter.k} paths={args.paths} accept={args.accept}: mean tau {sum(taus) / len(taus):.2f}, "
-          f"{stats['calls']} calls (plain: {base_stats['calls']}), "
-          f"{max_new / dt:.1f} tokens/s vs {max_new / dt_base:.1f} plain {plain}: speedup {dt_base / dt:.2f}x "
-          f"({precision})")
-    print("acceptance per draft position: " + " ".join(f"{a:.2f}" for a in stats['accept_rate']))
-    if args.temperature == 0:   # measured: the rule is exact, floating point need not be (MATH.md §2)
-        print(f"same as plain greedy decoding: {agreement(out, base, T0)}")
-
-
-if __name__ == '__main__':
-    run_script(main)
+if __name__ == '__main__':   # an old command: say where it went, in one line
+    print("error: decode.py is the decoding module; its command line is python generate.py (the same flags)",
+          file=sys.stderr)
+    sys.exit(2)

@@ -37,8 +37,9 @@ from torch._dynamo.utils import counters
 
 import decode
 import train
-from bench import (Bench, common_flags, dblast_tag, device_name, heads_tag, identical, md_table, meta, parse_list,
-                   prepare, settle, speed_table, sync, timed, trainings, write_json)
+from bench import dblast_tag, heads_tag, settle, speed_table, trainings
+from measure import (Bench, command_line, common_flags, device_name, identical, md_table, meta, parse_list, prepare,
+                     sync, timed, write_json)
 from data import ArgumentParser, Precision, check_out_dir, intra_op_threads, load_target, pick_dtype, run_script
 from decode import load_drafter
 
@@ -372,6 +373,7 @@ def main(argv=None):
                                                         f"(default {PART_ORDER}; b, compiled training, when asked)")
     common_flags(ap, 'bench/gpu')
     args = ap.parse_args(argv)
+    args.command = command_line('gpu_check.py', argv)
     args.tables, args.compile = 'speed', False   # the trainings part a runs are the speed table's
     device = settle(args, QUICK if args.quick else PRESET)
     args.parts = parse_list('--parts', args.parts, str, lambda p: p in PARTS, f"from {','.join(PARTS)}")

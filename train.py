@@ -387,7 +387,7 @@ def stage_heads(rt, args, model, train, vocab):
     if args.joint and rt.master:  # the fine-tuned target is a model of its own: save it beside
         jpath = os.path.join(args.out_dir, f'ckpt_joint{args.tag}.pt')
         save_checkpoint(dict(model=model.state_dict(), model_args=vars(model.config), vocab=vocab.state()), jpath)
-        rt.print(f"heads: joint target -> {jpath} (decode with --ckpt {jpath} --heads {path})")
+        rt.print(f"heads: joint target -> {jpath} (decode with python generate.py --ckpt {jpath} --heads {path})")
     for p in model.parameters():
         p.requires_grad_(False)
     model.eval()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import bench
+import measure
 from conftest import ROOT, Proc, assert_clean_error, cli, env
 
 
@@ -43,6 +44,7 @@ def test_bench_quick_tiny(tmp_path, corpus_file):
     assert curve['long'][-1][0] == 2 * curve['preset'][-1][0]   # twice the preset's steps
     assert all(r['t_k_over_t_1'] > 0 for r in res['time']['rows'])
     md = (out / 'RESULTS.md').read_text()   # the tables as printed, under the commit and command
+    assert res['meta']['command'].startswith('python bench.py --quick --out ')
     assert md.startswith('# Results') and 'python bench.py' in md and '### 1. ' in md and '### 4. ' in md
     split = res['time']['split_k8']
     assert {'target_forward', 'verify', 'draft', 'cache', 'host_sync'} <= set(split)
@@ -60,8 +62,8 @@ def test_step_times_reads_the_cpu_side_rows():
     events = [row('step.verify', CPU, 10, 7), row('step.verify', CUDA, 1, 99), row('step.host_sync', CPU, 5, 0),
               row('step.host_sync', CUDA, 2, 3), row('aten::mm', CPU, 50, 40)]
     for order in (events, events[::-1]):
-        assert bench.step_times(order, cuda=True) == {'verify': 7, 'host_sync': 5}
-        assert bench.step_times(order, cuda=False) == {'verify': 10, 'host_sync': 5}
+        assert measure.step_times(order, cuda=True) == {'verify': 7, 'host_sync': 5}
+        assert measure.step_times(order, cuda=False) == {'verify': 10, 'host_sync': 5}
 
 
 def test_speed_table_in_bfloat16_on_cpu(tmp_path, corpus_file):

@@ -1,5 +1,5 @@
 """
-train.py, decode.py and bench.py given bad input, the way a user gives it: every row of CASES is one
+train.py, generate.py and bench.py given bad input, the way a user gives it: every row of CASES is one
 command line and what it must do.
 
   refused      exit code 2; stderr has exactly one line starting with `error:` (no argparse usage
@@ -26,7 +26,7 @@ their own folder: a fresh copy of the trained run ('copy') or an empty folder ('
 may only read the shared trained run, whose checkpoints are checked after every case and at the end.
 
     python -m pytest -q tests/test_cli.py                 # everything (under a minute on 2 cores)
-    python -m pytest -q tests/test_cli.py -k decode       # only decode.py's cases (only they run)
+    python -m pytest -q tests/test_cli.py -k decode       # only generate.py's cases (only they run)
 """
 import hashlib
 import os
@@ -49,13 +49,13 @@ import torch
 from bench import main as bench_main
 from conftest import ROOT, corpus_text, in_process, sigint_at_default
 from data import Vocab
-from decode import main as decode_main
+from generate import main as generate_main
 from model import GPT, GPTConfig
 from train import main as train_main
 
 TIMEOUT = 90          # seconds any one process may take; more is a hang
 WORKERS = 2           # real processes at a time (beside the in-process cases)
-MAINS = {'train.py': train_main, 'decode.py': decode_main, 'bench.py': bench_main}
+MAINS = {'train.py': train_main, 'generate.py': generate_main, 'bench.py': bench_main}
 IS_ROOT = hasattr(os, 'geteuid') and os.geteuid() == 0
 
 
@@ -124,7 +124,7 @@ def train_refused(id, flags, *needles, stages=ALL_STAGES, **kw):
 
 
 def decode(*flags):
-    return ['decode.py', '--device', 'cpu', '--ckpt', '{ckpt}', '--max-new-tokens', '8', *flags]
+    return ['generate.py', '--device', 'cpu', '--ckpt', '{ckpt}', '--max-new-tokens', '8', *flags]
 
 
 def decode_refused(id, flags, *needles, **kw):
@@ -280,7 +280,7 @@ CASES = [
          130, ('--resume',), out='fresh', interrupt=when_exists('{out}/run/ckpt.pt'),
          after=still_loads('{out}/run/ckpt.pt')),
 
-    # ------------------------------------------------------------------ decode.py: numbers
+    # ------------------------------------------------------------------ generate.py: numbers
     decode_refused('temperature-nan', ['--temperature', 'nan'], '--temperature'),
     decode_refused('temperature-neg', ['--temperature', '-1'], '--temperature'),
     decode_refused('temperature-inf', ['--temperature', 'inf'], '--temperature'),
@@ -307,7 +307,7 @@ CASES = [
     decode_refused('zt-nan', ['--drafter', '{dblast}', '--temperature', '1', '--zt', 'nan'], '--zt'),
     decode_refused('paths-zero', ['--heads', '{heads}', '--paths', '0'], '--paths'),
     decode_refused('paths-huge', ['--heads', '{heads}', '--paths', '65'], '--paths'),
-    # ------------------------------------------------------------------ decode.py: flags that mean nothing here
+    # ------------------------------------------------------------------ generate.py: flags that mean nothing here
     decode_refused('zt-with-heads', ['--heads', '{heads}', '--zt', '1'], '--zt'),
     decode_refused('verify-with-heads', ['--heads', '{heads}', '--verify', 'mixture'], '--verify'),
     decode_refused('paths-without-drafter', ['--paths', '2'], '--paths'),
@@ -323,20 +323,20 @@ CASES = [
     decode_refused('device-bogus', ['--device', 'bogus'], '--device'),
     decode_refused('device-cuda', ['--device', 'cuda'], '--device'),
     decode_refused('device-mps', ['--device', 'mps'], '--device'),
-    # ------------------------------------------------------------------ decode.py: drafters
+    # ------------------------------------------------------------------ generate.py: drafters
     decode_refused('heads-given-dblast', ['--heads', '{dblast}'], '{dblast}'),
     decode_refused('drafter-given-heads', ['--drafter', '{heads}'], '{heads}'),
     decode_refused('heads-and-drafter', ['--heads', '{heads}', '--drafter', '{dblast}'], '--heads'),
     decode_refused('heads-nan', ['--heads', '{files}/nan_heads.pt'], '{files}/nan_heads.pt'),
     decode_refused('drafter-nan', ['--drafter', '{files}/nan_dblast.pt'], '{files}/nan_dblast.pt'),
     decode_refused('heads-other-base', ['--ckpt', '{files}/other_ckpt.pt', '--heads', '{heads}'], '{heads}'),
-    # ------------------------------------------------------------------ decode.py: the target checkpoint
+    # ------------------------------------------------------------------ generate.py: the target checkpoint
     decode_refused('ckpt-missing', ['--ckpt', '{run}/no_such_ckpt.pt'], '{run}/no_such_ckpt.pt'),
     decode_refused('ckpt-fifo', ['--ckpt', '{files}/a_fifo'], '{files}/a_fifo'),
     decode_refused('ckpt-corrupt', ['--ckpt', '{files}/corrupt.pt'], '{files}/corrupt.pt'),
     decode_refused('ckpt-truncated', ['--ckpt', '{files}/truncated.pt'], '{files}/truncated.pt'),
     decode_refused('ckpt-nan-weights', ['--ckpt', '{files}/nan_ckpt.pt'], '{files}/nan_ckpt.pt'),
-    # ------------------------------------------------------------------ decode.py: crafted pickles
+    # ------------------------------------------------------------------ generate.py: crafted pickles
     decode_refused('ckpt-crafted', ['--ckpt', '{files}/crafted_ckpt.pt'], '{files}/crafted_ckpt.pt',
                    marker='{files}/payload-ckpt'),
     decode_refused('heads-crafted', ['--heads', '{files}/crafted_heads.pt'], '{files}/crafted_heads.pt',
@@ -345,11 +345,13 @@ CASES = [
                    marker='{files}/payload-drafter'),
     decode_refused('meta-crafted', ['--meta', '{files}/crafted_meta.pkl'], '{files}/crafted_meta.pkl',
                    marker='{files}/payload-meta'),
-    # ------------------------------------------------------------------ decode.py: what must work
+    # ------------------------------------------------------------------ generate.py: what must work
     accepted('decode-plain', decode()),
     accepted('decode-drafter-sampling', decode('--drafter', '{dblast}', '--temperature', '1')),
     accepted('decode-prompt-not-utf8', decode('--prompt', NOT_UTF8)),
-    Case('decode-ctrl-c', ['decode.py', '--device', 'cpu', '--ckpt', '{files}/long_ckpt.pt', '--max-new-tokens',
+    refused('decode-old-command', ['decode.py', '--ckpt', '{ckpt}'], 'python generate.py', process=True,
+            only_line=True),
+    Case('decode-ctrl-c', ['generate.py', '--device', 'cpu', '--ckpt', '{files}/long_ckpt.pt', '--max-new-tokens',
                            '40000'], 130, ('interrupted',), interrupt=when_torch_loads, only_line=True),
     Case('train-ctrl-c-at-start-up', train('--max-iters', '100000', stages='base', out='{out}/run'), 130,
          ('interrupted',), out='fresh', interrupt=when_torch_loads),

@@ -70,7 +70,7 @@ def one_error_line(proc, *needles):
 
 
 def printed_text(stdout):
-    """The generated text decode.py prints before its '--- ...' statistics."""
+    """The generated text generate.py prints before its '--- ...' statistics."""
     return stdout.rsplit('\n\n--- ', 1)[0]
 
 
@@ -196,7 +196,7 @@ def test_decode_cli_on_a_nanogpt_char_checkpoint_is_greedy_through_itos(nanogpt_
     ids = torch.tensor([[chars.index(c) for c in prompt]])
     out, _ = generate(model, ids, 40)
     want = ''.join(chars[i] for i in out[0].tolist())
-    proc = run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', prompt, '--max-new-tokens', 40,
+    proc = run('generate.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', prompt, '--max-new-tokens', 40,
                '--device', 'cpu', cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     assert printed_text(proc.stdout) == want
@@ -204,21 +204,21 @@ def test_decode_cli_on_a_nanogpt_char_checkpoint_is_greedy_through_itos(nanogpt_
     heads = torch.load(cwd / 'out-tiny_char' / 'heads.pt', weights_only=True)
     assert heads['vocab'] == dict(kind='char', itos=chars)
     # the default length is what fits the 64-token context, with a note
-    proc = run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', prompt, '--device', 'cpu', cwd=cwd)
+    proc = run('generate.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', prompt, '--device', 'cpu', cwd=cwd)
     assert proc.returncode == 0 and 'generating 59 tokens' in proc.stderr, proc.stderr
     assert len(printed_text(proc.stdout)) == 64
 
 
 def test_bpd_heads_trained_on_the_nanogpt_dataset_decode_exactly_greedy(nanogpt_run):
     cwd, _ = nanogpt_run
-    plain = run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', 'def f(', '--max-new-tokens', 50,
+    plain = run('generate.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', 'def f(', '--max-new-tokens', 50,
                 '--device', 'cpu', cwd=cwd)
-    fast = run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--heads', 'out-tiny_char/heads.pt',
+    fast = run('generate.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--heads', 'out-tiny_char/heads.pt',
                '--prompt', 'def f(', '--max-new-tokens', 50, '--device', 'cpu', '--no-color', cwd=cwd)
     assert plain.returncode == 0 and fast.returncode == 0, fast.stderr
     assert printed_text(fast.stdout) == printed_text(plain.stdout)
     assert float(re.search(r'mean tau ([\d.]+)', fast.stdout).group(1)) > 1.05   # blocks were accepted
-    sampled = run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--drafter', 'out-tiny_char/dblast_K4.pt',
+    sampled = run('generate.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--drafter', 'out-tiny_char/dblast_K4.pt',
                   '--prompt', 'def f(', '--temperature', '1.0', '--device', 'cpu', '--no-color', cwd=cwd)
     assert sampled.returncode == 0, sampled.stderr
 
@@ -226,7 +226,7 @@ def test_bpd_heads_trained_on_the_nanogpt_dataset_decode_exactly_greedy(nanogpt_
 def test_nanogpt_user_errors_are_one_line(nanogpt_run, tmp_path):
     cwd, chars = nanogpt_run
     # a prompt character the vocabulary lacks
-    one_error_line(run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', 'def €', '--device', 'cpu',
+    one_error_line(run('generate.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--prompt', 'def €', '--device', 'cpu',
                        cwd=cwd), "outside the model's", '€')
     # a dataset with ids the model does not have
     ds = tmp_path / 'big'
@@ -244,5 +244,5 @@ def test_nanogpt_user_errors_are_one_line(nanogpt_run, tmp_path):
     other = tmp_path / 'meta.pkl'
     itos = dict(enumerate(reversed(chars)))
     other.write_bytes(pickle.dumps(dict(vocab_size=len(chars), itos=itos, stoi={c: i for i, c in itos.items()})))
-    one_error_line(run('decode.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--heads', 'out-tiny_char/heads.pt',
+    one_error_line(run('generate.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--heads', 'out-tiny_char/heads.pt',
                        '--meta', other, '--prompt', 'x', '--device', 'cpu', cwd=cwd), 'different vocabulary')

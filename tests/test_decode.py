@@ -514,13 +514,13 @@ def test_merged_step_inactive_rows_do_not_advance(model, prompts):
 
 
 # ----------------------------------------------------------------------------- 7. the CLI
-# Most cases run decode.py's main in this process (conftest.cli); one also runs as a real
+# Most cases run generate.py's main in this process (conftest.cli); one also runs as a real
 # process, to pin the exit code and stderr end to end.
 
 @pytest.fixture
 def decode_cli():
     def run(ckpt, *extra):
-        return Proc(*cli('decode.py', ['--ckpt', ckpt, '--device', 'cpu', '--max-new-tokens', '4', *extra]))
+        return Proc(*cli('generate.py', ['--ckpt', ckpt, '--device', 'cpu', '--max-new-tokens', '4', *extra]))
     return run
 
 
@@ -544,7 +544,7 @@ def test_decode_cli_works_on_a_good_checkpoint(good_ckpt, decode_cli):
 
 
 def test_decode_missing_checkpoint_real_process(tmp_path):
-    proc = run_py(['decode.py', '--ckpt', str(tmp_path / 'nope.pt'), '--prompt', 'x',
+    proc = run_py(['generate.py', '--ckpt', str(tmp_path / 'nope.pt'), '--prompt', 'x',
                    '--device', 'cpu'])
     assert proc.returncode == 2
     assert_clean_error(proc, 'not found')

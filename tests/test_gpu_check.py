@@ -27,6 +27,7 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
                                                               f='skipped', g='skipped', i='pass', b='skipped')
     assert list(parts) == list('ahcdefgib')   # the speed figures early, as --parts orders them
     assert res['failed'] == [] and 'aot_eager' in res['compiled_decoding']
+    assert res['meta']['command'].startswith('python gpu_check.py --quick --device cpu')   # the command that ran
     # every part's record, a line of parts.jsonl the moment it ended, names what it ran on
     lines = [json.loads(x) for x in (out / 'parts.jsonl').read_text().splitlines()]
     assert [r['part'] for r in lines] == list('ahcdefgib') and lines == list(parts.values())

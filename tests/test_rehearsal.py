@@ -56,8 +56,8 @@ def test_every_stage_at_the_gpu_preset_shapes_under_bf16_and_compile(tmp_path, m
     # decoding with both drafters: the heads greedy in float32, DBlast sampling in bf16 (the
     # compiled step at these shapes: tests/test_compiled.py and gpu_check.py)
     common = ['--ckpt', out / 'ckpt.pt', '--max-new-tokens', '12', '--device', 'cpu']
-    code, stdout, stderr = cli('decode.py', common + ['--heads', out / 'heads.pt'])
+    code, stdout, stderr = cli('generate.py', common + ['--heads', out / 'heads.pt'])
     assert code == 0 and '(float32)' in stdout and 'same as plain greedy decoding: ' in stdout, stderr[-2000:]
-    code, stdout, stderr = cli('decode.py', common + ['--drafter', out / 'dblast_K4.pt', '--temperature', '1.5',
+    code, stdout, stderr = cli('generate.py', common + ['--drafter', out / 'dblast_K4.pt', '--temperature', '1.5',
                                                       '--dtype', 'bfloat16'])
     assert code == 0 and '(bfloat16 autocast)' in stdout and 'mean tau' in stdout, stderr[-2000:]
