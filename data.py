@@ -46,6 +46,12 @@ class BadInput(ValueError):
     one line and exit non-zero instead of showing a traceback."""
 
 
+def first_line(e, default='', limit=200):
+    """An exception's message cut to its first line (and `limit` characters), to quote inside a
+    one-line error; `default` when it has no message."""
+    return (str(e).strip().splitlines() or [default])[0][:limit]
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors (unknown flag, not a number, ...) are one `error:` line too."""
 
@@ -272,8 +278,7 @@ def target_from(ckpt, path, device='cpu'):
     try:
         model = GPT.from_checkpoint(ckpt)
     except Exception as e:  # any malformed content: shapes, types, impossible sizes
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise BadInput(f"checkpoint {path}: weights do not fit its config ({first})")
+        raise BadInput(f"checkpoint {path}: weights do not fit its config ({first_line(e, type(e).__name__)})")
     check_finite(model, f"checkpoint {path}")
     return model.to(device).eval()
 

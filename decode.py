@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from data import BadInput, Vocab, check_finite, check_number, load_checkpoint
+from data import BadInput, Vocab, check_finite, check_number, first_line, load_checkpoint
 from dblast import DBlastDrafter
 from heads import BlockHeads
 from model import GPTConfig, sample, tempered, upcast
@@ -508,8 +508,7 @@ def load_drafter(path, target, kind=None, vocab=None):
         drafter = cls(GPTConfig.from_dict(ckpt['model_args']), **{a: ckpt[a] for a in cls.ARGS})
         drafter.load_state_dict(ckpt['drafter'])
     except Exception as e:  # missing fields, wrong shapes
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise BadInput(f"drafter checkpoint {path} is malformed ({first})")
+        raise BadInput(f"drafter checkpoint {path} is malformed ({first_line(e, type(e).__name__)})")
     check_finite(drafter, path)
     p = target.lm_head.weight
     return drafter.to(p.device, p.dtype).eval()

@@ -40,7 +40,8 @@ import train
 from bench import dblast_tag, heads_tag, settle, speed_table, trainings
 from measure import (Bench, command_line, common_flags, device_name, identical, md_table, meta, parse_list, prepare,
                      sync, timed, write_json)
-from data import ArgumentParser, Precision, check_out_dir, intra_op_threads, load_target, pick_dtype, run_script
+from data import (ArgumentParser, Precision, check_out_dir, first_line, intra_op_threads, load_target, pick_dtype,
+                  run_script)
 from decode import load_drafter
 
 PLAIN, HEADS, SAMPLED = 'plain greedy', 'BPD heads greedy, k=8', 'DBlast K=4 sampling, T=1'
@@ -197,7 +198,7 @@ def part_sync_debug(c):
                 try:
                     c.eager.decode_all(c.base, **kw)
                 except RuntimeError as e:   # what sync debug mode 'error' raises
-                    error = first_line(e)
+                    error = first_line(e, limit=300)
             rows.append(dict(precision=str(precision), config=name, steps=steps[0], error=error))
     return dict(ok=all(r['error'] is None for r in rows), rows=rows)
 
@@ -320,7 +321,7 @@ def run_parts(c, parts, report, path):
                 res = part(c)
         except Exception as e:   # a crash or the time limit fails this part; the next ones still run
             traceback.print_exc()
-            res = dict(ok=False, error=f'{type(e).__name__}: {first_line(e)}')
+            res = dict(ok=False, error=f'{type(e).__name__}: {first_line(e, limit=300)}')
         status = 'skipped' if 'skipped' in res else 'pass' if res.pop('ok') else 'fail'
         after = graphs()
         record = dict(part=key, title=title, status=status, seconds=time.perf_counter() - t0, time_limit=limit,
@@ -346,10 +347,6 @@ def versions(device):
     """What every record of the check names: torch, CUDA, the device and the precision it decodes at."""
     return dict(torch=torch.__version__, cuda=torch.version.cuda, device=str(device), device_name=device_name(device),
                 dtype='float32; bfloat16 autocast where the part says so')
-
-
-def first_line(e):
-    return (str(e).strip().splitlines() or [''])[0][:300]
 
 
 def short(v):

@@ -34,8 +34,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from data import (PROMPT_LEN, BadInput, heldout_prompts, load_checkpoint, load_dataset, newline_id,  # noqa: E402
-                  target_from, vocab_for)
+from data import (PROMPT_LEN, BadInput, first_line, heldout_prompts, load_checkpoint, load_dataset,  # noqa: E402
+                  newline_id, target_from, vocab_for)
 from decode import generate, load_drafter  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -186,11 +186,10 @@ def run_check(checks, impl, name, fn):
     except NotImplementedError as e:
         reason, not_written = f"not written yet: {e or 'NotImplementedError'}", True
     except AssertionError as e:
-        reason = (str(e).strip().splitlines() or ['an assertion failed'])[0]
+        reason = first_line(e, 'an assertion failed', limit=None)
         hint = getattr(e, 'hint', '') or hint     # a Fail knows its cause better than the docstring
     except Exception as e:   # the code under test crashed: say what and where
-        first = (str(e).strip().splitlines() or [''])[0][:200]
-        reason = f"{type(e).__name__}: {first}{where_in_student(e)}"
+        reason = f"{type(e).__name__}: {first_line(e)}{where_in_student(e)}"
     return Result(name, title, not reason, reason, hint, time.perf_counter() - t0, not_written)
 
 
