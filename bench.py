@@ -52,8 +52,8 @@ import train
 from data import (DTYPES, PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, check_number, decoding_precision,
                   intra_op_threads, load_checkpoint, load_target, pick_device, run_script)
 from decode import generate, load_drafter
-from measure import (DRAFTING, Bench, Tee, command_line, common_flags, forward_ratio, identical, md_row, md_table, meta,
-                     output_nll, parse_list, prepare, results_md, time_split, timed, train_args, tree_ratio,
+from measure import (DRAFTING, Bench, Tee, command_line, common_flags, forward_ratio, identical, md_row, md_table,
+                     meta, output_nll, parse_list, prepare, results_md, time_split, timed, train_args, tree_ratio,
                      write_json, write_text)
 
 BPD_KS = [2, 4, 6, 8, 10]
