@@ -38,11 +38,11 @@ from torch._dynamo.utils import counters
 import decode
 import train
 from bench import dblast_tag, heads_tag, settle, speed_table, trainings
-from measure import (Bench, command_line, common_flags, device_name, identical, md_table, meta, parse_list, prepare,
-                     sync, timed, write_json)
 from data import (ArgumentParser, Precision, check_out_dir, first_line, intra_op_threads, load_target, pick_dtype,
                   run_script)
 from decode import load_drafter
+from measure import (Bench, command_line, common_flags, device_name, identical, md_table, meta, parse_list, prepare,
+                     sync, timed, write_json)
 
 PLAIN, HEADS, SAMPLED = 'plain greedy', 'BPD heads greedy, k=8', 'DBlast K=4 sampling, T=1'
 NEAR_TIE = 1e-3   # logits: compiled kernels sum in another order, so a tie this close may break either way
