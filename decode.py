@@ -9,14 +9,13 @@ committed token. Plain decoding is the same step with k = 1 and no drafter. With
 is a tree of N drafted paths after the bonus, verified in the same one call (MATH.md §9). Drafters
 follow one contract (heads.Drafter). The command line is generate.py's.
 """
-import sys
 import time
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-from data import BadInput, Vocab, check_finite, check_number, first_line, load_checkpoint
+from data import BadInput, Vocab, check_finite, check_number, first_line, load_checkpoint, run_script
 from dblast import DBlastDrafter
 from heads import BlockHeads
 from model import GPTConfig, sample, tempered, upcast
@@ -534,7 +533,10 @@ def agreement(out, base, T0):
     return f"{int(same.sum())}/{same.numel()} tokens"
 
 
-if __name__ == '__main__':   # an old command: say where it went, in one line
-    print("error: decode.py is the decoding module; its command line is python generate.py (the same flags)",
-          file=sys.stderr)
-    sys.exit(2)
+def moved():
+    """`python decode.py`, an old command: where it went, as the one `error:` line of any script."""
+    raise BadInput("decode.py is the decoding module; its command line is python generate.py (the same flags)")
+
+
+if __name__ == '__main__':
+    run_script(moved)
