@@ -1,13 +1,17 @@
 """
 Decoding: plain autoregressive, blockwise parallel (BPD, greedy and lossy), and lossless
-speculative sampling with a block drafter (BPD heads or DBlast).
+speculative sampling with a block drafter (BPD heads or DBlast), one block or a tree of several
+drafted paths per target call.
 
-Everything runs through one function, `merged_step` (MATH.md §2): the pending block
-[bonus, d_1 .. d_{k-1}] goes through the target in one call; the same call verifies the drafts,
-picks the next bonus and drafts the next block from H_{n_acc}, the target's state after the last
-committed token. Plain decoding is the same step with k = 1 and no drafter. With paths=N the block
-is a tree of N drafted paths after the bonus, verified in the same one call (MATH.md §9). Drafters
-follow one contract (heads.Drafter). The command line is generate.py's.
+Read in this order (MATH.md has every equation):
+  the acceptance rules and verifiers   one block (MATH.md §2, §4) and a tree of paths (§9)
+  merged_step                          one target call: verify, commit, propose
+  generate                             the loop around it, and its argument checks
+  the compiled path                    what only `compile=True` needs: the compiled step, its
+                                       static cache and RNG; nothing above depends on it
+  loading drafters, timing
+Drafters follow one contract (heads.Drafter). The command line is generate.py's; the model's own
+`GPT.generate` (no cache, full recompute) is the reference every path here is tested against.
 """
 import time
 from contextlib import contextmanager
@@ -15,7 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from data import BadInput, Vocab, check_finite, check_number, first_line, load_checkpoint, run_script
+from data import BadInput, Vocab, check_finite, check_number, first_line, load_checkpoint
 from dblast import DBlastDrafter
 from heads import BlockHeads
 from model import GPTConfig, sample, tempered, upcast
@@ -27,25 +31,27 @@ from model import GPTConfig, sample, tempered, upcast
 # rule of the table ACCEPT, or speculative sampling's test accept_sampled), the bonus after a
 # rejection (residual), and what is committed (accept_prefix). Exercises replace exactly these.
 
-# Greedy acceptance rules (BPD §3, and the lossy ones of BPD §5). A rule reads the target's logits
-# after every block position (B, k, V) and the drafts (B, k-1), and says which drafts it lets
-# through: ok (B, k-1) bool, where ok[:, j] judges draft j+1 by the logits after position j. Only
-# the prefix before the first refusal is committed (accept_prefix), and the bonus is the target's
-# argmax after it, so every rule keeps at least the target's own token.
+# Greedy acceptance rules (BPD "Blockwise Parallel Decoding", p. 2; the lossy ones of "Approximate
+# Inference", p. 4). A rule reads the target's logits after every block position (B, k, V) and
+# the drafts (B, k-1), and says which drafts it lets through: ok (B, k-1) bool, where ok[:, j]
+# judges draft j+1 by the logits after position j. Only the prefix before the first refusal is
+# committed (accept_prefix), and the bonus is the target's argmax after it, so every rule keeps at
+# least the target's own token.
 
 def exact(logits, drafts, param=None):
-    """BPD §3: draft j+1 is the target's argmax after position j (lossless)."""
+    """BPD's verify substep (p. 2): draft j+1 is the target's argmax after position j (lossless)."""
     return drafts == logits[:, :-1].argmax(-1)
 
 
 def top_n(logits, drafts, size):
-    """BPD §5: any draft among the target's `size` most likely tokens (topk:N, N = size)."""
+    """BPD "Top-k Selection" (§5.1, p. 4): any draft among the target's `size` most likely tokens
+    (topk:N, N = size)."""
     return (logits[:, :-1].topk(size, dim=-1).indices == drafts.unsqueeze(-1)).any(-1)
 
 
 def min_block(logits, drafts, size):
-    """BPD §5: the first size-1 drafts are taken whatever they are, the rest as `exact`, so a step
-    commits at least `size` tokens (minblock:N, N = size)."""
+    """BPD "Minimum Block Size" (§5.3, pp. 4-5): the first size-1 drafts are taken whatever they
+    are, the rest as `exact`, so a step commits at least `size` tokens (minblock:N, N = size)."""
     first = torch.arange(1, drafts.size(1) + 1, device=drafts.device) < size
     return exact(logits, drafts) | first
 
@@ -87,65 +93,65 @@ def parse_accept(accept, vocab_size=None, cli=False):
         raise BadInput(f"{named('accept', accept, cli)}: {e} (use one of {usage})")
 
 
-def accept_sampled(p, q, drafts, generator=None):
-    """Lossless speculative sampling's test (Leviathan et al. / Chen et al.): draft j+1 is accepted
-    with probability min(1, P_j(d) / Q_{j+1}(d)). p (B, k-1, V): the target's distributions after
-    positions 0..k-2; q (B, k-1, V): the proposal's conditionals the drafts were drawn from, or
-    None for point-mass drafts (Q(d) = 1); drafts (B, k-1). Returns ok (B, k-1) bool."""
+def accept_sampled(p, Q, drafts, generator=None):
+    """Speculative sampling's test (MATH.md §4): draft j+1 is accepted with probability
+    min(1, P_j(d) / Q_{j+1}(d)). p (B, k-1, V): the target's distributions after positions
+    0..k-2; Q (B, k-1, V): the proposal's conditionals the drafts were drawn from, or None for
+    point-mass drafts (Q(d) = 1); drafts (B, k-1). Returns ok (B, k-1) bool."""
     p_d = p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    q_d = 1.0 if q is None else q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    u = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
-    return u * q_d < p_d
+    Q_d = 1.0 if Q is None else Q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    coin = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
+    return coin * Q_d < p_d
 
 
-def residual(p, q, drafts):
-    """Where a draft was rejected the bonus comes from norm(max(0, p - q)) (Leviathan et al. /
-    Chen et al.). p (B, n, V), q (B, n, V) or None for point-mass (argmax) drafts, drafts (B, n).
-    A point mass puts all of q on the draft, so the residual is p without the draft's mass.
-    Returned unnormalised (`sample` normalises); an all-zero row (p == q, where rejection has
-    probability zero) falls back to p so it can never divide by zero."""
-    if q is None:
+def residual(p, Q, drafts):
+    """Where a draft was rejected the bonus comes from norm(max(0, p - Q)) (MATH.md §4).
+    p (B, n, V), Q (B, n, V) or None for point-mass (argmax) drafts, drafts (B, n).
+    A point mass puts all of Q on the draft, so the residual is p without the draft's mass.
+    Returned unnormalised (`sample` normalises); an all-zero row (p == Q, where rejection has
+    probability zero, or rounding) falls back to p so it can never divide by zero."""
+    if Q is None:
         r = p.scatter(-1, drafts.unsqueeze(-1), 0.0)
     else:
-        r = (p - q).clamp_(min=0.0)
+        r = (p - Q).clamp_(min=0.0)
     return torch.where(r.sum(-1, keepdim=True) > 0, r, p)
 
 
 def accept_prefix(ok, candidates):
-    """What a step keeps (BPD §3): the drafts before the first one refused, then the bonus there.
-    ok (B, k-1) bool; candidates (B, k): the bonus to take after each block position. Returns
-    accepted (B, k-1) bool (False from the first refusal on), n_acc (B,) accepted drafts, and the
-    bonus candidates[:, n_acc] (B,)."""
+    """What a step keeps (BPD's accept substep, p. 2): the drafts before the first one refused,
+    then the bonus there. ok (B, k-1) bool; candidates (B, k): the bonus to take after each block
+    position. Returns accepted (B, k-1) bool (False from the first refusal on), n_acc (B,)
+    accepted drafts, and the bonus candidates[:, n_acc] (B,)."""
     accepted = ok.long().cumprod(-1).bool()                 # nothing counts past a rejection
     n_acc = accepted.sum(-1)
     return accepted, n_acc, candidates.gather(1, n_acc[:, None]).squeeze(1)
 
 
 def verify_greedy(logits, drafts, accept=(exact, None)):
-    """Greedy verification (BPD §3): logits (B, k, V) of the target after each block position,
-    drafts (B, k-1), accept = (rule, param) of ACCEPT. Returns accepted (B, k-1), n_acc (B,) and
-    the bonus (B,): the target's argmax after the last accepted draft."""
+    """Greedy verification (BPD, p. 2; MATH.md §2): logits (B, k, V) of the target after each
+    block position, drafts (B, k-1), accept = (rule, param) of ACCEPT. Returns accepted (B, k-1),
+    n_acc (B,) and the bonus (B,): the target's argmax after the last accepted draft."""
     rule, param = accept
     return accept_prefix(rule(logits, drafts, param), logits.argmax(-1))
 
 
-def verify_sampled(logits, q, drafts, temperature, generator=None):
+def verify_sampled(logits, Q, drafts, temperature, generator=None):
     """Lossless speculative sampling (MATH.md §4): the same as verify_greedy, for temperature > 0.
-    q (B, k-1, V): the proposal's conditionals the drafts were drawn from, at the same temperature
-    (None: point masses). The bonus is a sample of the residual after a rejection at j, or of p
-    after the last position when every draft passed."""
+    Q (B, k-1, V): the proposal's conditionals the drafts were drawn from, at the same
+    temperature (None: point masses). The bonus is a sample of the residual after a rejection at
+    j, or of p after the last position when every draft passed."""
     p = F.softmax(tempered(logits, temperature), dim=-1)      # (B, k, V) p_target
-    ok = accept_sampled(p[:, :-1], q, drafts, generator)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
     # every position's candidate bonus is drawn now, so the step stays one call without a sync
-    weights = torch.cat([residual(p[:, :-1], q, drafts), p[:, -1:]], dim=1)
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], dim=1)
     return accept_prefix(ok, sample(weights, generator))
 
 
 # ------------------------------------------------------------------------- several paths, one call
-# With N > 1 drafted paths the block is a tree (MATH.md §9): slot 0 the bonus, then path z's token
-# i at slot 1 + z(k-1) + i, each slot attending to the committed prefix, the bonus and the earlier
-# tokens of its own path. Greedy keeps the path with the longest agreeing prefix; sampling verifies
-# node by node by multi-step speculative sampling, which is lossless for any candidates.
+# With N > 1 drafted paths the block is a tree (MATH.md §9, with a worked example): slot 0 the
+# bonus, then path z's token i at slot 1 + z(k-1) + i, each slot attending to the committed
+# prefix, the bonus and the earlier tokens of its own path. Greedy keeps the path with the longest
+# agreeing prefix; sampling verifies node by node by multi-step speculative sampling.
 
 def tree_layout(paths, n, device):
     """The block of `paths` paths of n drafts after one bonus: each slot's depth below the bonus
@@ -161,6 +167,27 @@ def path_slots(paths, n, device):
     """(paths, 1 + n): the slots of each path's tokens, its bonus (slot 0) first."""
     return torch.cat([torch.zeros(paths, 1, dtype=torch.long, device=device),
                       1 + torch.arange(paths * n, device=device).view(paths, n)], dim=1)
+
+
+def tree_nodes(drafts):
+    """Which slot holds which node of the tree of paths drafts (B, N, n) (MATH.md §9's example).
+    A node is a prefix of drafted tokens; the first path with that prefix holds it at its slot.
+
+    same (B, N, N, n) bool: paths z and i agree on their tokens 0..d
+    first (B, N, n): the first path that agrees with path z on its tokens 0..d
+    node (B, N, 1 + n): the slot of path z's node at depth d (depth 0: the bonus, slot 0)
+    through (B, 1 + N n, N) bool: path i's next token is a candidate at slot s (path i has slot
+        s's prefix, and s is not a leaf)"""
+    B, N, n = drafts.shape
+    dev = drafts.device
+    same = (drafts[:, :, None, :] == drafts[:, None, :, :]).long().cumprod(-1).bool()   # (B, N, N, n)
+    first = same.long().argmax(2)                                                        # (B, N, n)
+    node = torch.cat([torch.zeros(B, N, 1, dtype=torch.long, device=dev),
+                      1 + first * n + torch.arange(n, device=dev)], dim=-1)            # (B, N, 1 + n)
+    depth, _ = tree_layout(N, n, dev)
+    through = torch.cat([torch.ones(B, 1, N, dtype=torch.bool, device=dev),
+                         same.permute(0, 1, 3, 2).flatten(1, 2)], dim=1) & (depth < n)[None, :, None]
+    return same, first, node, through
 
 
 def longest(n_accs):
@@ -180,111 +207,60 @@ def verify_tree_greedy(logits, drafts, accept=(exact, None)):
     return n_acc, bonuses.view(B, N).gather(1, path[:, None]).squeeze(1), path
 
 
-def verify_tree_sampled(logits, q, drafts, temperature, generator=None):
-    """Multi-step speculative sampling over N drafted paths (SpecInfer; MATH.md §9), lossless.
+def verify_tree_sampled(logits, Q, drafts, temperature, generator=None):
+    """Multi-step speculative sampling over N drafted paths (MATH.md §9), lossless.
 
-    logits (B, 1 + N n, V) after every slot; drafts (B, N, n); q (B, N, n, V): the distribution
-    path i's token d was drawn from given path i's earlier tokens (None: point masses). A node is a
-    prefix; its candidates are the next tokens of the paths through it, tried in path order:
-
-        r = p(. | node)
-        candidate c of path i: accepted with probability min(1, r(c) / q_i(c)) -> go to the child c
-                               else r = norm(max(0, r - q_i))
-        none accepted: the bonus is a sample of r
-
-    Each node's outcome is drawn at once for every node (static shapes, no host sync; a node that
-    the walk does not reach is never read), then the walk from the bonus follows the accepted
-    tokens: path z's token d is kept where it is the token accepted at its parent node, so the
-    paths that continue below a node are all those with the accepted prefix, duplicates included.
+    logits (B, 1 + N n, V) after every slot; drafts (B, N, n); Q (B, N, n, V): Q[:, i, d] is what
+    path i's token d was drawn from, given path i's earlier tokens (None: point masses). At each
+    node the candidates are the next tokens of the paths through it (tree_nodes), tried in path
+    order, each against what is left of p (the residual after the earlier ones). Every node's
+    outcome is drawn at once (static shapes, no host sync; a node the walk does not reach is
+    never read), then the walk from the bonus follows the accepted tokens: path z's token d is
+    kept where it is the token accepted at its parent node, so every path with the accepted
+    prefix continues below it, duplicates included. The bonus is a sample of what is left of p
+    at the node where the walk stops (all of p after a fully accepted path).
     Returns n_acc (B,), bonus (B,), path (B,): the first path with the kept prefix."""
     B, N, n = drafts.shape
-    dev = drafts.device
     p = F.softmax(tempered(logits, temperature), dim=-1)               # (B, S, V) p_target at each slot
-    depth, _ = tree_layout(N, n, dev)                                  # (S,)
-    # same[b, z, i, d]: paths z and i agree on their tokens 0..d; a path's node at depth d + 1
-    # is the one of the first path that agrees with it so far (its slot holds the shared node)
-    same = (drafts[:, :, None, :] == drafts[:, None, :, :]).long().cumprod(-1).bool()   # (B, N, N, n)
-    first = same.long().argmax(2)                                                        # (B, N, n)
-    node = torch.cat([torch.zeros(B, N, 1, dtype=torch.long, device=dev),
-                      1 + first * n + torch.arange(n, device=dev)], dim=-1)            # (B, N, 1 + n)
-    # through[b, s, i]: path i's next token is a candidate at slot s (path i holds slot s's prefix)
-    through = torch.cat([torch.ones(B, 1, N, dtype=torch.bool, device=dev),
-                         same.permute(0, 1, 3, 2).flatten(1, 2)], dim=1) & (depth < n)[None, :, None]
+    _, _, node, through = tree_nodes(drafts)
+    depth, _ = tree_layout(N, n, drafts.device)
     at = depth.clamp(max=n - 1)                                        # the candidates' token index
     cand = drafts[:, :, at].transpose(1, 2)                            # (B, S, N)
-    r, done = p, torch.zeros(B, 1 + N * n, dtype=torch.bool, device=dev)
+    r, done = p, torch.zeros(B, 1 + N * n, dtype=torch.bool, device=drafts.device)
     chosen = torch.zeros_like(done, dtype=torch.long)
     for i in range(N):   # candidates in path order; each pass covers every node at once
-        q_i = None if q is None else q[:, i, at]                       # (B, S, V)
+        Q_i = None if Q is None else Q[:, i, at]                       # (B, S, V)
         tried = through[:, :, i] & ~done
-        ok = accept_sampled(r, q_i, cand[:, :, i], generator) & tried
+        ok = accept_sampled(r, Q_i, cand[:, :, i], generator) & tried
         chosen = torch.where(ok, i, chosen)
         done = done | ok
-        left = residual(r, q_i, cand[:, :, i])                         # r after rejecting candidate i
+        left = residual(r, Q_i, cand[:, :, i])                         # r after rejecting candidate i
         r = torch.where((tried & ~ok)[..., None], left / left.sum(-1, keepdim=True), r)
     kept_token = torch.where(done, cand.gather(-1, chosen[..., None]).squeeze(-1), -1)   # (B, S)
     fallback = sample(r, generator)                                                      # (B, S)
     match = kept_token.gather(1, node[:, :, :-1].flatten(1)).view(B, N, n) == drafts     # (B, N, n)
     n_acc, path = longest(match.long().cumprod(-1).sum(-1))                              # (B,), (B,)
-    last = node[torch.arange(B, device=dev), path, n_acc]                 # where the walk stops
+    last = node[torch.arange(B, device=drafts.device), path, n_acc]       # where the walk stops
     return n_acc, fallback.gather(1, last[:, None]).squeeze(1), path
 
 
-# ------------------------------------------------------------------------- the merged step
-
-def merged_step(model, drafter, cache, block, q_block, active, temperature=0.0,
-                accept=(exact, None), generator=None, paths=1):
-    """One target call: verify `block`, commit, propose the next block.
-
-    block (B, 1 + N(k-1)) = [bonus, path_1 .. path_N]: N = `paths` drafted paths of k-1 tokens
-    (N = 1: the block [bonus, d_1 .. d_{k-1}] of BPD; N > 1: a tree, MATH.md §9).
-    q_block (B, N(k-1), V): for each drafted token, the proposal's conditional it was drawn from
-    given the earlier tokens of its path, as the drafter returned it (for a mixture it depends on
-    the drafted prefix; for independent drafts it is the drafter's own q), or None for point-mass
-    drafts. The step does not know which drafter it has: any proposal verified against its own
-    conditionals is lossless.
-    accept: (rule, param) of ACCEPT, for greedy decoding. active (B,) bool: rows still generating;
-    the others do not advance.
-    Returns (n_acc (B,), kept (B, k): the bonus and the kept path's drafts, of which the first
-    n_acc + 1 are committed, the next block, its Q).
-    Static shapes, no Python loop over positions, no host sync.
-    """
-    B = block.size(0)
-    n = (block.size(1) - 1) // paths                            # drafts per path, k-1
-    tree = None if paths == 1 else tree_layout(paths, n, block.device)
-    h = model.forward_cached(block, cache, tree)                # (B, 1 + N n, C)  BPD §3: one call
-    logits = upcast(model.lm_head(h))                           # (B, 1 + N n, V) after each slot
-
-    drafts = block[:, 1:].view(B, paths, n)                     # (B, N, k-1)
-    if paths > 1:                                               # several paths (MATH.md §9)
-        q = None if q_block is None else q_block.view(B, paths, n, -1)
+def verify(logits, Q, drafts, temperature, accept, generator=None):
+    """The verifier a step needs: logits (B, 1 + N n, V) after every slot of the block, drafts
+    (B, N, n), Q (B, N n, V) or None. Returns n_acc (B,), bonus (B,) and the kept path (B,)."""
+    B, N, n = drafts.shape
+    if N > 1:                                                   # a tree of paths (MATH.md §9)
         if temperature == 0.0:
-            n_acc, bonus, path = verify_tree_greedy(logits, drafts, accept)
-        else:
-            n_acc, bonus, path = verify_tree_sampled(logits, q, drafts, temperature, generator)
-    else:                                                       # one block: BPD §3 / §5, sampling §4
-        path = torch.zeros(B, dtype=torch.long, device=block.device)
-        if n == 0:                                              # plain decoding: nothing to verify
-            n_acc, bonus = path, target_choice(logits[:, 0], temperature, generator)
-        elif temperature == 0.0:
-            _, n_acc, bonus = verify_greedy(logits, drafts[:, 0], accept)
-        else:                                                   # the same temperature on p and Q
-            _, n_acc, bonus = verify_sampled(logits, q_block, drafts[:, 0], temperature, generator)
-
-    slots = path_slots(paths, n, block.device)[path]            # (B, k): the kept path's slots
-    if paths > 1:                                               # its keys and values next to the bonus
-        cache.keep_path(slots[:, 1:])
-    cache.commit((n_acc + 1) * active)                          # b, d_1 .. d_{n_acc}
-    kept = torch.cat([block[:, :1], drafts[torch.arange(B, device=block.device), path]], dim=1)   # (B, k)
-    if drafter is None:
-        return n_acc, kept, bonus[:, None], None
-
-    # BPD §3 merged propose: draft from the state after the last committed token. Gathering that
-    # row first and drafting once equals drafting at every slot, then gathering.
-    last = slots.gather(1, n_acc[:, None])                      # (B, 1)
-    h_acc = h.gather(1, last[:, :, None].expand(B, 1, h.size(-1))).squeeze(1)   # (B, C)
-    new_drafts, q = propose(drafter, h_acc, bonus, model, n + 1, paths, temperature, generator)
-    return n_acc, kept, torch.cat([bonus[:, None], new_drafts], dim=1), q
+            return verify_tree_greedy(logits, drafts, accept)
+        return verify_tree_sampled(logits, None if Q is None else Q.view(B, N, n, -1), drafts, temperature,
+                                   generator)
+    path = torch.zeros(B, dtype=torch.long, device=drafts.device)
+    if n == 0:                                                  # plain decoding: nothing to verify
+        return path, target_choice(logits[:, 0], temperature, generator), path
+    if temperature == 0.0:                                      # MATH.md §2
+        _, n_acc, bonus = verify_greedy(logits, drafts[:, 0], accept)
+    else:                                                       # MATH.md §4, the same T on p and Q
+        _, n_acc, bonus = verify_sampled(logits, Q, drafts[:, 0], temperature, generator)
+    return n_acc, bonus, path
 
 
 def target_choice(logits, temperature, generator=None):
@@ -294,13 +270,134 @@ def target_choice(logits, temperature, generator=None):
     return sample(F.softmax(tempered(logits, temperature), dim=-1), generator)
 
 
+# ------------------------------------------------------------------------- the merged step
+
+def merged_step(model, drafter, cache, block, Q_block, active, temperature=0.0,
+                accept=(exact, None), generator=None, paths=1):
+    """One target call verifies `block`, commits what it accepts and proposes the next block (BPD
+    "Combined Scoring and Proposal", p. 3; MATH.md §2).
+
+    block (B, 1 + N(k-1)) = [bonus, path_1 .. path_N], N = `paths` drafted paths of k-1 tokens
+    (N = 1: BPD's block [bonus, d_1 .. d_{k-1}]; N > 1: a tree, MATH.md §9). Q_block
+    (B, N(k-1), V): for each drafted token the proposal's conditional it was drawn from, given the
+    earlier tokens of its path, as the drafter returned it; None for point-mass drafts. The step
+    does not know which drafter it has: any proposal verified against its own conditionals is
+    lossless. accept: (rule, param) of ACCEPT, for greedy decoding. active (B,) bool: rows still
+    generating; the others do not advance.
+    Returns n_acc (B,), kept (B, k): the bonus and the kept path's drafts, of which the first
+    n_acc + 1 are committed, the next block and its Q_block.
+    Static shapes, no Python loop over positions, no host sync.
+    """
+    B = block.size(0)
+    n = (block.size(1) - 1) // paths                            # drafts per path, k-1
+    drafts = block[:, 1:].view(B, paths, n)                     # (B, N, k-1)
+    tree = None if paths == 1 else tree_layout(paths, n, block.device)
+    h = model.forward_cached(block, cache, tree)                # (B, 1 + N n, C): the one target call
+    logits = upcast(model.lm_head(h))                           # (B, 1 + N n, V) after each slot
+
+    n_acc, bonus, path = verify(logits, Q_block, drafts, temperature, accept, generator)
+
+    slots = path_slots(paths, n, block.device)[path]            # (B, k): the kept path's slots
+    if paths > 1:                                               # its keys and values next to the bonus
+        cache.keep_path(slots[:, 1:])
+    cache.commit((n_acc + 1) * active)                          # b, d_1 .. d_{n_acc}
+    kept = torch.cat([block[:, :1], drafts[torch.arange(B, device=block.device), path]], dim=1)   # (B, k)
+    if drafter is None:
+        return n_acc, kept, bonus[:, None], None
+
+    # propose from the state after the last committed token, the one the new bonus came from.
+    # BPD computes proposals at every position in the scoring call; gathering that row first and
+    # drafting once gives the same drafts with less work.
+    last = slots.gather(1, n_acc[:, None])                      # (B, 1)
+    h_acc = h.gather(1, last[:, :, None].expand(B, 1, h.size(-1))).squeeze(1)   # (B, C)
+    new_drafts, Q = propose(drafter, h_acc, bonus, model, n + 1, paths, temperature, generator)
+    return n_acc, kept, torch.cat([bonus[:, None], new_drafts], dim=1), Q
+
+
 def propose(drafter, h, bonus, target, k, paths, temperature, generator):
     """The next paths in the block's layout: drafts (B, N(k-1)) and their Q (B, N(k-1), V) or None.
     One path is the contract's `draft`; several are `draft_paths` (heads.Drafter)."""
     if paths == 1:
         return drafter.draft(h, bonus, target, k, temperature, generator)
-    drafts, q = drafter.draft_paths(h, bonus, target, k, paths, temperature, generator)
-    return drafts.flatten(1), None if q is None else q.flatten(1, 2)
+    drafts, Q = drafter.draft_paths(h, bonus, target, k, paths, temperature, generator)
+    return drafts.flatten(1), None if Q is None else Q.flatten(1, 2)
+
+
+# ------------------------------------------------------------------------- the loop
+
+@torch.no_grad()
+def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0,
+             accept="exact", generator=None, compile=False, paths=1):
+    """Generate max_new_tokens after prompt (B, T0) -> (out (B, T0 + max_new_tokens), stats).
+
+    drafter=None: plain decoding, one target call per token. With a drafter (any heads.Drafter:
+    BlockHeads, DBlastDrafter, your own) every call verifies a block of k = 1 bonus + k-1 drafts.
+    The rules are exact: greedy output under accept='exact' is plain greedy decoding's, and sampled
+    output has the target's distribution. In floating point a k-token verification pass and a
+    one-token step round differently, so a near-tie between two tokens can break the other way
+    (MATH.md §2); bench.py and generate.py measure agreement with plain greedy instead of assuming it.
+    stats: calls (prefill included), accept_lengths (tau of every step of every row, bonus
+    included), accept_rate (per draft position, share of steps it was accepted).
+    paths=N verifies N drafted paths per call (MATH.md §9): drafter.draft_paths proposes them.
+    compile=True runs the step compiled (the first calls pay the compilation: warm up first).
+    """
+    k = 1 if drafter is None else (drafter.k if k is None else k)
+    accept = check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, paths=paths)
+    B, T0 = prompt.shape
+    total = T0 + max_new_tokens
+    dev = prompt.device
+    # spare room past the end: a row may overshoot `total` by k-1 tokens, and a finished row still
+    # runs (and writes) one block of 1 + paths(k-1) slots per step until every row is done; none
+    # of it is kept
+    room = k + 1 + paths * (k - 1)
+    out = torch.zeros(B, total + 2 * k, dtype=torch.long, device=dev)
+    out[:, :T0] = prompt
+    if compile:  # the compiled step draws from the global RNG, seeded below (global_rng_from)
+        step, cache, step_generator = replayed(compiled_step(dev.type), dev), static_cache(model, B, room), None
+    else:
+        step, cache, step_generator = merged_step, model.new_cache(B, total + room), generator
+
+    # prefill (call 1): the prompt's last hidden state gives the first bonus and drafts
+    h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
+    cache.commit(T0)
+    bonus = target_choice(upcast(model.lm_head(h)), temperature, generator)
+    block, Q = bonus[:, None], None
+    if drafter is not None:
+        drafts, Q = propose(drafter, h, bonus, model, k, paths, temperature, generator)
+        block = torch.cat([block, drafts], dim=1)
+        if compile and Q is not None:   # the strides the compiled step returns (else step 2 recompiles)
+            Q = Q.clone(memory_format=torch.contiguous_format)
+
+    n_out = torch.full((B,), T0, dtype=torch.long, device=dev)  # committed tokens per row
+    offs = torch.arange(k, device=dev)
+    taus, actives = [], []
+    calls, sure = 1, 0
+    with global_rng_from(generator if compile else None, dev):
+        while True:
+            if sure == 0:   # ask the device how far the slowest row is from the end: a host sync
+                behind = tokens_behind(n_out, total)
+                if behind <= 0:
+                    break
+                # a step commits at most k tokens a row, so the next `sure` steps are needed
+                # whatever they accept: run them without asking (the host can queue them)
+                sure = -(-behind // k)
+            sure -= 1
+            active = n_out < total
+            n_acc, kept, block, Q = step(model, drafter, cache, block, Q, active,
+                                         temperature, accept, step_generator, paths)
+            # write the bonus and the kept path; what was not accepted is overwritten next step
+            out.scatter_(1, n_out[:, None] + offs, kept)
+            calls += 1
+            n_out += (n_acc + 1) * active
+            taus.append(n_acc + 1)
+            actives.append(active)
+
+    act = torch.stack(actives).cpu()                            # (steps, B)
+    tau = torch.stack(taus).cpu()[act]
+    accepted = tau[:, None] > torch.arange(1, k)                # (steps, k-1) draft j accepted
+    stats = dict(calls=calls, accept_lengths=tau.tolist(),
+                 accept_rate=accepted.float().mean(0).tolist() if k > 1 else [])
+    return out[:, :total], stats
 
 
 def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, cli=False, paths=1):
@@ -333,13 +430,19 @@ def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, c
 
 MAX_PATHS = 64   # drafted paths per call: the block is 1 + paths * (k-1) tokens
 
+
+# ------------------------------------------------------------------------- the compiled path
+# What generate(compile=True) adds, and nothing else needs: merged_step compiled with static
+# shapes (CUDA graphs on a GPU), a cache that outlives the call so the graphs' buffers stay put,
+# the global RNG seeded from the caller's generator, and the loop's rare reads from the device.
+
 _COMPILED = {}
 
 
 def compiled_step(device_type):
     """merged_step under torch.compile with static shapes; on CUDA as CUDA graphs
     ("reduce-overhead"), so the step is one graph replay with no host round trip (generate's loop
-    around it keeps a few small ops and its one sync per step).
+    around it keeps a few small ops and reads the device only now and then).
     Each k, temperature, acceptance rule and drafter class is its own graph; a sweep such as
     bench.py's needs a few dozen, past dynamo's default limit of 8, after which it would run
     eager with no more than a logged warning."""
@@ -397,86 +500,11 @@ def static_cache(model, B, room):
     caches = model.__dict__.setdefault('_static_caches', {})   # a plain attribute, not a buffer
     if key not in caches:
         cache = caches[key] = model.new_cache(B, max_len)
-        for buf in (cache.k, cache.v, cache.lengths, cache.layers, cache.rows):   # no copy into a CUDA graph
+        for buf in (cache.k, cache.v, cache.lengths, cache.layers, cache.rows):   # fixed addresses for CUDA graphs
             torch._dynamo.mark_static_address(buf)
     cache = caches[key]
     cache.lengths.zero_()
     return cache
-
-
-@torch.no_grad()
-def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0,
-             accept="exact", generator=None, compile=False, paths=1):
-    """Generate max_new_tokens after prompt (B, T0) -> (out (B, T0 + max_new_tokens), stats).
-
-    drafter=None: plain decoding, one target call per token. With a drafter (any heads.Drafter:
-    BlockHeads, DBlastDrafter, your own) every call verifies a block of k = 1 bonus + k-1 drafts.
-    The rules are exact: greedy output under accept='exact' is plain greedy decoding's, and sampled
-    output has the target's distribution. In floating point a k-token verification pass and a
-    one-token step round differently, so a near-tie between two tokens can break the other way
-    (MATH.md §2); bench.py and generate.py measure agreement with plain greedy instead of assuming it.
-    stats: calls (prefill included), accept_lengths (tau of every step of every row, bonus
-    included), accept_rate (per draft position, share of steps it was accepted).
-    paths=N verifies N drafted paths per call (MATH.md §9): drafter.draft_paths proposes them.
-    compile=True runs the step compiled (the first calls pay the compilation: warm up first).
-    """
-    k = 1 if drafter is None else (drafter.k if k is None else k)
-    accept = check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, paths=paths)
-    B, T0 = prompt.shape
-    total = T0 + max_new_tokens
-    dev = prompt.device
-    # spare room past the end: a row may overshoot `total` by k-1 tokens, and a finished row still
-    # runs (and writes) one block of 1 + paths(k-1) slots per step until every row is done; none
-    # of it is kept
-    room = k + 1 + paths * (k - 1)
-    out = torch.zeros(B, total + 2 * k, dtype=torch.long, device=dev)
-    out[:, :T0] = prompt
-    if compile:  # the compiled step draws from the global RNG, seeded below (global_rng_from)
-        step, cache, step_generator = replayed(compiled_step(dev.type), dev), static_cache(model, B, room), None
-    else:
-        step, cache, step_generator = merged_step, model.new_cache(B, total + room), generator
-
-    # prefill (call 1): the prompt's last hidden state gives the first bonus and drafts
-    h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
-    cache.commit(T0)
-    bonus = target_choice(upcast(model.lm_head(h)), temperature, generator)
-    block, q = bonus[:, None], None
-    if drafter is not None:
-        drafts, q = propose(drafter, h, bonus, model, k, paths, temperature, generator)
-        block = torch.cat([block, drafts], dim=1)
-        if compile and q is not None:   # the strides the compiled step returns (else step 2 recompiles)
-            q = q.clone(memory_format=torch.contiguous_format)
-
-    n_out = torch.full((B,), T0, dtype=torch.long, device=dev)  # committed tokens per row
-    offs = torch.arange(k, device=dev)
-    taus, actives = [], []
-    calls, sure = 1, 0
-    with global_rng_from(generator if compile else None, dev):
-        while True:
-            if sure == 0:   # ask the device how far the slowest row is from the end: a host sync
-                behind = tokens_behind(n_out, total)
-                if behind <= 0:
-                    break
-                # a step commits at most k tokens a row, so the next `sure` steps are needed
-                # whatever they accept: run them without asking (the host can queue them)
-                sure = -(-behind // k)
-            sure -= 1
-            active = n_out < total
-            n_acc, kept, block, q = step(model, drafter, cache, block, q, active,
-                                         temperature, accept, step_generator, paths)
-            # write the bonus and the kept path; what was not accepted is overwritten next step
-            out.scatter_(1, n_out[:, None] + offs, kept)
-            calls += 1
-            n_out += (n_acc + 1) * active
-            taus.append(n_acc + 1)
-            actives.append(active)
-
-    act = torch.stack(actives).cpu()                            # (steps, B)
-    tau = torch.stack(taus).cpu()[act]
-    accepted = tau[:, None] > torch.arange(1, k)                # (steps, k-1) draft j accepted
-    stats = dict(calls=calls, accept_lengths=tau.tolist(),
-                 accept_rate=accepted.float().mean(0).tolist() if k > 1 else [])
-    return out[:, :total], stats
 
 
 # ------------------------------------------------------------------------- loading drafters
@@ -531,12 +559,3 @@ def agreement(out, base, T0):
     """'n/m tokens': how many generated tokens of `out` equal plain decoding's `base` (B, T)."""
     same = (out[:, T0:] == base[:, T0:])
     return f"{int(same.sum())}/{same.numel()} tokens"
-
-
-def moved():
-    """`python decode.py`, an old command: where it went, as the one `error:` line of any script."""
-    raise BadInput("decode.py is the decoding module; its command line is python generate.py (the same flags)")
-
-
-if __name__ == '__main__':
-    run_script(moved)

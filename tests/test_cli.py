@@ -349,8 +349,6 @@ CASES = [
     accepted('decode-plain', decode()),
     accepted('decode-drafter-sampling', decode('--drafter', '{dblast}', '--temperature', '1')),
     accepted('decode-prompt-not-utf8', decode('--prompt', NOT_UTF8)),
-    refused('decode-old-command', ['decode.py', '--ckpt', '{ckpt}'], 'python generate.py', process=True,
-            only_line=True),
     Case('decode-ctrl-c', ['generate.py', '--device', 'cpu', '--ckpt', '{files}/long_ckpt.pt', '--max-new-tokens',
                            '40000'], 130, ('interrupted',), interrupt=when_torch_loads, only_line=True),
     Case('train-ctrl-c-at-start-up', train('--max-iters', '100000', stages='base', out='{out}/run'), 130,
