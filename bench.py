@@ -8,11 +8,11 @@ The papers' findings at small scale, measured on this machine.
 
 Trains what it needs when checkpoints are missing (through train.py, under --ckpt-dir), then:
   0. speed at a glance (speed): tokens/s, tau and speedup, greedy k = 2..10 and sampling
-  1. BPD table (paper Table 1, p.9): k x {frozen, joint} x {corpus, distilled}
-  2. lossy acceptance (BPD §5): top-N and minimum-block
+  1. BPD table (the paper's Table 1, §7.1 "Machine Translation"): k x {frozen, joint} x {corpus, distilled}
+  2. lossy acceptance (BPD §5 "Approximate Inference"): top-N and minimum-block
   3. speculative sampling at T = 0.7, 1.0, 1.5: every drafter and way of drafting by the exact
      expected-tau evaluator; the headline rows decoded and timed; K ablation, Z_T sweep, curve
-  4. where a step's time goes (BPD §6.3), t(k-token forward) / t(1-token forward), ceiling speedup
+  4. where a step's time goes (BPD §7.3 "Wall-Clock Speedup"), t(k-token forward) / t(1-token forward), ceiling speedup
   5. several drafted paths per call (paths): N = --paths-list, independent and DBlast
   6. threads (threads): 1 against the default, quiet and beside busy processes
 Prints markdown tables and writes them to OUT/RESULTS.md under the commit, command, machine and
@@ -296,12 +296,12 @@ def paths_table(b, base, args, results):
     N in --paths-list: tau, calls, speedup over plain sampling (with --compile: compiled, its eager
     runs timed in the same rounds), t(tree block) / t(k-token block), the eager step's time split
     for DBlast's i.i.d. paths at T = 1.5, and the ceiling
-    tau * t(1) / t(block) this machine allows. On a GPU, where a block of 1 + N(k-1) tokens costs
-    about what one does, the ceiling is tau itself. Drafters: train.py's at T = 1.5."""
+    tau * t(1) / t(block) this machine allows (the drafter's own time left out). Drafters:
+    train.py's at T = 1.5."""
     kd = args.dblast_k
     load = lambda K, loss: load_drafter(os.path.join(args.ckpt_dir, f'dblast_K{K}{dblast_tag(T_ABLATION, loss)}.pt'), base)  # noqa: E731
     k1, k4 = load(1, 'nll'), load(4, 'al')
-    ways = [('independent K=1', k1, 'mixture'), ('DBlast K=4, i.i.d.', k4, 'mixture'),
+    ways = [('independent K=1', k1, 'iid'), ('DBlast K=4, i.i.d.', k4, 'iid'),
             ('DBlast K=4, per branch', k4, 'branches')]
     t1 = forward_ratio(base, kd, b.device, args.batch)                      # t(k) / t(1)
     ratio = {N: tree_ratio(base, N, kd, b.device, args.batch) for N in args.paths_list}
@@ -321,14 +321,14 @@ def paths_table(b, base, args, results):
                 r, _, _ = b.row(base, d, kd, temperature=T, against_eager=True, paths=N)
                 r.update(T=T, drafter=name, paths=N, t_block_over_t_k=ratio[N],
                          ceiling=r['tau'] / (ratio[N] * t1))
-                if not args.compile and T == T_ABLATION and way == 'mixture' and d is k4:   # the profiler's
+                if not args.compile and T == T_ABLATION and way == 'iid' and d is k4:   # the profiler's
                     r['split'] = time_split(lambda: b.decode_all(base, d, kd, T, paths=N), b.device)   # regions
                 if gains:
                     r['compile_gain'] = r['eager_seconds'] / r['seconds']
                 rows.append(r)
                 print(md_row([T, name, N, f"{r['tau']:.2f}", r['calls'], f"{r['speedup']:.2f}x", f"{ratio[N]:.2f}",
                               f"{r['ceiling']:.2f}x"] + ([f"{r['compile_gain']:.2f}x"] if gains else [])), flush=True)
-    k4.paths_from = 'mixture'
+    k4.paths_from = 'iid'
     results['paths'] = dict(mode=mode, precision=str(b.precision), t_k_over_t_1=t1, rows=rows)
     for r in rows:
         if 'split' in r:

@@ -1,46 +1,27 @@
 """
 DBlast: dependent block drafting for speculative *sampling* (our reading of "DBlast: Dependent
-Block Drafting for Stochastic Speculative Decoding").
+Block Drafting for Stochastic Speculative Decoding"; the math, with every equation, is MATH.md
+§5-7).
 
-An independent block drafter proposes each position from its own marginal. When the target
-samples at a high temperature, several continuations are plausible and a product of marginals
-mixes them into drafts no single continuation would produce. DBlast adds a latent category z:
+An independent block drafter proposes each position from its own marginal; at a high temperature
+the target's continuations are several, and a product of marginals mixes them into blocks no
+single continuation would produce. DBlast adds a latent branch z (MATH.md §5): an anchor state
+made from the target's state h and the bonus, the category prior head pi(z | anchor), the
+category hidden expander (one offset of the anchor per branch), and the BPD block head of
+heads.py run on each branch. At inference z ~ pi' = softmax(log pi / Z_T), and branch z drafts
+its k-1 tokens in one pass, by sampling or greedily (the paper's choice).
 
-    u     = ln(W_u [h ; E(b)])                       anchor: target state h and the bonus b
-    log pi(z | u) = log_softmax(W_pi u)              category prior head, z = 1..K
-    u_z   = u + g_z(u),  g(u) = W_g2 relu(W_g1 u)    category hidden expander (K offsets)
-    q_i(. | u_z)                                     the BPD block head of heads.py on u_z
+Here, in reading order:
+  the mixture's math    prior, branch order, the branches' log q~, the posterior over z given the
+                        drafts, the proposal's conditionals Q_i (what verification must use), and
+                        the acceptance-length identity the AL loss and the evaluator rest on
+  the target's samples  TargetSamples: what training and the evaluator read, and contexts() of it
+  the exact evaluator   expected accepted length on held-out target samples (MATH.md §7)
+  the drafter           DBlastDrafter: anchor, prior head, expander, block head; its losses
+                        (mixture NLL, the AL surrogate) and the drafter contract (heads.Drafter)
 
-The proposal. At inference z ~ pi' = softmax(log pi / Z_T) (Z_T = 0: the argmax branch), and
-branch z drafts its k-1 tokens in one pass, by sampling or greedily (its argmax path, the paper's
-choice). Write q~_i(. | z) for what branch z drafts with: q_i itself when sampled, the one-hot of
-its argmax when greedy. The drafts are then one sample of the mixture
-
-    Q(x_1..x_{k-1}) = sum_z pi'_z prod_i q~_i(x_i | z)
-
-Speculative sampling is lossless for any proposal, provided each draft is verified against the
-proposal's own conditional given the drafts before it:
-
-    Q_i(.) = sum_z w_{i,z} q~_i(. | z),     w_{i,z} ∝ pi'_z prod_{l<i} q~_l(d_l | z)
-
-(the posterior of z given the drafts so far; `posterior`, `conditionals`). The drafter evaluates
-all K branches in the one pass, so this costs no extra call. With greedy branches Q is a mixture
-of K point-mass paths: up to K candidate continuations verified at once.
-
-Verifying against the drawn branch's q~(. | z) alone ("branch-conditional", `verify="branch"`) is
-also lossless, but its expected accepted length is sum_z pi'_z AL(branch z): linear in the prior,
-never above the best single branch, whatever K and Z_T. It is kept as the ablation that shows why
-the mixture matters. At the first draft the mixture is never worse: E_z min(p, q_z) <= min(p, E_z q_z).
-
-The acceptance-length identity (used by the AL loss and by `expected_accepted`): for x ~ p,
-
-    a_j = sum_{i<=j} min(0, log Q_i(x_i) - log p_i(x_i)),   E_x[exp(a_j)] = P(first j drafts accepted)
-
-because sum_x prod_i min(Q_i, p_i) is symmetric in p and Q. Summed over j it is the expected
-number of accepted drafts, exactly, for any proposal: sampled branches (q~ = q) and greedy ones.
-
-Names: n = k-1 drafts; log_prior is log pi', the prior the branch is drawn from (training views
-the target's samples as drawn at Z_T = 1, where pi' = pi).
+Names: n = k-1 drafts; B rows; log_prior is log pi', the prior the branch is drawn from. The
+losses score the target's samples with pi itself (Z_T = 1, where pi' = pi).
 """
 import math
 from contextlib import nullcontext
@@ -55,15 +36,15 @@ from heads import LOGITS_BUDGET, BlockHeads, Drafter
 from model import LayerNorm, sample, tempered, upcast
 
 VERIFY = ('mixture', 'branch')          # what drafts are verified against (DBlastDrafter.verify)
-PATHS_FROM = ('mixture', 'branches')    # how several paths per call are drawn (DBlastDrafter.paths_from)
+PATHS_FROM = ('iid', 'branches')        # how several paths per call are drawn (DBlastDrafter.paths_from)
 LOSSES = ('al', 'al-branch', 'nll')     # DBlastDrafter.loss kinds
 
 
 # ----------------------------------------------------------------------------- the mixture's math
 
 def prior(log_pi, zt):
-    """log pi' = log_softmax(log pi / Z_T), (N, K). Z_T = 1 leaves pi as it is; Z_T = 0 puts all
-    the mass on the argmax branch."""
+    """log pi' (B, K), the prior a branch is drawn from at category temperature Z_T (MATH.md §1).
+    Z_T = 1 leaves pi as it is; Z_T = 0 puts all the mass on the argmax branch."""
     if zt == 1:
         return log_pi
     if zt == 0:
@@ -73,18 +54,18 @@ def prior(log_pi, zt):
 
 
 def branch_order(log_pi, zt, generator=None):
-    """The K branches (N, K) in the order of a draw without replacement from pi' (Gumbel top-K:
-    log pi / Z_T plus Gumbel noise, sorted); Z_T = 0: by prior, descending. Which branches a
-    decoder drafts from does not touch losslessness (they are chosen before any token), only how
-    much is accepted."""
+    """The K branches (B, K) in the order of a draw without replacement from pi' (Gumbel top-K:
+    log pi / Z_T plus Gumbel noise, sorted); Z_T = 0: by prior, descending. For one path per
+    branch, each verified against its own branch, which branches are drawn changes how much is
+    accepted and not the distribution (they are chosen before any token; MATH.md §9)."""
     if zt == 0:
         return log_pi.argsort(-1, descending=True)
-    u = torch.rand(log_pi.shape, generator=generator, device=log_pi.device, dtype=log_pi.dtype)
-    return (log_pi / zt - torch.log(-torch.log(u))).argsort(-1, descending=True)
+    unif = torch.rand(log_pi.shape, generator=generator, device=log_pi.device, dtype=log_pi.dtype)
+    return (log_pi / zt - torch.log(-torch.log(unif))).argsort(-1, descending=True)
 
 
 def branch_log_probs(logits, temperature, sample_drafts):
-    """log q~_i(. | z) (N, K, n, V) from the branches' logits (N, K, n, V): the tempered
+    """log q~_i(. | z) (B, K, n, V) from the branches' logits (B, K, n, V): the tempered
     log-softmax for sampled branches; for greedy ones the one-hot of the argmax (0 there, -inf
     elsewhere), the point mass a greedy branch drafts from."""
     if sample_drafts:
@@ -94,25 +75,26 @@ def branch_log_probs(logits, temperature, sample_drafts):
 
 
 def branch_log_q(logits, x, temperature, sample_drafts):
-    """log q~_i(x_i | z) (N, K, n) at a block x (N, n): branch_log_probs read at x."""
+    """log q~_i(x_i | z) (B, K, n) at a block x (B, n): branch_log_probs read at x."""
     log_q = branch_log_probs(logits, temperature, sample_drafts)
     return log_q.gather(-1, x[:, None, :, None].expand(-1, logits.size(1), -1, 1)).squeeze(-1)
 
 
 def posterior(log_prior, log_qd):
-    """log w (N, n, K): the posterior of z before each drafted position, in log space (no
-    underflow however long the block). log_prior (N, K); log_qd (N, K, n) = log q~_l(d_l | z).
-    w_{i,z} ∝ pi'_z prod_{l<i} q~_l(d_l | z): position i conditions on the drafts before it only."""
+    """log w (B, n, K): the posterior of z before each drafted position (MATH.md §5), in log
+    space (no underflow however long the block). log_prior (B, K); log_qd (B, K, n) =
+    log q~_l(d_l | z). Position i conditions on the drafts before it only."""
     before = F.pad(log_qd.cumsum(-1)[..., :-1], (1, 0))            # sum_{l<i}, exclusive
     return F.log_softmax(log_prior.unsqueeze(-1) + before, dim=1).transpose(1, 2)
 
 
 def conditionals(log_prior, log_q, drafts):
-    """Q_i(.) = sum_z w_{i,z} q~_i(. | z), (N, n, V): the mixture's conditional at each drafted
-    position given the drafts before it. log_q (N, K, n, V) = branch_log_probs; drafts (N, n)."""
-    N, K, n, V = log_q.shape
-    log_qd = log_q.gather(-1, drafts.view(N, 1, n, 1).expand(N, K, n, 1)).squeeze(-1)   # (N, K, n)
-    w = posterior(log_prior, log_qd).exp()                                             # (N, n, K)
+    """Q_i(.) (B, n, V): the mixture's conditional at each drafted position given the drafts
+    before it (MATH.md §5), what verification must use. log_q (B, K, n, V) = branch_log_probs;
+    drafts (B, n)."""
+    B, K, n, V = log_q.shape
+    log_qd = log_q.gather(-1, drafts.view(B, 1, n, 1).expand(B, K, n, 1)).squeeze(-1)   # (B, K, n)
+    w = posterior(log_prior, log_qd).exp()                                             # (B, n, K)
     # Q must be what the drafts were drawn from, in float32 whatever the compute dtype: under
     # autocast an einsum would come back in bf16 (rows summing to 1 +- 1e-3), and acceptance and
     # the residual would use a distribution the drafts never came from
@@ -121,40 +103,33 @@ def conditionals(log_prior, log_q, drafts):
 
 
 def log_conditionals(log_prior, log_qx):
-    """log Q_i(x_i | x_<i) (N, n) of the mixture at a block x; log_qx (N, K, n) = log q~_i(x_i | z).
-        log Q_i(x_i) = log sum_z pi'_z prod_{l<=i} q~_l(x_l|z) - log sum_z pi'_z prod_{l<i} q~_l(x_l|z)
-    A prefix the proposal cannot produce (greedy branches) gives -inf from there on, not NaN."""
+    """log Q_i(x_i | x_<i) (B, n) of the mixture at a block x, as a difference of two logsumexps
+    (MATH.md §6); log_qx (B, K, n) = log q~_i(x_i | z). A prefix the proposal cannot produce
+    (greedy branches) gives -inf from there on, not NaN."""
     joint = torch.logsumexp(log_prior.unsqueeze(-1) + log_qx.cumsum(-1), dim=1)  # log Q(x_1..x_i)
     before = F.pad(joint[:, :-1], (1, 0))
     return torch.where(before == -math.inf, -math.inf, joint - before)
 
 
 def prefix_log_accept(log_prior, log_qx, log_px, verify='mixture'):
-    """a_j (N, n): log of the probability weight that drafts 1..j are all accepted, at x ~ p.
-    verify='mixture':  a_j = sum_{i<=j} min(0, log Q_i(x_i) - log p_i(x_i))
-    verify='branch':   a_j = logsumexp_z(log pi'_z + sum_{i<=j} min(0, log q~_i(x_i|z) - log p_i(x_i)))
-    (z drawn first, each draft verified against its own branch). E_{x~p}[exp(a_j)] is the probability
-    that the first j drafts are accepted under that verification."""
+    """a_j (B, n): log of the probability weight that drafts 1..j are all accepted, at x ~ p
+    (MATH.md §6), against the mixture's conditionals (verify='mixture') or against the drawn
+    branch alone (verify='branch'). E_{x~p}[exp(a_j)] is the probability that the first j drafts
+    are accepted under that verification."""
     if verify == 'mixture':
         return (log_conditionals(log_prior, log_qx) - log_px).clamp(max=0.0).cumsum(-1)
-    l = (log_qx - log_px.unsqueeze(1)).clamp(max=0.0)                  # (N, K, n)
+    l = (log_qx - log_px.unsqueeze(1)).clamp(max=0.0)                  # (B, K, n)
     return torch.logsumexp(log_prior.unsqueeze(-1) + l.cumsum(-1), dim=1)
 
 
 def al_surrogate(a, nll, tau_threshold):
-    """The acceptance-length surrogate per row (DBlast's AL loss, our reading; MATH.md §6), from the
-    prefix log-acceptance a (N, n) of prefix_log_accept:
-
-        t_j = logsumexp_{j' >= j} a_j'       a_j plus the log of the accepted length after j
-        L   = -(1/|S|) sum_{j in S} t_j      S = {j : a_j >= log tau_threshold}, chosen without gradient
-
-    A row with an empty S falls back to its nll (N,). The tail t_j runs past S, so positions after
-    S get gradient through t_j for j in S. Where Q_i(x_i) >= p_i(x_i) the clamp cuts position i's
-    own term; with K = 1 it then gets no gradient, with K > 1 its branches' log q_i(x_i | z) still
-    do, through the posterior inside every later log Q_i' (summing to zero over the branches)."""
-    tail = torch.logcumsumexp(a.flip(-1), dim=-1).flip(-1)              # t_j
+    """The acceptance-length surrogate per row (DBlast's AL loss, our reading; MATH.md §6): minus
+    the mean of the tails lambda_j = logsumexp_{j' >= j} a_j' over the retained prefixes
+    R = {j : a_j >= log tau_threshold} (chosen without gradient), from the prefix log-acceptance
+    a (B, n) of prefix_log_accept. A row with an empty R falls back to its nll (B,)."""
+    tail = torch.logcumsumexp(a.flip(-1), dim=-1).flip(-1)              # lambda_j
     log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
-    keep = a.detach() >= log_threshold                                  # S, no gradient
+    keep = a.detach() >= log_threshold                                  # R, no gradient
     n_keep = keep.sum(-1)
     al = -torch.where(keep, tail, 0.0).sum(-1) / n_keep.clamp(min=1)
     return torch.where(n_keep > 0, al, nll)
@@ -163,12 +138,12 @@ def al_surrogate(a, nll, tau_threshold):
 # ----------------------------------------------------------------------------- the target's samples
 
 class TargetSamples(NamedTuple):
-    """The target's own samples at temperature T, and what the DBlast losses and the evaluator read
-    of them (made by `of`, read by `anchors`):
+    """The target's own samples y at temperature T, and what the DBlast losses and the evaluator
+    read of them (made by `of`, read by `contexts`; MATH.md §6):
 
-        seqs (n, S)      a corpus prompt of PROMPT_LEN tokens and the target's sampled continuation
-        H    (n, S, C)   the frozen target's final hidden states over seqs
-        LP   (n, S-1)    LP[:, r] = log p_T(seqs[:, r+1] | seqs[:, <=r]), at the temperature T
+        seqs (B, S)      a corpus prompt of PROMPT_LEN tokens and the target's sampled continuation
+        H    (B, S, C)   the frozen target's final hidden states over seqs
+        LP   (B, S-1)    LP[:, t] = log p_T(seqs[:, t+1] | seqs[:, <=t]), at the temperature T
     """
     seqs: torch.Tensor
     H: torch.Tensor
@@ -177,38 +152,38 @@ class TargetSamples(NamedTuple):
     @classmethod
     @torch.no_grad()
     def of(cls, model, seqs, temperature, precision=nullcontext(), chunk=None):
-        """H and LP of the sequences seqs (n, S), chunk rows at a time, the target run under
+        """H and LP of the sequences seqs (B, S), chunk rows at a time, the target run under
         `precision` (a context manager). chunk=None: 64 rows, or fewer where their logits would
         pass LOGITS_BUDGET elements (rows * S * V; a GPT-2 vocabulary), at least one."""
         S, V = seqs.size(1), model.config.vocab_size
         chunk = chunk or max(1, min(64, LOGITS_BUDGET // (S * V)))
         hs, lps = [], []
         for i in range(0, len(seqs), chunk):
-            s = seqs[i:i + chunk]
+            y = seqs[i:i + chunk]
             with precision:
-                h = model.hidden(s)                                           # (rows, S, C)
-                z = model.lm_head(h[:, :-1])                                  # (rows, S-1, V)
-            z = tempered(z.float(), temperature)                              # float32
+                h = model.hidden(y)                                           # (rows, S, C)
+                logits = model.lm_head(h[:, :-1])                             # (rows, S-1, V)
+            logits = tempered(logits.float(), temperature)                    # float32
             # log_softmax read at the sampled token only: no second (rows, S-1, V) tensor of it
-            lps.append(z.gather(-1, s[:, 1:, None]).squeeze(-1) - z.logsumexp(-1))   # (rows, S-1)
+            lps.append(logits.gather(-1, y[:, 1:, None]).squeeze(-1) - logits.logsumexp(-1))   # (rows, S-1)
             hs.append(h.float())
-            del z     # before the next chunk's logits: one chunk's alive at a time
+            del logits     # before the next chunk's logits: one chunk's alive at a time
         return cls(seqs, torch.cat(hs), torch.cat(lps))
 
     def positions(self, k):
-        """The anchor positions r with a full block: PROMPT_LEN - 1 <= r < S - k (the bonus s[r+1] is
-        sampled, not prompt, and the k-1 tokens after it fit), as the range (lo, hi)."""
+        """The context positions t with a full block: PROMPT_LEN - 1 <= t < S - k (the bonus y[t+1]
+        is sampled, not prompt, and the k-1 tokens after it fit), as the range (lo, hi)."""
         return PROMPT_LEN - 1, self.seqs.size(1) - k
 
 
-def anchors(samples, k, rows, pos):
-    """The training examples and evaluation points at rows, positions pos (both (N,)) of
-    `samples`: h after s[pos] (N, C), the bonus s[pos+1] (N,), the block after it
-    x = s[pos+2 .. pos+k] (N, k-1) (what the drafts should be), and the target's log-probabilities
-    of it log_px (N, k-1)."""
+def contexts(samples, k, rows, pos):
+    """The contexts at rows, positions pos (both (B,)) of `samples`, the training examples and
+    evaluation points of MATH.md §6-7: h after y[pos] (B, C), the bonus y[pos+1] (B,), the block
+    after it x = y[pos+2 .. pos+k] (B, k-1) (what the drafts should be), and the target's
+    log-probabilities of it log_px (B, k-1)."""
     seqs, H, LP = samples
     offs = torch.arange(k - 1, device=seqs.device)
-    at = pos[:, None] + offs                                            # (N, k-1)
+    at = pos[:, None] + offs                                            # (B, k-1)
     return H[rows, pos], seqs[rows, pos + 1], seqs[rows[:, None], at + 2], LP[rows[:, None], at + 1]
 
 
@@ -216,8 +191,8 @@ def anchors(samples, k, rows, pos):
 
 @torch.no_grad()
 def expected_accepted(drafter, h, bonus, target, x, log_px, temperature, sample_drafts, verify, zt=1.0):
-    """The expected number of accepted drafts per anchor (N,), by the identity above: sum_j exp(a_j)
-    at target samples x (N, n) with the target's log-probabilities log_px (N, n). In each context
+    """The expected number of accepted drafts per context (B,) (MATH.md §7): sum_j exp(a_j) at
+    target samples x (B, n) with the target's log-probabilities log_px (B, n). In each context
     (prefix and bonus) its expectation over x is exactly the decoder's, with far less variance (no
     drafts or coins are drawn). Works for any drafter with `mixture_logits` (BPD heads: K = 1)."""
     log_pi, logits = drafter.mixture_logits(h, bonus, target, x.size(1) + 1)
@@ -228,7 +203,7 @@ def expected_accepted(drafter, h, bonus, target, x, log_px, temperature, sample_
 
 @torch.no_grad()
 def expected_tau(drafter, model, samples, k, temperature, sample_drafts, verify, zt=1.0, chunk=2048):
-    """Expected tau (bonus included), averaged over every anchor of held-out target samples, by the
+    """Expected tau (bonus included), averaged over every context of held-out target samples, by the
     acceptance-length identity (expected_accepted): the cheap, low-variance measure of a
     drafter's acceptance. Exact per context; decoding averages over the positions its blocks start
     at instead of every position, so the two can differ a little where acceptance varies along
@@ -239,7 +214,7 @@ def expected_tau(drafter, model, samples, k, temperature, sample_drafts, verify,
     pos = torch.arange(lo, hi, device=seqs.device).repeat(len(seqs))
     total = 0.0
     for i in range(0, len(rows), chunk):
-        h, bonus, x, log_px = anchors(samples, k, rows[i:i + chunk], pos[i:i + chunk])
+        h, bonus, x, log_px = contexts(samples, k, rows[i:i + chunk], pos[i:i + chunk])
         total += float(expected_accepted(drafter, h.to(model.lm_head.weight.dtype), bonus, model, x, log_px,
                                          temperature, sample_drafts, verify, zt).sum())
     return 1 + total / len(rows)
@@ -251,7 +226,7 @@ class DBlastDrafter(Drafter):
     ARGS = ('k', 'K', 'd_hidden')   # what a checkpoint records to rebuild it (decode.load_drafter)
 
     def __init__(self, config, k, K, d_hidden=None, sample_drafts=True, verify='mixture', zt=1.0,
-                 paths_from='mixture'):
+                 paths_from='iid'):
         super().__init__()
         if K < 1:
             raise ValueError(f"K={K}: need at least one branch")
@@ -279,32 +254,33 @@ class DBlastDrafter(Drafter):
         self.sample_drafts, self.verify, self.zt, self.paths_from = sample_drafts, verify, zt, paths_from
 
     def anchor(self, h, bonus, target):
-        """h (N, C), bonus (N,) -> log pi (N, K), branch states u_z (N, K, C)."""
+        """The anchor u from h (B, C) and the bonus (B,) (MATH.md §5) -> log pi (B, K) of the
+        category prior head, and the branch states u_z (B, K, C) of the category hidden expander."""
         u = self.ln_u(self.w_u(torch.cat([h, target.transformer.wte(bonus)], dim=-1)))
         log_pi = F.log_softmax(upcast(self.w_pi(u)), dim=-1)
         u_z = u.unsqueeze(1) + self.g_proj(F.relu(self.g_fc(u))).view(-1, self.K, self.n_embd)
         return log_pi, u_z
 
     def mixture_logits(self, h, bonus, target, k):
-        """log pi (N, K) and every branch's logits (N, K, k-1, V) for the k-1 drafts, in one pass."""
+        """log pi (B, K) and every branch's logits (B, K, k-1, V) for the k-1 drafts, in one pass."""
         log_pi, u_z = self.anchor(h, bonus, target)
         return log_pi, self.block(u_z, target.lm_head, k - 1)
 
     def log_q(self, h, bonus, target, x, temperature=1.0):
-        """Training view. x (N, k-1): the block after the bonus, a sample of the target at
-        `temperature` (the temperature decoding applies to q). Returns log pi' (N, K) at Z_T = 1
-        (that is log pi) and log q_i(x_i | u_z) (N, K, k-1) of sampled branches."""
+        """Training view. x (B, k-1): the block after the bonus, a sample of the target at
+        `temperature` (the temperature decoding applies to q). Returns log pi' (B, K) at Z_T = 1
+        (that is log pi) and log q_i(x_i | z) (B, K, k-1) of sampled branches."""
         log_pi, logits = self.mixture_logits(h, bonus, target, x.size(1) + 1)
         return prior(log_pi, 1.0), branch_log_q(upcast(logits), x, temperature, True)
 
     @staticmethod
     def nll(log_prior, log_qx):
-        """Mixture NLL per row: -log sum_z pi'_z prod_i q_i(x_i | u_z). K = 1: sum of CEs."""
+        """Mixture NLL per row (MATH.md §6). K = 1: the sum of the positions' cross-entropies."""
         return -torch.logsumexp(log_prior + log_qx.sum(-1), dim=-1)
 
     def loss(self, h, bonus, target, x, log_px, temperature=1.0, kind='al',
              tau_threshold=0.01, nll_weight=0.0):
-        """Mean loss over rows. x (N, k-1) sampled from the target at `temperature`, log_px (N, k-1)
+        """Mean loss over rows. x (B, k-1) sampled from the target at `temperature`, log_px (B, k-1)
         the target's log-probabilities of them (detached).
 
         kind='nll': mixture NLL. kind='al': the acceptance-length surrogate (al_surrogate) on the
@@ -329,23 +305,23 @@ class DBlastDrafter(Drafter):
     def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
         """`paths` paths from one pass of the mixture (heads.Drafter.draft_paths), as paths_from says:
 
-        'mixture'   i.i.d. samples of the proposal: for each path z ~ pi', then branch z's drafts;
+        'iid'       i.i.d. samples of the proposal: for each path z ~ pi', then branch z's drafts;
                     each verified against the mixture's conditionals given its own drafts (or its
                     branch's q~ under verify='branch')
         'branches'  one path per branch, the branches in the order of a draw without replacement
                     from pi' (branch_order; past K they come round again); each verified against
                     its own branch's q~ (given its branch, a path's tokens are independent)"""
         log_pi, logits = self.mixture_logits(h, bonus, target, k)
-        N, K, n, V = logits.shape
-        log_prior = prior(log_pi, self.zt)                                  # (N, K) log pi'
+        B, K, n, V = logits.shape
+        log_prior = prior(log_pi, self.zt)                                  # (B, K) log pi'
         if self.paths_from == 'branches':
             z = branch_order(log_pi, self.zt, generator)[:, torch.arange(paths, device=h.device) % K]
         else:
-            z = sample(log_prior.exp()[:, None].expand(N, paths, K), generator)   # (N, paths)
+            z = sample(log_prior.exp()[:, None].expand(B, paths, K), generator)   # (B, paths)
         sampled = self.sample_drafts and temperature > 0
-        log_q = branch_log_probs(upcast(logits), temperature, sampled)      # (N, K, n, V) log q~
-        q_z = log_q.gather(1, z[:, :, None, None].expand(N, paths, n, V)).exp()   # (N, paths, n, V)
-        drafts = sample(q_z, generator) if sampled else q_z.argmax(-1)      # (N, paths, n)
+        log_q = branch_log_probs(upcast(logits), temperature, sampled)      # (B, K, n, V) log q~
+        q_z = log_q.gather(1, z[:, :, None, None].expand(B, paths, n, V)).exp()   # (B, paths, n, V)
+        drafts = sample(q_z, generator) if sampled else q_z.argmax(-1)      # (B, paths, n)
         # Q of a path is its branch's q~ when verified against its branch, or when the mixture has
         # one branch to weigh (K = 1, or Z_T = 0: the posterior stays on the argmax branch)
         own_branch = self.verify == 'branch' or self.paths_from == 'branches' or K == 1 or self.zt == 0
@@ -355,4 +331,4 @@ class DBlastDrafter(Drafter):
             return drafts, q_z        # each path's own branch
         rows = lambda t: t.repeat_interleave(paths, 0)                      # noqa: E731  one row per path
         Q = conditionals(rows(log_prior), rows(log_q), drafts.flatten(0, 1))   # the mixture's Q_i
-        return drafts, Q.view(N, paths, n, V)
+        return drafts, Q.view(B, paths, n, V)

@@ -149,7 +149,7 @@ def verify_sampled(logits, Q, drafts, temperature, generator=None):
 
 # ------------------------------------------------------------------------- several paths, one call
 # With N > 1 drafted paths the block is a tree (MATH.md §9, with a worked example): slot 0 the
-# bonus, then path z's token i at slot 1 + z(k-1) + i, each slot attending to the committed
+# bonus, then path i's token j at slot 1 + i(k-1) + j, each slot attending to the committed
 # prefix, the bonus and the earlier tokens of its own path. Greedy keeps the path with the longest
 # agreeing prefix; sampling verifies node by node by multi-step speculative sampling.
 
@@ -173,9 +173,10 @@ def tree_nodes(drafts):
     """Which slot holds which node of the tree of paths drafts (B, N, n) (MATH.md §9's example).
     A node is a prefix of drafted tokens; the first path with that prefix holds it at its slot.
 
-    same (B, N, N, n) bool: paths z and i agree on their tokens 0..d
-    first (B, N, n): the first path that agrees with path z on its tokens 0..d
-    node (B, N, 1 + n): the slot of path z's node at depth d (depth 0: the bonus, slot 0)
+    same (B, N, N, n) bool: same[:, i, i', j], paths i and i' agree on their tokens 0..j
+    first (B, N, n): the first path that agrees with path i on its tokens 0..j
+    node (B, N, 1 + n): the slot of path i's node at depth j, the prefix of its first j tokens
+        (depth 0: the bonus, slot 0)
     through (B, 1 + N n, N) bool: path i's next token is a candidate at slot s (path i has slot
         s's prefix, and s is not a leaf)"""
     B, N, n = drafts.shape
@@ -188,6 +189,19 @@ def tree_nodes(drafts):
     through = torch.cat([torch.ones(B, 1, N, dtype=torch.bool, device=dev),
                          same.permute(0, 1, 3, 2).flatten(1, 2)], dim=1) & (depth < n)[None, :, None]
     return same, first, node, through
+
+
+def tree_walk(kept_token, node, drafts):
+    """The walk from the bonus down the tree (MATH.md §9's example). kept_token (B, 1 + N n): the
+    token accepted at each slot's node (-1: none, or a leaf); node (B, N, 1 + n) of tree_nodes;
+    drafts (B, N, n). Path i's token j is kept where it is the token accepted at its parent node
+    (match (B, N, n)); n_acc (B,) is the longest kept prefix, path (B,) the first path with it,
+    last (B,) the slot where the walk stops, whose p (or what is left of it) gives the bonus."""
+    B, N, n = drafts.shape
+    match = kept_token.gather(1, node[:, :, :-1].flatten(1)).view(B, N, n) == drafts       # (B, N, n)
+    n_acc, path = longest(match.long().cumprod(-1).sum(-1))                              # (B,), (B,)
+    last = node[torch.arange(B, device=drafts.device), path, n_acc]
+    return match, n_acc, path, last
 
 
 def longest(n_accs):
@@ -210,12 +224,12 @@ def verify_tree_greedy(logits, drafts, accept=(exact, None)):
 def verify_tree_sampled(logits, Q, drafts, temperature, generator=None):
     """Multi-step speculative sampling over N drafted paths (MATH.md §9), lossless.
 
-    logits (B, 1 + N n, V) after every slot; drafts (B, N, n); Q (B, N, n, V): Q[:, i, d] is what
-    path i's token d was drawn from, given path i's earlier tokens (None: point masses). At each
+    logits (B, 1 + N n, V) after every slot; drafts (B, N, n); Q (B, N, n, V): Q[:, i, j] is what
+    path i's token j was drawn from, given path i's earlier tokens (None: point masses). At each
     node the candidates are the next tokens of the paths through it (tree_nodes), tried in path
     order, each against what is left of p (the residual after the earlier ones). Every node's
     outcome is drawn at once (static shapes, no host sync; a node the walk does not reach is
-    never read), then the walk from the bonus follows the accepted tokens: path z's token d is
+    never read), then the walk from the bonus follows the accepted tokens: path i's token j is
     kept where it is the token accepted at its parent node, so every path with the accepted
     prefix continues below it, duplicates included. The bonus is a sample of what is left of p
     at the node where the walk stops (all of p after a fully accepted path).
@@ -229,18 +243,16 @@ def verify_tree_sampled(logits, Q, drafts, temperature, generator=None):
     r, done = p, torch.zeros(B, 1 + N * n, dtype=torch.bool, device=drafts.device)
     chosen = torch.zeros_like(done, dtype=torch.long)
     for i in range(N):   # candidates in path order; each pass covers every node at once
-        Q_i = None if Q is None else Q[:, i, at]                       # (B, S, V)
+        Q_path = None if Q is None else Q[:, i, at]                    # (B, S, V) path i's Q^(i)
         tried = through[:, :, i] & ~done
-        ok = accept_sampled(r, Q_i, cand[:, :, i], generator) & tried
+        ok = accept_sampled(r, Q_path, cand[:, :, i], generator) & tried
         chosen = torch.where(ok, i, chosen)
         done = done | ok
-        left = residual(r, Q_i, cand[:, :, i])                         # r after rejecting candidate i
+        left = residual(r, Q_path, cand[:, :, i])                      # r after rejecting candidate i
         r = torch.where((tried & ~ok)[..., None], left / left.sum(-1, keepdim=True), r)
     kept_token = torch.where(done, cand.gather(-1, chosen[..., None]).squeeze(-1), -1)   # (B, S)
     fallback = sample(r, generator)                                                      # (B, S)
-    match = kept_token.gather(1, node[:, :, :-1].flatten(1)).view(B, N, n) == drafts     # (B, N, n)
-    n_acc, path = longest(match.long().cumprod(-1).sum(-1))                              # (B,), (B,)
-    last = node[torch.arange(B, device=drafts.device), path, n_acc]       # where the walk stops
+    _, n_acc, path, last = tree_walk(kept_token, node, drafts)
     return n_acc, fallback.gather(1, last[:, None]).squeeze(1), path
 
 

@@ -1,6 +1,6 @@
 """
 The drafter contract, and its first drafter: Blockwise Parallel Decoding's k-offset heads
-(Stern, Shazeer & Uszkoreit 2018, §4 / p.5).
+(Stern, Shazeer & Uszkoreit 2018, §6 "Implementation and Training", p. 5; MATH.md §3).
 
 The contract (`Drafter`) is what decode.py asks of every drafter: the BPD heads here, the DBlast
 mixture and its K = 1 baseline in dblast.py, and a student's own. Decoding hands a drafter the
@@ -9,19 +9,13 @@ drafter proposes the k-1 tokens after the bonus, and says which distribution the
 since lossless verification needs exactly that (MATH.md §4).
 
 BPD's heads. From the target's final hidden state h at position t (after ln_f) they propose the
-tokens at t+2 .. t+k. The token at t+1 (the bonus) is the target's own LM head: the paper's head
-"1" is the identity here, so a frozen target keeps exact greedy equivalence.
-
-    a   = relu(W1 h + c1)               width (k-1) * d_hidden, one layer shared by all heads
-    o   = W2 a + c2                     width (k-1) * C, reshaped into k-1 groups o_1 .. o_{k-1}
-    z_i = h + o_i                       residual from h
-    logits_i = lm_head(ln(z_i))         the target's own (tied) unembedding
-
-Our reading, where the paper differs or is silent (MATH.md §8): the paper's layer is k·d_hidden
-wide and also transforms head "1"; here head "1" is untouched, so the layer has k-1 groups. The
-heads' own LayerNorm `ln` before the tied unembedding is ours (the paper does not say how z_i
-reaches the softmax). W2 and c2 start at zero, so every head starts as a copy of the next-token
-head (up to that LayerNorm, which re-normalises h): training only has to learn the offsets.
+tokens at t+2 .. t+k, through one feed-forward layer shared by all heads, a residual from h and
+the target's own (tied) unembedding. The token at t+1 (the bonus) is the target's own LM head:
+the paper's head "1" is the identity here, so a frozen target keeps exact greedy equivalence.
+Where this differs from the paper (the layer's width, the heads' own LayerNorm, the loss's mean
+over k-1 heads): MATH.md §8. The layer's output weights start at zero, so every head starts as a
+copy of the next-token head (up to that LayerNorm, which re-normalises h): training only has to
+learn the offsets.
 """
 from functools import partial
 
@@ -48,10 +42,10 @@ class Drafter(nn.Module):
                                 argmax (a point mass); at temperature 0 drafts are always argmax
         drafts, Q = drafter.draft(h, bonus, target, k, temperature=0.0, generator=None)
 
-    h (N, C): the target's final hidden state after the last committed token (the state the bonus
-    was predicted from); bonus (N,): the token the target chose there, about to be committed;
-    target: the GPT (its lm_head and embedding may be shared). Returns drafts (N, k-1), the tokens
-    proposed after the bonus, and Q (N, k-1, V): the proposal's conditional at each drafted
+    h (B, C): the target's final hidden state after the last committed token (the state the bonus
+    was predicted from); bonus (B,): the token the target chose there, about to be committed;
+    target: the GPT (its lm_head and embedding may be shared). Returns drafts (B, k-1), the tokens
+    proposed after the bonus, and Q (B, k-1, V): the proposal's conditional at each drafted
     position given the drafts before it, at `temperature` (row i of Q is what draft i was drawn
     from), or None when the drafts are a point mass (argmax drafting, or greedy decoding, where
     verification only compares argmaxes). The draws come from `generator`. No host sync, no
@@ -65,17 +59,17 @@ class Drafter(nn.Module):
 
     def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
         """Several paths for one call (decode's tree verification, MATH.md §9): drafts
-        (N, paths, k-1) and Q (N, paths, k-1, V), row [:, i] as `draft` returns it for path i (the
+        (B, paths, k-1) and Q (B, paths, k-1, V), row [:, i] as `draft` returns it for path i (the
         proposal of each token given path i's earlier tokens), or None for point masses.
 
         Here: `paths` independent draws of `draft`, each row repeated. Any proposal is lossless
         as long as each path's Q is what its tokens were drawn from and the paths are independent
         given what the verifier sees (a drafter may override this to share work, or to draw its
         paths in another way, such as DBlast's one path per branch)."""
-        N = h.size(0)
+        B = h.size(0)
         drafts, Q = self.draft(h.repeat_interleave(paths, 0), bonus.repeat_interleave(paths, 0), target, k,
                                temperature, generator)
-        return drafts.view(N, paths, k - 1), None if Q is None else Q.view(N, paths, k - 1, -1)
+        return drafts.view(B, paths, k - 1), None if Q is None else Q.view(B, paths, k - 1, -1)
 
 
 class BlockHeads(Drafter):
@@ -101,7 +95,7 @@ class BlockHeads(Drafter):
         self.sample_drafts = sample_drafts
 
     def hidden(self, h, n_heads=None):
-        """h (..., C) -> z (..., n_heads, C), the first n_heads of the k-1 offset heads."""
+        """h (..., C) -> h + o_i (..., n_heads, C) for the first n_heads of the k-1 offset heads."""
         n_heads = self.k - 1 if n_heads is None else n_heads
         a = F.relu(self.c_fc(h))
         # only the first n_heads groups of W2's output are needed: slice the rows, not the result
@@ -124,16 +118,16 @@ class BlockHeads(Drafter):
         return lm_head(self.ln(h + F.linear(a, w, b)))
 
     def summed_ce(self, h, lm_head, sel, labels):
-        """Head sel's cross-entropy over rows h (N, C) with labels (N,), summed (-1: no label)."""
-        logits = upcast(self.head_logits(h, lm_head, sel))                   # (N, V)
+        """Head sel's cross-entropy over rows h (B, C) with labels (B,), summed (-1: no label)."""
+        logits = upcast(self.head_logits(h, lm_head, sel))                   # (B, V)
         return F.cross_entropy(logits, labels, ignore_index=-1, reduction='sum')
 
     def loss(self, h, lm_head, idx, offset=None):
-        """Cross-entropy of the heads on a sequence (BPD §4.2).
+        """Cross-entropy of the heads on a sequence (BPD §6, p. 5; MATH.md §3).
 
         h (B, T, C) are the target's hidden states over idx[:, :T]; idx (B, T + k) holds the tokens,
         -1 where a position carries no label. Head i (0-based) at position t predicts idx[t+i+2].
-        offset=None: the full loss, the mean over the k-1 heads (the paper sums: a constant factor).
+        offset=None: the full loss, the mean over the k-1 heads (the paper's is over all k, MATH.md §8).
         offset=i (int or 0-dim tensor): only head i's loss; drawn uniformly per minibatch, its
         expectation (and its gradient's) is the full loss.
 
@@ -146,24 +140,24 @@ class BlockHeads(Drafter):
         shifted = idx.unfold(1, T, 1)                        # (B, k+1, T): row j is idx[:, j:j+T]
         heads = range(self.k - 1) if offset is None else [offset]
         h = h.flatten(0, 1)                                  # (B*T, C)
-        N, V = h.size(0), lm_head.weight.size(0)
+        n_rows, V = h.size(0), lm_head.weight.size(0)
         rows = max(1, LOGITS_BUDGET // V)                    # rows per chunk
         # nothing random in the heads: no RNG state to stash and restore per chunk
-        ce = self.summed_ce if len(heads) * N <= rows else \
+        ce = self.summed_ce if len(heads) * n_rows <= rows else \
             partial(checkpoint, self.summed_ce, use_reentrant=False, preserve_rng_state=False)
         every = torch.arange(self.k - 1, device=idx.device)   # made on the device: no copy from the host per head
         losses = []
         for i in heads:
             sel = every[i:i + 1] if isinstance(i, int) else torch.as_tensor(i, device=idx.device).view(1)
             labels = shifted.index_select(1, sel + 2).flatten()                  # (B*T,)
-            total = sum(ce(h[j:j + rows], lm_head, sel, labels[j:j + rows]) for j in range(0, N, rows))
+            total = sum(ce(h[j:j + rows], lm_head, sel, labels[j:j + rows]) for j in range(0, n_rows, rows))
             # the mean over every labelled position of the head, not a mean of per-chunk means
             losses.append(total / labels.ne(-1).sum())
         return torch.stack(losses).mean()
 
     def mixture_logits(self, h, bonus, target, k):
         """The heads as a one-branch mixture (the view dblast.expected_accepted takes): log pi = 0
-        (N, 1) and the logits of the k-1 drafts (N, 1, k-1, V). The bonus is not an input of BPD
+        (B, 1) and the logits of the k-1 drafts (B, 1, k-1, V). The bonus is not an input of BPD
         heads."""
         return h.new_zeros(h.size(0), 1), self(h, target.lm_head, k - 1).unsqueeze(1)
 
@@ -172,7 +166,7 @@ class BlockHeads(Drafter):
         """The drafter contract (Drafter). Argmax drafts are a point mass (Q None); sampled, each
         position is drawn from its own q_i = softmax(logits_i / T), and since the positions are
         independent given h, Q_i = q_i whatever was drafted before."""
-        logits = self(h, target.lm_head, k - 1)                             # (N, k-1, V)
+        logits = self(h, target.lm_head, k - 1)                             # (B, k-1, V)
         if temperature == 0.0 or not self.sample_drafts:
             return logits.argmax(-1), None
         q = F.softmax(tempered(upcast(logits), temperature), dim=-1)

@@ -85,7 +85,8 @@ class KVCache:
     block's keys/values at positions past each row's committed length without moving it.
     `commit` then moves the length over the tokens that were kept; the entries past it stay in the
     buffer, hidden by the attention mask, until the next block overwrites them. Rejecting drafts
-    therefore needs no rollback and no copy: nothing is concatenated or sliced.
+    therefore needs no rollback: nothing is concatenated or sliced. The one copy is `keep_path`'s,
+    when a tree of several paths keeps one that does not sit right after the bonus.
 
     k, v: (n_layer, B, n_head, max_len, head_dim); lengths: (B,) committed tokens per row.
     """
@@ -234,6 +235,29 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """nanoGPT's generate: extend idx (B, T) by max_new_tokens, one full forward over the
+        whole sequence per token (cropped to the context), no cache. The reading of plain
+        decoding to hold on to, and the reference the cached decoders are tested against.
+        temperature 0 takes the argmax; otherwise the next token is a sample of
+        softmax(logits / temperature), restricted to the top_k most likely when given, drawn by
+        `sample` from `generator` (so decode.generate's plain sampling, which draws the same way,
+        gives the same tokens from the same seed)."""
+        for _ in range(max_new_tokens):
+            idx_cond = idx if idx.size(1) <= self.config.block_size else idx[:, -self.config.block_size:]
+            logits = self(idx_cond)[0][:, -1, :]                   # (B, vocab) after the last token
+            if temperature == 0:
+                idx_next = logits.argmax(-1)
+            else:
+                logits = tempered(logits, temperature)
+                if top_k is not None:
+                    v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                    logits[logits < v[:, [-1]]] = -float('inf')
+                idx_next = sample(F.softmax(logits, dim=-1), generator)
+            idx = torch.cat((idx, idx_next[:, None]), dim=1)
+        return idx
 
     # ---------------------------------------------------------------- cached inference
 

@@ -42,7 +42,7 @@ from data import (DTYPES, PROMPT_LEN, ArgumentParser, BadInput, Precision, Vocab
                   check_out_dir, decoding_precision, heldout_prompts, intra_op_threads, load_checkpoint, load_dataset,
                   newline_id, pick_device, pick_dtype, run_script, save_checkpoint,
                   target_from, vocab_for, windows)
-from dblast import LOSSES, DBlastDrafter, TargetSamples, anchors, expected_tau
+from dblast import LOSSES, DBlastDrafter, TargetSamples, contexts, expected_tau
 from decode import agreement, generate, load_drafter, timed_generate
 from heads import BlockHeads
 from model import GPT, GPTConfig
@@ -451,7 +451,7 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
     def batch():
         rows = torch.randint(len(data.seqs), (B,), generator=rt.dgen, device=rt.device)
         pos = torch.randint(lo, hi, (B,), generator=rt.dgen, device=rt.device)
-        return anchors(data, k, rows, pos)
+        return contexts(data, k, rows, pos)
 
     def evaluate(it):
         with decoding_precision('float32', rt.device):
@@ -491,8 +491,9 @@ def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print,
     taus = [t for s in stats for t in s['accept_lengths']]
     calls = sum(s['calls'] for s in stats)
     same = f", same as plain greedy: {agreement(out, base, prompts.size(1))}" if temperature == 0 else ''
-    log(f"{label}: mean tau {sum(taus) / len(taus):.2f} at k={k}{f', {paths} paths' if paths > 1 else ''}, {calls} calls for {len(prompts)} prompts "
-        f"x {max_new} tokens (plain: {len(prompts) * (max_new + 1)}), speedup {dt0 / dt:.2f}x{same}")
+    log(f"{label}, blocks of k={k}{f', {paths} paths a call' if paths > 1 else ''}: mean tau "
+        f"{sum(taus) / len(taus):.2f}, {calls} calls for {len(prompts)} prompts x {max_new} tokens "
+        f"(plain: {len(prompts) * (max_new + 1)}), speedup {dt0 / dt:.2f}x{same}")
     return out
 
 
@@ -523,7 +524,7 @@ def run_demos(rt, args, model, heads, ds, vocab):
     drafters = dblast_drafters(args)
     dblast = []
     if 'dblast' in args.stages and all(os.path.exists(dblast_path(args, K)) for K, _ in drafters):
-        dblast = [(f"DBlast K={K} ({loss})" if K > 1 else f"independent K=1 ({loss})",
+        dblast = [(f"DBlast, K={K} branches ({loss} loss)" if K > 1 else f"independent, K=1 ({loss} loss)",
                    load_drafter(dblast_path(args, K), model)) for K, loss in drafters]
     with decoding_precision('float32', rt.device):
         closing_demos(model, prompts, vocab, heads, args.k, dblast, args.dblast_k, args.temperature, rt.print)

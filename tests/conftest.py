@@ -89,12 +89,9 @@ def corpus_file(tmp_path):
 # ----------------------------------------------------------------------------- references
 
 def naive_greedy(model, prompt, m):
-    """The reference of references: full causal recompute of every prefix, argmax, append."""
-    x = prompt
-    for _ in range(m):
-        logits, _ = model(x)
-        x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return x
+    """The reference of references: GPT.generate at temperature 0, nanoGPT's loop (full causal
+    recompute of every prefix, argmax, append; tests/test_model.py pins it)."""
+    return model.generate(prompt, m, temperature=0.0)
 
 
 def randomise(heads, seed, std=1.0):

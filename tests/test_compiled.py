@@ -38,7 +38,7 @@ def setup(kind, temperature):
         drafter.sample_drafts = kind == 'heads-sampled'
     else:                            # 'dblast' or 'dblast-{greedy|sampled}-{mixture|branch}[-branches]'
         parts = kind.split('-')
-        _, branches, verify, paths_from = parts + ['dblast', 'sampled', 'mixture', 'mixture'][len(parts):]
+        _, branches, verify, paths_from = parts + ['dblast', 'sampled', 'mixture', 'iid'][len(parts):]
         drafter = DBlastDrafter(cfg, 4, 4, sample_drafts=branches == 'sampled', verify=verify, paths_from=paths_from)
     return model, drafter.to(DEV, torch.float64).eval()
 
@@ -64,7 +64,7 @@ STEP_CASES = [c + (1,) for c in STEP_CASES]   # one path per call
 # several paths per call (a tree block): i.i.d. paths of the heads and of the mixture, one path per
 # branch, greedy and sampled
 STEP_CASES += [('heads', 0.0, 'topk:2', 3), ('heads-sampled', 1.0, 'exact', 2), ('dblast', 0.0, 'exact', 4),
-               ('dblast-sampled-mixture', 1.0, 'exact', 4), ('dblast-greedy-mixture-branches', 1.0, 'exact', 4)]
+               ('dblast-sampled-mixture', 1.0, 'exact', 4), ('dblast-greedy-branch-branches', 1.0, 'exact', 4)]
 
 
 @torch.no_grad()

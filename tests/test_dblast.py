@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import dblast
 import train
 from conftest import V8, V8_PROMPT, peaky
-from dblast import (DBlastDrafter, TargetSamples, al_surrogate, anchors, expected_accepted, log_conditionals, posterior,
+from dblast import (DBlastDrafter, TargetSamples, al_surrogate, contexts, expected_accepted, log_conditionals, posterior,
                     prefix_log_accept, prior)
 from decode import generate
 from exercises import harness
@@ -95,7 +95,7 @@ def test_expected_accepted_for_bpd_heads_matches_decoding(target):
 @pytest.mark.parametrize('seed', range(4))
 def test_mixture_accepts_the_first_draft_at_least_as_often_as_branch(target, branches, seed):
     """At the first draft, E_z min(p, q_z) <= min(p, E_z q_z): mixture verification is never worse
-    than branch-conditional, anchor by anchor (exact, over every bonus and draft). Both are checked
+    than branch-conditional, context by context (exact, over every bonus and draft). Both are checked
     against the direct formulas, and the mixture is strictly better somewhere."""
     T, zt = 1.0, 1.5
     d = drafter_of(4, branches, seed=seed, zt=zt)
@@ -229,6 +229,43 @@ def test_al_gradient_at_a_clamped_position_with_two_branches():
             assert float(at_first.abs().max()) == 0.0, at_first
 
 
+def test_the_later_terms_gradient_moves_the_clamped_positions_own_Q():
+    """MATH.md §6's example, K = 2: the gradient of log Q_2(x_2) with respect to the branches'
+    log q_1(x_1 | z) is w_3 - w_2, which sums to zero over the branches, and it still moves
+    log Q_1(x_1) itself (whose gradient is w_2): along it, at the rate w_2 . (w_3 - w_2) = -0.295."""
+    log_prior = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    log_qx = torch.log(torch.tensor([[[0.8, 0.1], [0.2, 0.9]]], dtype=torch.float64)).requires_grad_(True)
+    log_Q = log_conditionals(log_prior, log_qx)                                     # (1, 2)
+    g2 = torch.autograd.grad(log_Q[0, 1], log_qx, retain_graph=True)[0][0, :, 0]   # d log Q_2 / d log q_1(x_1|z)
+    g1 = torch.autograd.grad(log_Q[0, 0], log_qx)[0][0, :, 0]                      # d log Q_1 / d log q_1(x_1|z)
+    w2 = torch.tensor([0.8, 0.2], dtype=torch.float64)
+    w3 = torch.tensor([0.08, 0.18], dtype=torch.float64) / 0.26
+    torch.testing.assert_close(g1, w2)
+    torch.testing.assert_close(g2, w3 - w2)
+    assert abs(float(g2.sum())) < 1e-12
+    assert abs(float(g1 @ g2) - (-0.2954)) < 5e-4, float(g1 @ g2)
+
+
+def test_evaluator_and_decoding_part_where_acceptance_varies_along_the_text():
+    """MATH.md §7's caveat, worked out: tau k in half the contexts and 1 in the other half. The
+    evaluator weighs every context: (k+1)/2. A decode starts its blocks where the last one ended:
+    in runs much longer than k it reports about 2k/(k+1); interleaved finely (every other
+    position), where its blocks land decides, here k for an even k."""
+    k, L = 4, 100_000
+
+    def decoded_tau(good):
+        t = steps = 0
+        while t < L:
+            t += k if good(t) else 1
+            steps += 1
+        return L / steps
+
+    for good in (lambda t: (t // 1000) % 2 == 0, lambda t: t % 2 == 0):
+        assert abs(sum(k if good(t) else 1 for t in range(L)) / L - (k + 1) / 2) < 1e-9
+    assert abs(decoded_tau(lambda t: (t // 1000) % 2 == 0) - 2 * k / (k + 1)) < 0.01
+    assert decoded_tau(lambda t: t % 2 == 0) == k
+
+
 # --------------------------------------------------------------------------- the paper's point
 
 def phrase_corpus(n_seq, length, gen):
@@ -280,7 +317,7 @@ def test_dependent_drafter_splits_the_modes_of_a_multimodal_block():
         for _ in range(300):
             rows = torch.randint(len(data.seqs), (128,), generator=gen)
             pos = torch.randint(lo, hi, (128,), generator=gen)
-            loss = objective(*anchors(data, k, rows, pos))
+            loss = objective(*contexts(data, k, rows, pos))
             opt.zero_grad()
             loss.backward()
             opt.step()

@@ -205,8 +205,8 @@ def test_plain_generate_matches_naive_full_recompute(model, prompts, greedy_ref)
 def test_plain_decoding_calls_no_verifier(model, prompts, greedy_ref, temperature, monkeypatch):
     """Plain decoding has no drafts to verify: its step takes the target's own token
     (decode.target_choice), so it runs with every verifier broken (as in a handout where only the
-    cache is written), greedy equal to full recompute, sampled the same tokens as from the target
-    directly with the same generator."""
+    cache is written), greedy or sampled equal to GPT.generate's full recompute from the same
+    generator."""
     def broken(*a, **kw):
         raise AssertionError("plain decoding called a verifier")
     for name in ('verify_greedy', 'verify_sampled', 'verify_tree_greedy', 'verify_tree_sampled'):
@@ -217,11 +217,8 @@ def test_plain_decoding_calls_no_verifier(model, prompts, greedy_ref, temperatur
     if temperature == 0.0:
         assert torch.equal(out, greedy_ref[:, :out.size(1)])
         return
-    g, x = torch.Generator().manual_seed(0), prompts
-    for _ in range(m):   # the same draws: one per row per token, from the tempered softmax
-        logits = model(x)[0][:, -1].double()
-        x = torch.cat([x, decode.target_choice(logits, temperature, g)[:, None]], dim=1)
-    assert torch.equal(out, x)
+    # GPT.generate draws the same way (one draw per row per token, from the tempered softmax)
+    assert torch.equal(out, model.generate(prompts, m, temperature, generator=torch.Generator().manual_seed(0)))
 
 
 def test_fixture_heads_span_acceptance_range(model, trained, prompts):

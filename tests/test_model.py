@@ -147,6 +147,38 @@ def test_greedy_generate_to_the_end_of_the_context():
     assert torch.equal(out, greedy_by_recomputation(model, prompt, 17))
 
 
+@torch.no_grad()
+def test_gpt_generate_is_nanogpts_loop():
+    """GPT.generate, the reference the cached decoders are tested against (conftest.naive_greedy):
+    greedy is the hand-written recompute loop; past the context it crops to the last block_size
+    tokens as nanoGPT does; top_k=1 is greedy at any temperature; every sampled token is among the
+    top_k of the logits recomputed over its prefix."""
+    model = tiny_model(seed=6, vocab_size=64, block_size=16, std=0.3)
+    prompt = torch.randint(64, (3, 5), generator=torch.Generator().manual_seed(7))
+    greedy = model.generate(prompt, 11, temperature=0)
+    assert torch.equal(greedy, greedy_by_recomputation(model, prompt, 11))
+    longer = model.generate(greedy, 3, temperature=0)                       # 16 -> 19 tokens
+    for t in range(16, 19):
+        assert torch.equal(longer[:, t], model(longer[:, t - 16:t])[0][:, -1].argmax(-1))
+    assert torch.equal(model.generate(prompt, 11, 1.5, top_k=1, generator=torch.Generator().manual_seed(1)), greedy)
+    out = model.generate(prompt, 11, 2.0, top_k=3, generator=torch.Generator().manual_seed(2))
+    for t in range(5, 16):
+        top3 = model(out[:, :t])[0][:, -1].topk(3).indices
+        assert (top3 == out[:, t:t + 1]).any(-1).all()
+    assert not torch.equal(out, greedy)                                     # it did sample
+
+
+@torch.no_grad()
+def test_cached_plain_sampling_draws_what_gpt_generate_draws():
+    """decode.generate without a drafter, sampling, gives GPT.generate's tokens from the same seed
+    (float64: the cached and the recomputed logits agree far below where a draw could flip)."""
+    model = tiny_model(seed=3, vocab_size=64, std=0.3)
+    prompt = torch.randint(64, (4, 6), generator=torch.Generator().manual_seed(4))
+    for T in (0.7, 1.3):
+        out, _ = generate(model, prompt, 20, temperature=T, generator=torch.Generator().manual_seed(5))
+        assert torch.equal(out, model.generate(prompt, 20, T, generator=torch.Generator().manual_seed(5)))
+
+
 # --------------------------------------------------------------------------- nanoGPT checkpoints
 
 def nanogpt_state_dict(cfg, seed):

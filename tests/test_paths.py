@@ -2,18 +2,20 @@
 the longest agreeing path, and multi-step speculative sampling, lossless for every way of
 proposing (chi-square over every 3-token continuation of the 8-token world), each beside a wrong
 verifier or drafter that the same test catches."""
+import ast
 import copy
+import os
 
 import pytest
 import torch
 
 import dblast
 import decode
-from conftest import V8, V8_PROMPT, naive_greedy, peaky, tiny_model
-from decode import generate, tree_layout, verify_tree_greedy
+from conftest import ROOT, V8, V8_PROMPT, naive_greedy, peaky, tiny_model
+from decode import generate, tree_layout, tree_nodes, tree_walk, verify_tree_greedy
 from exercises.harness import GreedyOracle
 from heads import Drafter
-from model import GPT, KVCache
+from model import GPT, KVCache, sample
 from test_sampling import chi_square, continuation_probs, make_drafter
 
 V = V8.vocab_size
@@ -25,8 +27,8 @@ def target8():
 
 
 class OraclePaths(Drafter):
-    """N greedy paths, each the target's greedy continuation made wrong at its own place (path z at
-    draft j where (7t + 3z) % (k + 1) == j, t the position of the bonus; past k-2 it is never
+    """N greedy paths, each the target's greedy continuation made wrong at its own place (path i at
+    draft j where (7t + 3i) % (k + 1) == j, t the position of the bonus; past k-2 it is never
     wrong): which path is longest changes from step to step."""
 
     def __init__(self, model, ref, k):
@@ -37,14 +39,14 @@ class OraclePaths(Drafter):
         return self.draft_paths(h, bonus, target, k, 1, temperature, generator)[0][:, 0], None
 
     def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
-        drafts = [GreedyOracle(self.model, self.ref, k, lambda t, j, z=z: (7 * t + 3 * z) % (k + 1) == j)
-                  .draft(h, bonus, target, k)[0] for z in range(paths)]
+        drafts = [GreedyOracle(self.model, self.ref, k, lambda t, j, i=i: (7 * t + 3 * i) % (k + 1) == j)
+                  .draft(h, bonus, target, k)[0] for i in range(paths)]
         return torch.stack(drafts, 1), None
 
 
 def test_tree_block_sees_each_path_as_its_own_sequence():
-    """Through forward_cached with the tree mask, the state at path z's token i is the target's
-    state after [prefix, bonus, path z's tokens 0..i], paths sharing a prefix included (float64)."""
+    """Through forward_cached with the tree mask, the state at path i's token j is the target's
+    state after [prefix, bonus, path i's tokens 0..j], paths sharing a prefix included (float64)."""
     model = tiny_model(std=0.3)
     B, N, n = 2, 3, 3
     g = torch.Generator().manual_seed(0)
@@ -55,17 +57,17 @@ def test_tree_block_sees_each_path_as_its_own_sequence():
     model.forward_cached(prefix, cache)
     cache.commit(6)
     h = model.forward_cached(torch.cat([bonus[:, None], paths.flatten(1)], 1), cache, tree_layout(N, n, 'cpu'))
-    for z in range(N):
-        want = model.hidden(torch.cat([prefix, bonus[:, None], paths[:, z]], 1))[:, 6:]     # (B, 1 + n, C)
-        got = torch.cat([h[:, :1], h[:, 1 + z * n:1 + (z + 1) * n]], 1)
-        assert (got - want).abs().max() < 1e-10, z
+    for i in range(N):
+        want = model.hidden(torch.cat([prefix, bonus[:, None], paths[:, i]], 1))[:, 6:]     # (B, 1 + n, C)
+        got = torch.cat([h[:, :1], h[:, 1 + i * n:1 + (i + 1) * n]], 1)
+        assert (got - want).abs().max() < 1e-10, i
 
 
 def test_greedy_keeps_the_first_longest_path():
     """verify_tree_greedy: each path judged by the rule alone, the longest kept (the first of equals),
     the bonus the target's argmax after it; a lossy rule applies per path too."""
     B, N, n, Vs = 1, 3, 3, 5
-    # the target's argmax after every slot: after the bonus 1; after path z's token i, given below
+    # the target's argmax after every slot: after the bonus 1; after path i's token j, given below
     argmax = torch.tensor([[1, 2, 3, 0, 2, 4, 0, 1, 0, 0, 1]])             # (B, 1 + N n)
     logits = torch.nn.functional.one_hot(argmax, Vs).double()
     paths = torch.tensor([[[1, 2, 4], [1, 2, 3], [1, 3, 0]]])              # 2, 2 and 1 agree
@@ -110,12 +112,13 @@ def chi2_paths(model, drafter, temperature, paths):
 # (drafter spec of test_sampling, T, paths, DBlast's paths_from): i.i.d. paths of sampled heads,
 # of point-mass heads (every path the same: duplicates at every node) and of the K = 1 drafter;
 # i.i.d. paths of the K = 4 mixture verified against its conditionals or against each path's
-# branch, sampled or greedy branches; one path per branch (sampled, greedy, past K, Z_T = 0)
-WAYS = [('heads-sampled', 1.5, 4, 'mixture'), ('heads-argmax', 0.7, 3, 'mixture'),
-        ('K1-sampled-mixture-zt1', 0.7, 8, 'mixture'), ('K4-sampled-mixture-zt1', 1.5, 4, 'mixture'),
-        ('K4-sampled-branch-zt1', 1.0, 2, 'mixture'), ('K4-greedy-mixture-zt1', 1.0, 4, 'mixture'),
-        ('K4-sampled-mixture-zt1', 0.7, 4, 'branches'), ('K4-greedy-mixture-zt0.5', 1.5, 8, 'branches'),
-        ('K4-sampled-mixture-zt0', 1.0, 3, 'branches')]
+# branch, sampled or greedy branches; one path per branch, each verified against its own branch
+# (sampled, greedy, past K, Z_T = 0)
+WAYS = [('heads-sampled', 1.5, 4, 'iid'), ('heads-argmax', 0.7, 3, 'iid'),
+        ('K1-sampled-mixture-zt1', 0.7, 8, 'iid'), ('K4-sampled-mixture-zt1', 1.5, 4, 'iid'),
+        ('K4-sampled-branch-zt1', 1.0, 2, 'iid'), ('K4-greedy-mixture-zt1', 1.0, 4, 'iid'),
+        ('K4-sampled-branch-zt1', 0.7, 4, 'branches'), ('K4-greedy-branch-zt0.5', 1.5, 8, 'branches'),
+        ('K4-sampled-branch-zt0', 1.0, 3, 'branches')]
 
 
 @pytest.mark.parametrize('spec,temperature,paths,paths_from', WAYS)
@@ -141,7 +144,7 @@ def test_chi_square_catches_every_candidate_tested_against_path_0s_q(target8, mo
     real = decode.verify_tree_sampled
     monkeypatch.setattr(decode, 'verify_tree_sampled',
                         lambda logits, q, drafts, T, g=None: real(logits, q[:, :1].expand_as(q), drafts, T, g))
-    d = make_drafter('K4-sampled-mixture-zt1')
+    d = make_drafter('K4-sampled-branch-zt1')
     d.paths_from = 'branches'
     stat, crit, _ = chi2_paths(target8, d, 0.7, 4)
     assert stat > crit, f"path 0's q for all passed: chi2 {stat:.1f} < {crit:.1f}"
@@ -151,7 +154,7 @@ def test_chi_square_catches_branch_paths_verified_against_the_mixture(target8, m
     """Paths drawn one per branch are not i.i.d. samples of the mixture: verifying them against the
     mixture's conditionals (right for i.i.d. paths) biases the output. At Z_T = 0 the mixture is
     the top branch alone, so every later branch's path is tested against the top branch's q."""
-    d = make_drafter('K4-sampled-mixture-zt0')
+    d = make_drafter('K4-sampled-branch-zt0')
     d.paths_from = 'branches'
     real = d.draft_paths
 
@@ -179,7 +182,7 @@ def test_branch_order_is_a_draw_without_replacement_from_the_prior():
 
 
 def test_one_path_is_todays_step(target8):
-    """paths=1 draws the same random numbers as the one-block step always did: draft_paths with one
+    """paths=1 draws the same random numbers as the one-block step: draft_paths with one
     path gives draft's drafts and Q, bit for bit, for the mixture and for any drafter's default."""
     h = torch.randn(5, V8.n_embd)
     bonus = torch.randint(V, (5,))
@@ -191,3 +194,56 @@ def test_one_path_is_todays_step(target8):
     outs = [generate(target8, V8_PROMPT.expand(8, -1), 12, drafter=d, temperature=1.0, paths=p,
                      generator=torch.Generator().manual_seed(5))[0] for p in (1, 1)]
     assert torch.equal(outs[0], outs[1])
+
+
+def math_md_tree_example():
+    """The worked example's tensors as MATH.md §9 prints them: `name = value  # comment` lines
+    (a value may run over indented lines) in the code block after the tree-example marker."""
+    text = open(os.path.join(ROOT, 'MATH.md')).read().split('<!-- tree-example -->', 1)[1]
+    block = text.split('```', 2)[1]
+    entries, name = {}, None
+    for line in block.splitlines()[1:]:
+        code = line.split('#', 1)[0].rstrip()
+        if not code.strip():
+            continue
+        if not line[0].isspace():
+            name, _, code = code.partition('=')
+            name = name.strip()
+            entries[name] = ''
+        entries[name] += code.strip()
+    return {k: ast.literal_eval(v) for k, v in entries.items()}
+
+
+def test_the_worked_tree_example_in_math_md_is_what_the_code_computes():
+    """MATH.md §9's example, recomputed: the block, the tree mask, the node bookkeeping and the
+    walk from the printed coins' outcome, down to the slots KVCache.keep_path moves."""
+    ex = math_md_tree_example()
+    drafts = torch.tensor([ex['drafts']])                                  # (1, N, n)
+    N, n = drafts.shape[1:]
+    assert ex['block'] == ['b'] + drafts.flatten().tolist()
+    depth, attend = tree_layout(N, n, 'cpu')
+    assert depth.tolist() == ex['depth'] and attend.int().tolist() == ex['attend']
+    same, first, node, through = tree_nodes(drafts)
+    assert same.int()[0].tolist() == ex['same'] and first[0].tolist() == ex['first']
+    assert node[0].tolist() == ex['node'] and through.int()[0].tolist() == ex['through']
+    match, n_acc, path, last = tree_walk(torch.tensor([ex['kept_token']]), node, drafts)
+    assert match.int()[0].tolist() == ex['match']
+    assert (int(n_acc), int(path), int(last)) == (ex['n_acc'], ex['path'], ex['last'])
+    src = decode.path_slots(N, n, 'cpu')[path][0, 1:]
+    assert [src.tolist(), list(range(1, n + 1))] == ex['keep']
+    assert not through[0, ex['last']].any()        # the walk ends at a leaf: its r is p, untouched
+
+
+@pytest.mark.parametrize('point_mass', [False, True])
+def test_a_rejected_token_has_no_mass_left_at_its_node(point_mass):
+    """MATH.md §9's lemma: after candidate c is rejected at a node, the residual is 0 at c, whatever
+    the proposal (so a duplicate of c is never accepted later at that node)."""
+    g = torch.Generator().manual_seed(0)
+    B, V = 20000, 6
+    r = torch.softmax(torch.randn(B, 1, V, generator=g, dtype=torch.float64) * 2, -1)
+    Q = None if point_mass else torch.softmax(torch.randn(B, 1, V, generator=g, dtype=torch.float64) * 2, -1)
+    c = torch.randint(V, (B, 1), generator=g) if point_mass else sample(Q, g)
+    rejected = ~decode.accept_sampled(r, Q, c, g)[:, 0]
+    assert rejected.sum() > 1000                                            # the test sees many rejections
+    left = decode.residual(r, Q, c)                                         # (B, 1, V)
+    assert (left.gather(-1, c[..., None])[rejected] == 0).all()

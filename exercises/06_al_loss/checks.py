@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import train
-from dblast import DBlastDrafter, anchors, expected_accepted, expected_tau
+from dblast import DBlastDrafter, contexts, expected_accepted, expected_tau
 from exercises import harness
 
 NAMES = ('prefix_log_accept', 'al_surrogate')
@@ -164,6 +164,6 @@ def try_it(impl, tryout):
         for label, yours in (('project', False), ('yours', True)):
             with harness.plugged(tryout.checks, impl) if yours else contextlib.nullcontext():
                 tau = expected_tau(d, tryout.model, samples, k, T, True, 'mixture')
-                h, bonus, x, log_px = anchors(samples, k, rows[:4096], pos[:4096])
+                h, bonus, x, log_px = contexts(samples, k, rows[:4096], pos[:4096])
                 loss = d.loss(h, bonus, tryout.model, x, log_px, T)
             print(f"| {name} | {label} | {tau:.3f} | {float(loss):.4f} |")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import decode
 import train
-from dblast import anchors
+from dblast import contexts
 from exercises import harness
 from heads import Drafter
 from model import GPT, GPTConfig, tempered
@@ -180,7 +180,7 @@ def trained(cls):
     g = torch.Generator().manual_seed(1)
     for _ in range(200):
         rows, pos = torch.randint(len(samples.seqs), (64,), generator=g), torch.randint(lo, hi, (64,), generator=g)
-        h, bonus, x, _ = anchors(samples, 4, rows, pos)
+        h, bonus, x, _ = contexts(samples, 4, rows, pos)
         loss = d.loss(h, bonus, model, x, T_TRAIN)
         opt.zero_grad()
         loss.backward()
@@ -210,7 +210,7 @@ def test_training_beats_a_uniform_drafter(impl):
 def test_it_proposes_at_the_temperature_asked(impl):
     """It proposes at the temperature asked. Trained at T = 1.5 on the target's samples at 1.5 and
     asked for drafts at T = 1.5, your first draft's Q is neither much flatter nor much sharper
-    than the target's p_T on held-out anchors: what sharpening it would gain in cross-entropy,
+    than the target's p_T on held-out contexts: what sharpening it would gain in cross-entropy,
     -d/ds CE(p_T, Q^s / Z) at s = 1 = E_p[log Q] - E_Q[log Q] (positive: Q too flat, negative: too
     sharp), is within 0.5 nats of 0 (a drafter proposing at T^2 or at 1 after training at T: about
     0.95 and -0.75; the reference: 0.2).
@@ -222,7 +222,7 @@ def test_it_proposes_at_the_temperature_asked(impl):
     lo, hi = heldout.positions(4)
     g = torch.Generator().manual_seed(3)
     rows, pos = torch.randint(len(heldout.seqs), (2000,), generator=g), torch.randint(lo, hi, (2000,), generator=g)
-    h, bonus, _, _ = anchors(heldout, 4, rows, pos)
+    h, bonus, _, _ = contexts(heldout, 4, rows, pos)
     with torch.no_grad():
         p = F.softmax(tempered(model.lm_head(heldout.H[rows, pos + 1]).double(), T_TRAIN), -1)   # after the bonus
         _, Q = d.draft(h, bonus, model, 2, T_TRAIN, g)
@@ -254,7 +254,7 @@ def try_it(impl, tryout):
     g = torch.Generator().manual_seed(0)
     for step in range(steps):
         rows, pos = torch.randint(len(samples.seqs), (128,), generator=g), torch.randint(lo, hi, (128,), generator=g)
-        h, bonus, x, _ = anchors(samples, k, rows.to(samples.seqs.device), pos.to(samples.seqs.device))
+        h, bonus, x, _ = contexts(samples, k, rows.to(samples.seqs.device), pos.to(samples.seqs.device))
         loss = d.loss(h, bonus, tryout.model, x, T)
         opt.zero_grad()
         loss.backward()
