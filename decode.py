@@ -224,7 +224,7 @@ def verify_tree_greedy(logits, drafts, accept=(exact, None)):
 def verify_tree_sampled(logits, Q, drafts, temperature, generator=None):
     """Multi-step speculative sampling over N drafted paths (MATH.md §9), lossless.
 
-    logits (B, 1 + N n, V) after every slot; drafts (B, N, n); Q (B, N, n, V): Q[:, i, j] is what
+    logits (B, L, V) after every slot (L = 1 + N n); drafts (B, N, n); Q (B, N, n, V): Q[:, i, j] is what
     path i's token j was drawn from, given path i's earlier tokens (None: point masses). At each
     node the candidates are the next tokens of the paths through it (tree_nodes), tried in path
     order, each against what is left of p (the residual after the earlier ones). Every node's
@@ -235,23 +235,23 @@ def verify_tree_sampled(logits, Q, drafts, temperature, generator=None):
     at the node where the walk stops (all of p after a fully accepted path).
     Returns n_acc (B,), bonus (B,), path (B,): the first path with the kept prefix."""
     B, N, n = drafts.shape
-    p = F.softmax(tempered(logits, temperature), dim=-1)               # (B, S, V) p_target at each slot
+    p = F.softmax(tempered(logits, temperature), dim=-1)               # (B, L, V) p_target at each slot
     _, _, node, through = tree_nodes(drafts)
     depth, _ = tree_layout(N, n, drafts.device)
     at = depth.clamp(max=n - 1)                                        # the candidates' token index
-    cand = drafts[:, :, at].transpose(1, 2)                            # (B, S, N)
+    cand = drafts[:, :, at].transpose(1, 2)                            # (B, L, N)
     r, done = p, torch.zeros(B, 1 + N * n, dtype=torch.bool, device=drafts.device)
     chosen = torch.zeros_like(done, dtype=torch.long)
     for i in range(N):   # candidates in path order; each pass covers every node at once
-        Q_path = None if Q is None else Q[:, i, at]                    # (B, S, V) path i's Q^(i)
+        Q_path = None if Q is None else Q[:, i, at]                    # (B, L, V) path i's Q^(i)
         tried = through[:, :, i] & ~done
         ok = accept_sampled(r, Q_path, cand[:, :, i], generator) & tried
         chosen = torch.where(ok, i, chosen)
         done = done | ok
         left = residual(r, Q_path, cand[:, :, i])                      # r after rejecting candidate i
         r = torch.where((tried & ~ok)[..., None], left / left.sum(-1, keepdim=True), r)
-    kept_token = torch.where(done, cand.gather(-1, chosen[..., None]).squeeze(-1), -1)   # (B, S)
-    fallback = sample(r, generator)                                                      # (B, S)
+    kept_token = torch.where(done, cand.gather(-1, chosen[..., None]).squeeze(-1), -1)   # (B, L)
+    fallback = sample(r, generator)                                                      # (B, L)
     _, n_acc, path, last = tree_walk(kept_token, node, drafts)
     return n_acc, fallback.gather(1, last[:, None]).squeeze(1), path
 
@@ -286,8 +286,8 @@ def target_choice(logits, temperature, generator=None):
 
 def merged_step(model, drafter, cache, block, Q_block, active, temperature=0.0,
                 accept=(exact, None), generator=None, paths=1):
-    """One target call verifies `block`, commits what it accepts and proposes the next block (BPD
-    "Combined Scoring and Proposal", p. 3; MATH.md §2).
+    """One target call verifies `block`, commits what it accepts and proposes the next block (BPD §4
+    "Combined Scoring and Proposal Model", p. 3; MATH.md §2).
 
     block (B, 1 + N(k-1)) = [bonus, path_1 .. path_N], N = `paths` drafted paths of k-1 tokens
     (N = 1: BPD's block [bonus, d_1 .. d_{k-1}]; N > 1: a tree, MATH.md §9). Q_block
