@@ -3,8 +3,11 @@ What comes in from outside the program, and how bad input is refused: command-li
 checkpoint files, vocabularies, corpora and held-out prompts, for generate.py, train.py and bench.py
 alike. Every user error is a `BadInput`, which the scripts print as one `error:` line.
 
-Checkpoints (`load_checkpoint`, `save_checkpoint`, `load_target`): written atomically, read with
-`weights_only=True` (tensors and plain values only: nothing in a file runs), finite weights only.
+Checkpoints (`load_checkpoint`, `save_checkpoint`, `load_target`): written atomically (an
+interrupted or failed write leaves no temporary file and the previous checkpoint as it was), read
+with `weights_only=True` (tensors and plain values only: nothing in a file runs), every field
+checked for type and range before it is used (`FIELDS`), a target's config checked against the
+weights the file holds, in bytes, before any tensor is made, finite weights only.
 
 Vocabularies (`Vocab`):
   bytes   UTF-8 bytes, 256 ids: this project's own models (the default)
@@ -15,9 +18,14 @@ checkpoint this project writes, and checked wherever text or a dataset becomes i
 
 Corpora (`load_dataset`): a text file or folder of text files (bytes; by default the Python
 standard library), or a nanoGPT dataset folder: train.bin / val.bin (uint16 ids) and optionally
-meta.pkl.
+meta.pkl. `heldout_prompts_of(out_dir)`: the held-out prompts train.py's closing demos decode, read
+from its output folder without writing anything there.
+
+Threads: `intra_op_threads` (the scripts' choice, set for the process) and `num_threads` (a setting
+for the length of a `with` block, restored afterwards; decode.generate uses it per call).
 """
 import argparse
+import dataclasses
 import functools
 import hashlib
 import math
@@ -27,15 +35,17 @@ import signal
 import stat
 import sys
 import sysconfig
+import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 
 import numpy as np
 import torch
 
-from model import GPT
+from model import GPT, GPTConfig
 
 PROMPT_LEN = 32       # corpus prompt in front of each generated training sequence
+DEMO_PROMPTS = 8      # held-out prompts of train.py's closing demos (heldout_prompts_of)
 GPT2_SIZES = (50257, 50304)   # GPT-2's vocabulary, and nanoGPT's padded one
 
 
@@ -91,6 +101,29 @@ def intra_op_threads(threads=None, small=False):
     return threads
 
 
+@contextmanager
+def num_threads(n):
+    """torch's intra-op threads at n for the length of the block, then as they were (n None: left as
+    they are). For one call, where intra_op_threads sets them for the process."""
+    before = torch.get_num_threads()
+    if n is not None and n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
+
+
+def decoding_threads(model, device):
+    """The threads the scripts decode `model` with, for one call from Python: one on a CPU for a
+    model under SMALL_MODEL parameters; else None, torch's setting as the caller left it (for a
+    larger model the scripts read the machine's load, busy_cores, which takes 0.2 s: too slow to
+    spend on every call)."""
+    small = sum(p.numel() for p in model.parameters()) - model.transformer.wpe.weight.numel() < SMALL_MODEL
+    return 1 if small and torch.device(device).type == 'cpu' else None
+
+
 def busy_cores(cores, window=0.2):
     """How many cores other processes keep busy now: the share of CPU time not idle over `window`
     seconds of /proc/stat (Linux; this process sleeps meanwhile), else the 1-minute load average,
@@ -128,25 +161,30 @@ def run_script(main, interrupted='interrupted'):
 
 # ----------------------------------------------------------------------------- device and precision
 
-def pick_device(name=None):
-    """The device to run on: `name` if this machine has it (a one-line error if not), else the best
-    available."""
+def pick_device(name=None, flag='--device'):
+    """The device to run on: `name` if this machine has it (a one-line error naming `flag` if not),
+    else the best available."""
     if name is None:
         if torch.cuda.is_available():
             return 'cuda'
         mps = getattr(torch.backends, 'mps', None)
         return 'mps' if mps is not None and mps.is_available() else 'cpu'
+    said = f"{flag} {name}" if flag.startswith('--') else f"{flag}={name!r}"
+    if not isinstance(name, (str, torch.device)):
+        raise BadInput(f"{said}: not a device; use cpu, cuda, cuda:N or mps")
     try:
         dev = torch.device(name)
     except RuntimeError:
-        raise BadInput(f"--device {name!r}: not a device; use cpu, cuda, cuda:N or mps")
+        raise BadInput(f"{said}: not a device; use cpu, cuda, cuda:N or mps")
     if dev.type == 'cuda' and not (torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()):
-        raise BadInput(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise BadInput(f"{said}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if dev.type == 'mps' and not (getattr(torch.backends, 'mps', None) and torch.backends.mps.is_available()):
-        raise BadInput(f"--device {name}: MPS is not available on this machine")
+        raise BadInput(f"{said}: MPS is not available on this machine")
     if dev.type not in ('cpu', 'cuda', 'mps'):
-        raise BadInput(f"--device {name}: use cpu, cuda, cuda:N or mps")
-    return name
+        raise BadInput(f"{said}: use cpu, cuda, cuda:N or mps")
+    if dev.type in ('cpu', 'mps') and dev.index not in (None, 0):   # torch takes cpu:1 and runs on the one CPU
+        raise BadInput(f"{said}: the {dev.type.upper()} is one device here; use {dev.type}")
+    return str(name)
 
 
 # name -> what it computes in: float32, or bfloat16 by autocast (the weights, the optimizer and the
@@ -228,12 +266,71 @@ def check_finite(module, what):
         raise BadInput(f"{what}: non-finite weights in {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ''))
 
 
+@contextmanager
+def save_before_stop():
+    """Ctrl-C inside the block waits for the block to end: a write that has begun finishes (a second
+    Ctrl-C stops it at once). Only where the main thread has a Python handler for SIGINT; elsewhere
+    (another thread, SIGINT ignored) the block runs as it is."""
+    handler = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+        yield
+        return
+    pending = []
+
+    def later(signum, frame):
+        if pending:                                 # the second Ctrl-C: now
+            handler(signum, frame)
+        pending.append((signum, frame))
+    signal.signal(signal.SIGINT, later)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    if pending:
+        handler(*pending[0])
+
+
+def write_atomically(path, write, what='checkpoint'):
+    """write(tmp) writes the file at a temporary path beside `path`, which then replaces `path` in
+    one rename: a reader sees the old file or the new one, never part of one. Ctrl-C meanwhile is
+    held until the file is in place (save_before_stop); any failure (no space, a folder or an
+    immutable file in the way, a second Ctrl-C) removes the temporary file, leaves `path` as it was,
+    and an OSError is one line naming the file and why."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with save_before_stop():
+            try:
+                write(tmp)
+                os.replace(tmp, path)
+            except BaseException:
+                with suppress(OSError):
+                    os.remove(tmp)
+                raise
+    except OSError as e:
+        raise BadInput(f"cannot write the {what} {path} ({e.strerror or e}); nothing half-written is left, and "
+                       f"{'the previous one is as it was' if os.path.exists(path) else 'there is none'}")
+
+
 def save_checkpoint(obj, path):
-    """Write atomically: a temporary file beside the target, then a rename. An interrupted write
-    leaves the previous checkpoint intact."""
-    tmp = f"{path}.tmp"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """torch.save, atomically (write_atomically): an interrupted or failed save leaves the previous
+    checkpoint intact and no temporary file."""
+    write_atomically(path, lambda tmp: torch.save(obj, tmp))
+
+
+def check_replaceable(path, what='checkpoint', writable=True):
+    """Before any work: a file this run will write can be written there: nothing yet, or a regular
+    file that can be replaced (a folder in its place is refused; writable: an immutable or a
+    read-only file too, which root may write, not an immutable one)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:   # nothing there yet
+        return
+    if stat.S_ISLNK(mode):   # the rename replaces the link itself
+        return
+    why = ('it is a folder' if stat.S_ISDIR(mode) else 'it is not a regular file' if not stat.S_ISREG(mode)
+           else 'it is read-only or immutable' if writable and not os.access(path, os.W_OK) else None)
+    if why:
+        raise BadInput(f"cannot replace the {what} {path}: {why}; nothing was done")
 
 
 # numpy scalars, as a checkpoint may hold them (a learning rate computed with numpy, a loss): data
@@ -242,10 +339,103 @@ NUMPY_SCALARS = [getattr(np, '_core', np.core).multiarray.scalar, np.dtype] + [
     type(np.dtype(t)) for t in (np.float64, np.float32, np.float16, np.int64, np.int32, np.bool_)]
 
 
+def is_whole(v, lo=None, hi=None):
+    """A whole number (an int or a numpy integer, not a bool) within [lo, hi]."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and (lo is None or v >= lo) \
+        and (hi is None or v <= hi)
+
+
+def is_real(v):
+    """A finite number (numpy's included, not a bool)."""
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def is_weights(v):
+    return isinstance(v, dict) and all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in v.items())
+
+
+def is_optimizer_state(v):
+    """torch.optim's state_dict: {'state': {index: {name: tensor or number}}, 'param_groups': [{'params':
+    [index, ...], ...}]}."""
+    return (isinstance(v, dict) and isinstance(v.get('state'), dict) and isinstance(v.get('param_groups'), list)
+            and all(isinstance(st, dict) and all(isinstance(x, (torch.Tensor, int, float)) for x in st.values())
+                    for st in v['state'].values())
+            and all(isinstance(g, dict) and isinstance(g.get('params'), list) and all(map(is_whole, g['params']))
+                    for g in v['param_groups']))
+
+
+def is_rng_record(v):
+    """train.py's RNG states: {'gen': [...], 'torch': [...], 'dgen': [...]}, a uint8 state per rank."""
+    return (isinstance(v, dict) and {'gen', 'torch'} <= set(v)
+            and all(isinstance(v[n], list) and v[n] and all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                                                           and t.dim() == 1 for t in v[n]) for n in v))
+
+
+def is_config(v):
+    """A run's recorded flags (vars(args) of train.py, nanoGPT's config): a dict whose data path, if
+    any, is text (train.py's 'data', nanoGPT's 'dataset')."""
+    return v is None or (isinstance(v, dict) and all(v.get(n) is None or isinstance(v[n], str)
+                                                     for n in ('data', 'dataset')))
+
+
+# Every field a checkpoint of this project or of nanoGPT may carry -> (test, what it must be).
+# load_checkpoint applies the test to each field present before anything reads it; fields not
+# named here are never read.
+FIELDS = {
+    'kind': (lambda v: isinstance(v, str), 'a name'),
+    'model': (is_weights, 'a dict of tensors'),
+    'drafter': (is_weights, 'a dict of tensors'),
+    'joint_model': (lambda v: v is None or is_weights(v), 'None or a dict of tensors'),
+    'model_args': (lambda v: isinstance(v, dict), 'a dict of the model\'s sizes'),
+    'config': (is_config, 'a dict of flags whose data path is text'),
+    'vocab': (lambda v: v is None or isinstance(v, dict), 'a vocabulary record'),
+    'optimizer': (is_optimizer_state, "an optimizer's state_dict"),
+    'iter_num': (lambda v: is_whole(v, 0), 'a whole number >= 0'),
+    'rng': (is_rng_record, "train.py's RNG states (uint8 tensors per rank)"),
+    'best_val_loss': (lambda v: v is None or is_real(v) or (isinstance(v, torch.Tensor) and v.numel() == 1),
+                      'a number'),
+    'k': (lambda v: is_whole(v, 2), 'a whole number >= 2'),
+    'K': (lambda v: is_whole(v, 1), 'a whole number >= 1'),
+    'd_hidden': (lambda v: is_whole(v, 1), 'a whole number >= 1'),
+    'base_fingerprint': (lambda v: isinstance(v, str), 'a fingerprint (text)'),
+    'trained_from': (lambda v: isinstance(v, str), 'a fingerprint (text)'),
+    'joint': (lambda v: isinstance(v, bool), 'True or False'),
+    'loss': (lambda v: isinstance(v, str), 'a loss name'),
+    'temperature': (lambda v: is_real(v) and v > 0, 'a number > 0'),
+    'history': (lambda v: isinstance(v, (list, tuple)) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and is_whole(p[0]) and is_real(p[1]) for p in v),
+        'a list of (step, value) pairs'),
+}
+
+
+def describe(v):
+    """A value as an error line quotes it: its type, and the value itself when short."""
+    text = repr(v)
+    return f"{type(v).__name__} {text}" if len(text) <= 40 else f"a {type(v).__name__}"
+
+
+def odd_part(value, ok):
+    """What is wrong with a field that fails its test `ok`, to quote: for a dict judged entry by entry
+    (weights, flags) the first entry that fails ("holds 'lm_head.weight': str 'w'"), else the value
+    itself ("is list [1, 2]")."""
+    if isinstance(value, dict) and ok in (is_weights, is_config):
+        for key, v in value.items():
+            if not ok({key: v}):
+                return f"holds {key!r}: {describe(v)}"
+    return f"is {describe(value)}"
+
+
+def check_path(path, what='path'):
+    if not isinstance(path, (str, os.PathLike)):
+        raise BadInput(f"{what} {describe(path)}: give a file name (str or os.PathLike)")
+    return os.fspath(path)
+
+
 def load_checkpoint(path, kind=None):
     """torch.load with one-line errors for a missing, corrupt or wrong-kind file. Only tensors and
     plain Python values (and numpy scalars) load (weights_only=True): a file that needs more is
-    refused, and nothing in it runs."""
+    refused, and nothing in it runs. Every field in FIELDS that the file carries is checked."""
+    path = check_path(path, 'checkpoint')
     if not os.path.isfile(path):
         raise BadInput(f"checkpoint not found: {path}")
     try:
@@ -260,23 +450,101 @@ def load_checkpoint(path, kind=None):
         raise BadInput(f"checkpoint {path} is unreadable ({type(e).__name__}); re-train or re-copy it")
     if not isinstance(ckpt, dict):
         raise BadInput(f"checkpoint {path} is not a checkpoint dict")
+    for name, (ok, want) in FIELDS.items():
+        if name in ckpt and not ok(ckpt[name]):
+            raise BadInput(f"checkpoint {path}: its {name!r} {odd_part(ckpt[name], ok)}; want {want}")
+    if ckpt.get('vocab') is not None:
+        Vocab.from_state(ckpt['vocab'], path)
     have = ckpt.get('kind', 'target')
     if kind is not None and have != kind:
         raise BadInput(f"checkpoint {path} holds a {have!r}, expected a {kind!r}")
     return ckpt
 
 
+def check_model_args(model_args, where):
+    """A GPTConfig from a checkpoint's model_args (or train.py's flags), every size checked for type
+    and range; a field it lacks takes GPTConfig's default, as nanoGPT's older files need."""
+    if not isinstance(model_args, dict):
+        raise BadInput(f"{where}: its model_args is {describe(model_args)}; want a dict of the model's sizes")
+    for name in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size'):
+        if name in model_args and not is_whole(model_args[name], 1):
+            raise BadInput(f"{where}: model_args {name} is {describe(model_args[name])}; want a whole number >= 1")
+    if 'dropout' in model_args and not (is_real(model_args['dropout']) and 0 <= model_args['dropout'] < 1):
+        raise BadInput(f"{where}: model_args dropout is {describe(model_args['dropout'])}; want a number in [0, 1)")
+    if 'bias' in model_args and not isinstance(model_args['bias'], bool):
+        raise BadInput(f"{where}: model_args bias is {describe(model_args['bias'])}; want True or False")
+    config = GPTConfig.from_dict(model_args)
+    if config.n_embd % config.n_head:
+        raise BadInput(f"{where}: model_args n_embd {config.n_embd} is not divisible by n_head {config.n_head}")
+    return config
+
+
+def weight_count(config):
+    """How many weights GPT(config) holds, tied ones counted once per name as a state_dict lists them,
+    by arithmetic: a one-layer model built on the meta device (no memory) gives what lies outside
+    the layers and one layer's share."""
+    with torch.device('meta'):
+        one = GPT(dataclasses.replace(config, n_layer=1))
+    sizes = {n: t.numel() for n, t in one.state_dict().items()}
+    layer = sum(v for n, v in sizes.items() if n.startswith('transformer.h.0.'))
+    return sum(sizes.values()) - layer + config.n_layer * layer
+
+
+def gigabytes(n_bytes):
+    return f"{n_bytes / 1e9:.1f} GB" if n_bytes >= 1e8 else f"{n_bytes / 1e6:.1f} MB" if n_bytes >= 1e5 \
+        else f"{n_bytes / 1e3:.1f} kB"
+
+
+def memory_free(device):
+    """Bytes free on `device` now (CPU: MemAvailable of /proc/meminfo, else the free pages; CUDA: the
+    driver's count), or None where this machine does not say."""
+    kind = torch.device(device).type
+    try:
+        if kind == 'cuda':
+            return torch.cuda.mem_get_info(torch.device(device))[0]
+        if kind == 'cpu':
+            with suppress(OSError):
+                with open('/proc/meminfo') as f:
+                    for line in f:
+                        if line.startswith('MemAvailable:'):
+                            return int(line.split()[1]) * 1024
+            return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_AVPHYS_PAGES')
+    except (ValueError, OSError, RuntimeError, AttributeError):
+        pass
+    return None
+
+
+def check_fits(n_bytes, device, what):
+    """Refuse work that needs more memory than `device` has free, by arithmetic, before any tensor."""
+    free = memory_free(device)
+    if free is not None and n_bytes > free:
+        raise BadInput(f"{what} needs {gigabytes(n_bytes)}, more than the {gigabytes(free)} free on {device} here")
+
+
 def load_target(path, device='cpu'):
     """A target GPT from a checkpoint of ours or nanoGPT's."""
+    device = pick_device(device, 'device')
     return target_from(load_checkpoint(path), path, device)
 
 
 def target_from(ckpt, path, device='cpu'):
-    """The target GPT of a loaded checkpoint dict (path: for messages); non-finite weights refused."""
+    """The target GPT of a loaded checkpoint dict (path: for messages); non-finite weights refused.
+    Its model_args are checked against the weights the file holds, in bytes, before any tensor is
+    made: a crafted config (a million layers over a small file) is refused, not allocated."""
     if 'model' not in ckpt or 'model_args' not in ckpt:
         raise BadInput(f"checkpoint {path} has no 'model'/'model_args': not a GPT checkpoint")
+    config = check_model_args(ckpt['model_args'], f"checkpoint {path}")
+    weights = {n.removeprefix('_orig_mod.'): t for n, t in ckpt['model'].items()}
+    held = sum(t.numel() for n, t in weights.items() if not n.endswith(('.attn.bias', '.attn.masked_bias')))
+    want = weight_count(config)
+    if want != held:
+        sizes = ', '.join(f"{n}={getattr(config, n)}"
+                          for n in ('n_layer', 'n_head', 'n_embd', 'block_size', 'vocab_size'))
+        raise BadInput(f"checkpoint {path}: its model_args ({sizes}) do not fit its weights: they make {want:,} "
+                       f"({gigabytes(4 * want)} in float32), the file holds {held:,} ({gigabytes(4 * held)})")
+    check_fits(4 * want, device, f"the model of {path}")
     try:
-        model = GPT.from_checkpoint(ckpt)
+        model = GPT.from_checkpoint(dict(ckpt, model_args=dataclasses.asdict(config)))
     except Exception as e:  # any malformed content: shapes, types, impossible sizes
         raise BadInput(f"checkpoint {path}: weights do not fit its config ({first_line(e, type(e).__name__)})")
     check_finite(model, f"checkpoint {path}")
@@ -313,6 +581,8 @@ class Vocab:
 
     def encode(self, text, what='the prompt'):
         """Ids of `text`; a symbol the vocabulary lacks is a one-line error naming it."""
+        if not isinstance(text, str):
+            raise BadInput(f"{what} is {describe(text)}; want text (a str)")
         if self.kind == 'bytes':   # surrogateescape: a non-UTF-8 command line gives its own bytes
             return list(text.encode('utf-8', 'surrogateescape'))
         if self.kind == 'gpt2':
@@ -324,12 +594,17 @@ class Vocab:
         return [self.stoi[c] for c in text]
 
     def decode(self, ids):
-        ids = [int(i) for i in ids]
+        """The text of a sequence of token ids (a list, or a 1-D tensor); an id the vocabulary lacks
+        (past its end, or negative) has no text."""
+        try:
+            ids = [int(i) for i in ids]
+        except (TypeError, ValueError, RuntimeError):
+            raise BadInput(f"ids {describe(ids)}: want a sequence of token ids (a list of ints or a 1-D tensor)")
         if self.kind == 'bytes':
-            return bytes(i for i in ids if i < 256).decode('utf-8', errors='replace')
+            return bytes(i for i in ids if 0 <= i < 256).decode('utf-8', errors='replace')
         if self.kind == 'gpt2':   # ids of nanoGPT's padding (50257..50303) have no text
-            return self.bpe.decode([i for i in ids if i < 50257])
-        return ''.join(self.itos[i] if i < len(self.itos) else '\ufffd' for i in ids)
+            return self.bpe.decode([i for i in ids if 0 <= i < 50257])
+        return ''.join(self.itos[i] if 0 <= i < len(self.itos) else '\ufffd' for i in ids)
 
     def state(self):
         """Plain values, for a checkpoint."""
@@ -376,10 +651,13 @@ def vocab_for(ckpt, path, vocab_size, meta=None):
     """The vocabulary of a target checkpoint: --meta if given; the one this project recorded in it;
     nanoGPT's meta.pkl where its sample.py looks (data/<config dataset>/meta.pkl) or beside the
     checkpoint; else by size: 256 is bytes, 50257 / 50304 is GPT-2."""
+    recorded = ckpt.get('vocab') and Vocab.from_state(ckpt['vocab'], path)
     if meta:
         vocab = read_meta(meta)
-    elif ckpt.get('vocab') is not None:
-        vocab = Vocab.from_state(ckpt['vocab'], path)
+        if recorded and vocab != recorded:   # a checkpoint of ours says which vocabulary it was trained in
+            raise BadInput(f"--meta {meta}: its {vocab} is not the {recorded} {path} records; leave --meta out")
+    elif recorded:
+        vocab = recorded
     else:
         dataset = (ckpt.get('config') or {}).get('dataset')
         found = [p for p in ([os.path.join('data', str(dataset), 'meta.pkl')] if dataset else [])
@@ -469,19 +747,37 @@ class Dataset:
         return self
 
 
-def load_dataset(data, cache_dir):
+def nanogpt_bins(data, flag='--data'):
+    """The train.bin and val.bin of a nanoGPT dataset folder, checked (each there, a regular readable
+    file, a whole number of uint16 ids, enough of them), or None where `data` is not such a folder."""
+    bins = {split: os.path.join(data, f'{split}.bin') for split in ('train', 'val')} if data else {}
+    there = [split for split, p in bins.items() if os.path.lexists(p)]
+    if not there:
+        return None
+    for split, p in bins.items():
+        if split not in there:
+            raise BadInput(f"{flag} {data}: a nanoGPT dataset folder holds train.bin and val.bin; {split}.bin is "
+                           f"missing")
+        if not os.path.isfile(p):
+            raise BadInput(f"{flag} {data}: {split}.bin is not a regular file")
+        if not os.access(p, os.R_OK):   # a one-line error, not a traceback from numpy
+            raise BadInput(f"{flag} {data}: cannot read {split}.bin")
+        size = os.path.getsize(p)
+        if size % 2:
+            raise BadInput(f"{flag} {data}: {split}.bin has {size} bytes, not a whole number of token ids (uint16, "
+                           f"2 bytes each): truncated or not nanoGPT's")
+        if size < 2 * (PROMPT_LEN + 2):
+            raise BadInput(f"{flag} {data}: {split}.bin holds too few tokens")
+    return bins
+
+
+def load_dataset(data, cache_dir, write_cache=True, flag='--data'):
     """The corpus as a Dataset. A nanoGPT dataset folder (train.bin, val.bin) is memory-mapped as
-    it is. Text is read as bytes and cached under cache_dir; held-out split by file: every 20th
-    file (a single file: its last 10%)."""
-    if data and os.path.isfile(os.path.join(data, 'train.bin')) and os.path.isfile(os.path.join(data, 'val.bin')):
-        arrays = []
-        for split in ('train', 'val'):
-            p = os.path.join(data, f'{split}.bin')
-            if not os.access(p, os.R_OK):   # a one-line error, not a traceback from numpy
-                raise BadInput(f"--data {data}: cannot read {split}.bin")
-            if os.path.getsize(p) < 2 * (PROMPT_LEN + 2):
-                raise BadInput(f"--data {data}: {split}.bin holds too few tokens")
-            arrays.append(np.memmap(p, dtype=np.uint16, mode='r'))
+    it is. Text is read as bytes and cached under cache_dir (write_cache=False: a cache there is
+    read, none is written); held-out split by file: every 20th file (a single file: its last 10%)."""
+    bins = nanogpt_bins(data, flag)
+    if bins:
+        arrays = [np.memmap(bins[split], dtype=np.uint16, mode='r') for split in ('train', 'val')]
         meta = os.path.join(data, 'meta.pkl')
         if not os.path.isfile(meta):
             return Dataset(*arrays, None, data)
@@ -498,9 +794,10 @@ def load_dataset(data, cache_dir):
         return Dataset(*(np.fromfile(p, dtype=np.uint8) for p in paths), Vocab('bytes'), data or 'stdlib')
     texts = [b for b in map(read_bytes, files) if b and b'\0' not in b[:4096]]   # skip binaries
     if skipped:
-        print(f"note: --data {data}: skipped {skipped} entries that are not regular files (FIFOs, sockets, broken links)")
+        print(f"note: {flag} {data}: skipped {skipped} entries that are not regular files (FIFOs, sockets, "
+              f"broken links)")
     if not texts or sum(map(len, texts)) < 1024:
-        raise BadInput(f"--data {data}: holds no text (need at least 1 KiB of text files)")
+        raise BadInput(f"{flag} {data}: holds no text (need at least 1 KiB of text files)")
     if len(texts) == 1:
         cut = int(len(texts[0]) * 0.9)
         train, val = texts[0][:cut], texts[0][cut:]
@@ -508,14 +805,13 @@ def load_dataset(data, cache_dir):
         train = b''.join(t for i, t in enumerate(texts) if i % 20 != 19)
         val = b''.join(t for i, t in enumerate(texts) if i % 20 == 19) or texts[-1]
     arrays = (np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8))
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
+    if write_cache:
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+        except OSError as e:
+            raise BadInput(f"cannot write the corpus cache in {cache_dir} ({e.strerror or e})")
         for arr, p in zip(arrays, paths):
-            tmp = f'{p}.{os.getpid()}.tmp'
-            arr.tofile(tmp)
-            os.replace(tmp, p)
-    except OSError as e:
-        raise BadInput(f"cannot write the corpus cache in {cache_dir} ({e.strerror or e})")
+            write_atomically(p, arr.tofile, 'corpus cache')
     return Dataset(*arrays, Vocab('bytes'), data or 'stdlib')
 
 
@@ -548,6 +844,32 @@ def heldout_prompts(val, n, length, newline=ord('\n'), seed=1234):
     rng = np.random.default_rng(seed)
     ix = rng.choice(starts, size=n, replace=False)
     return torch.from_numpy(np.stack([val[i:i + length] for i in ix]).astype(np.int64))
+
+
+def heldout_prompts_of(out_dir='out', n=DEMO_PROMPTS, device='cpu'):
+    """The held-out prompts train.py's closing demos decode, (n, PROMPT_LEN) token ids, from its
+    output folder: the data and vocabulary its target, out_dir/ckpt.pt, records (a nanoGPT
+    checkpoint: data/<its dataset>, where nanoGPT keeps it). Reading writes nothing: the corpus
+    cache train.py left in out_dir/data is read when it is there, else the text is read again and
+    not cached."""
+    out_dir = check_path(out_dir, 'out_dir')
+    if not is_whole(n, 1):
+        raise BadInput(f"n={n!r}: how many prompts, a whole number >= 1")
+    path = os.path.join(out_dir, 'ckpt.pt')
+    ckpt = load_checkpoint(path)
+    if 'model_args' not in ckpt:
+        raise BadInput(f"checkpoint {path} has no 'model_args': not a GPT checkpoint")
+    vocab = vocab_for(ckpt, path, check_model_args(ckpt['model_args'], f"checkpoint {path}").vocab_size)
+    config = ckpt.get('config') or {}
+    data = config.get('data')
+    if 'data' not in config and config.get('dataset'):    # nanoGPT's train.py
+        data = os.path.join('data', config['dataset'])
+    if data is not None and not os.path.exists(data):
+        raise BadInput(f"{path} was trained on {data}, which is not there (from {os.getcwd()})")
+    val = load_dataset(data, os.path.join(out_dir, 'data'), write_cache=False, flag=f"the data of {path},").val
+    if len(val) < PROMPT_LEN + n + 1:
+        raise BadInput(f"n={n}: the held-out text of {path} is too short for that many prompts")
+    return heldout_prompts(val, n, PROMPT_LEN, newline_id(vocab)).to(pick_device(device, 'device'))
 
 
 def newline_id(vocab):

@@ -5,6 +5,7 @@ import importlib.util
 import os
 import pickle
 import re
+import signal
 import socket
 
 import numpy as np
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from conftest import Proc, cli, corpus_text
-from data import BadInput, Vocab, load_dataset, load_target, read_meta, regular_files, vocab_for
+from data import (DEMO_PROMPTS, PROMPT_LEN, BadInput, Vocab, check_replaceable, heldout_prompts, heldout_prompts_of,
+                  load_dataset, load_target, read_meta, regular_files, save_checkpoint, vocab_for)
 from decode import generate
 from model import GPT, GPTConfig
 
@@ -246,3 +248,120 @@ def test_nanogpt_user_errors_are_one_line(nanogpt_run, tmp_path):
     other.write_bytes(pickle.dumps(dict(vocab_size=len(chars), itos=itos, stoi={c: i for i, c in itos.items()})))
     one_error_line(run('generate.py', '--ckpt', 'out-tiny_char/ckpt.pt', '--heads', 'out-tiny_char/heads.pt',
                        '--meta', other, '--prompt', 'x', '--device', 'cpu', cwd=cwd), 'different vocabulary')
+
+
+# ----------------------------------------------------------------------------- held-out prompts of a run
+
+def listing(folder):
+    """Every file under folder with its size and modification time: what a read must not change."""
+    return {os.path.join(d, n): (os.stat(os.path.join(d, n)).st_size, os.stat(os.path.join(d, n)).st_mtime_ns)
+            for d, _, names in os.walk(folder) for n in names}
+
+
+def test_heldout_prompts_of_an_output_folder_are_train_pys_and_reading_writes_nothing(tmp_path, corpus_file):
+    """heldout_prompts_of(out): the prompts train.py's demos decode (its data, as ckpt.pt records it,
+    split and drawn as train.py does), (8, PROMPT_LEN); no cache appears in the folder, and a cache
+    train.py left there is read, not rewritten."""
+    out = tmp_path / 'out'
+    out.mkdir()
+    cfg = GPTConfig(block_size=64, vocab_size=256, n_layer=1, n_head=2, n_embd=16)
+    torch.save(dict(model=GPT(cfg).state_dict(), model_args=vars(cfg), config=dict(data=str(corpus_file)),
+                    vocab=Vocab('bytes').state()), out / 'ckpt.pt')
+    want = heldout_prompts(load_dataset(str(corpus_file), str(tmp_path / 'elsewhere')).val, DEMO_PROMPTS, PROMPT_LEN,
+                           ord('\n'))
+    before = listing(tmp_path)
+    got = heldout_prompts_of(out)
+    assert listing(tmp_path) == before, "reading the prompts wrote into the folder"
+    assert got.shape == (DEMO_PROMPTS, PROMPT_LEN) and got.dtype == torch.long and torch.equal(got, want)
+    load_dataset(str(corpus_file), str(out / 'data'))          # train.py's cache, as a run leaves it
+    before = listing(tmp_path)
+    assert torch.equal(heldout_prompts_of(str(out), n=3), heldout_prompts(load_dataset(
+        str(corpus_file), str(out / 'data')).val, 3, PROMPT_LEN, ord('\n')))
+    assert listing(tmp_path) == before
+    with pytest.raises(BadInput, match='checkpoint not found'):
+        heldout_prompts_of(tmp_path / 'nowhere')
+    with pytest.raises(BadInput, match=r"n=0: how many prompts"):
+        heldout_prompts_of(out, n=0)
+    torch.save(dict(torch.load(out / 'ckpt.pt', weights_only=True), config=dict(data=str(tmp_path / 'gone.txt'))),
+               out / 'ckpt.pt')
+    with pytest.raises(BadInput, match=r"gone.txt, which is not there"):
+        heldout_prompts_of(out)
+
+
+def test_heldout_prompts_of_a_nanogpt_folder_come_from_its_dataset(nanogpt_run, monkeypatch):
+    """A nanoGPT checkpoint records its dataset's name: the prompts come from data/<name>/val.bin,
+    in its meta.pkl's characters, run from nanoGPT's folder; nothing is written."""
+    cwd, chars = nanogpt_run
+    monkeypatch.chdir(cwd)
+    before = listing(cwd)
+    got = heldout_prompts_of('out-tiny_char', n=4)
+    assert listing(cwd) == before
+    val = np.memmap(cwd / 'data' / 'tiny_char' / 'val.bin', dtype=np.uint16, mode='r')
+    assert torch.equal(got, heldout_prompts(val, 4, PROMPT_LEN, chars.index('\n')))
+
+
+# ----------------------------------------------------------------------------- writing files: nothing half-written
+
+def test_a_save_that_fails_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    """A save that cannot finish (a folder where the file goes; the disk full halfway) is one line
+    naming the file and why; the previous checkpoint's bytes are as they were and no *.tmp stays.
+    A folder stops root as well as anyone, so this holds run as root or not."""
+    path = tmp_path / 'ckpt.pt'
+    save_checkpoint(dict(iter_num=1), str(path))
+    old = path.read_bytes()
+    real = torch.save
+
+    def disk_full(obj, f):
+        real(obj, f)
+        with open(f, 'r+b') as fh:
+            fh.truncate(10)
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(torch, 'save', disk_full)
+    with pytest.raises(BadInput, match=r"cannot write the checkpoint .*ckpt.pt \(No space left on device\); nothing "
+                                       r"half-written is left, and the previous one is as it was"):
+        save_checkpoint(dict(iter_num=2), str(path))
+    assert path.read_bytes() == old and sorted(os.listdir(tmp_path)) == ['ckpt.pt']
+    monkeypatch.setattr(torch, 'save', real)
+    (tmp_path / 'folder.pt').mkdir()
+    with pytest.raises(BadInput, match=r"folder.pt \(Is a directory\)"):
+        save_checkpoint(dict(iter_num=2), str(tmp_path / 'folder.pt'))
+    assert sorted(os.listdir(tmp_path)) == ['ckpt.pt', 'folder.pt'] and not os.listdir(tmp_path / 'folder.pt')
+    with pytest.raises(BadInput, match=r"cannot replace the checkpoint .*folder.pt: it is a folder"):
+        check_replaceable(str(tmp_path / 'folder.pt'))
+
+
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt for the length of the test, however the suite was started (a
+    background job inherits SIGINT ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_during_a_save_finishes_the_save_then_stops(tmp_path, monkeypatch, ctrl_c_raises):
+    """Ctrl-C while torch.save is writing: the write finishes and replaces the file, then the
+    KeyboardInterrupt comes; a second Ctrl-C stops the write at once, and the old file stays, with
+    no temporary file either way."""
+    path = tmp_path / 'ckpt.pt'
+    save_checkpoint(dict(iter_num=1), str(path))
+    real = torch.save
+
+    def interrupted(times):
+        def save(obj, f):   # half a file written, then Ctrl-C (`times` presses), then the rest
+            real(obj, f)
+            with open(f, 'r+b') as fh:
+                fh.truncate(os.path.getsize(f) // 2)
+            for _ in range(times):
+                signal.raise_signal(signal.SIGINT)   # as Ctrl-C: the handler runs between bytecodes
+            real(obj, f)
+        return save
+    monkeypatch.setattr(torch, 'save', interrupted(1))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(dict(iter_num=2), str(path))
+    assert torch.load(path, weights_only=True) == dict(iter_num=2) and os.listdir(tmp_path) == ['ckpt.pt']
+    monkeypatch.setattr(torch, 'save', interrupted(2))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(dict(iter_num=3), str(path))
+    assert torch.load(path, weights_only=True) == dict(iter_num=2) and os.listdir(tmp_path) == ['ckpt.pt']
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler     # the handler is given back
