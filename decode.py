@@ -19,10 +19,11 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from data import BadInput, Vocab, check_finite, check_number, first_line, load_checkpoint
+from data import (BadInput, Vocab, check_finite, check_number, decoding_threads, describe, first_line, is_real,
+                  is_whole, load_checkpoint, num_threads)
 from dblast import DBlastDrafter
-from heads import BlockHeads
-from model import GPTConfig, sample, tempered, upcast
+from heads import BlockHeads, Drafter
+from model import GPT, sample, tempered, upcast
 
 
 # ------------------------------------------------------------------------- verification
@@ -75,8 +76,12 @@ ACCEPT = {
 
 
 def named(name, value, cli=False):
-    """How an error names what the user gave: 'k=9' to a Python caller, '--k 9' on the command line."""
-    return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
+    """How an error names what the user gave: 'k=9' to a Python caller, '--k 9' on the command line
+    (a switch as itself: '--no-sample-drafts')."""
+    flag = name.replace('_', '-')
+    if cli and isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{flag}"
+    return f"--{flag} {value}" if cli else f"{name}={value!r}"
 
 
 def parse_accept(accept, vocab_size=None, cli=False):
@@ -339,8 +344,14 @@ def propose(drafter, h, bonus, target, k, paths, temperature, generator):
 
 @torch.no_grad()
 def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0,
-             accept="exact", generator=None, compile=False, paths=1):
+             accept="exact", generator=None, compile=False, paths=1, threads='auto'):
     """Generate max_new_tokens after prompt (B, T0) -> (out (B, T0 + max_new_tokens), stats).
+
+    prompt: token ids (B, T0), an integer tensor on the model's device, every id in the model's
+    vocabulary; one prompt is one row, (1, T0) (a 1-D prompt is refused, not guessed at:
+    prompt[None] makes it a row). Every argument is checked before any work (check_args): a bad
+    one, or one that means nothing here (k or accept without a drafter, several paths that would
+    all be the same), is one BadInput naming it, what was given and what is allowed.
 
     drafter=None: plain decoding, one target call per token. With a drafter (any heads.Drafter:
     BlockHeads, DBlastDrafter, your own) every call verifies a block of k = 1 bonus + k-1 drafts.
@@ -348,14 +359,30 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     output has the target's distribution. In floating point a k-token verification pass and a
     one-token step round differently, so a near-tie between two tokens can break the other way
     (MATH.md §2); bench.py and generate.py measure agreement with plain greedy instead of assuming it.
-    stats: calls (prefill included), accept_lengths (tau of every step of every row, bonus
-    included), accept_rate (per draft position, share of steps it was accepted).
     paths=N verifies N drafted paths per call (MATH.md §9): drafter.draft_paths proposes them.
     compile=True runs the step compiled (the first calls pay the compilation: warm up first).
+    generator: the source of every random draw (where nothing is drawn, as in greedy decoding with
+    BPD heads, it is not used).
+    threads: torch's CPU threads for the length of the call, then as the caller had them: 'auto'
+    what the scripts choose (data.decoding_threads: one for a model under 20M parameters on a CPU,
+    many times faster beside a busy process; else the caller's), N that many, None the caller's.
+
+    stats: calls (target calls, the prefill included: a call's last bonus is written without one
+    more call, so plain decoding takes m calls for m tokens), tokens (new tokens over the batch),
+    tokens_per_call (tokens / calls), mean_tau (tokens committed per step, bonus included, over
+    every step of every row), accept_lengths (that tau, step by step, row by row), accept_rate
+    (per draft position, the share of steps it was accepted). merged_stats adds up several calls'.
     """
-    k = 1 if drafter is None else (drafter.k if k is None else k)
-    accept = check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, paths=paths)
+    k, accept = check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, paths=paths,
+                           generator=generator, compile=compile, threads=threads)
+    with num_threads(decoding_threads(model, prompt.device) if threads == 'auto' else threads):
+        return decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths)
+
+
+def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths):
+    """generate's loop, its arguments checked: prefill, then merged steps until every row is done."""
     B, T0 = prompt.shape
+    prompt = prompt.long()
     total = T0 + max_new_tokens
     dev = prompt.device
     # spare room past the end: a row may overshoot `total` by k-1 tokens, and a finished row still
@@ -403,41 +430,121 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
             n_out += (n_acc + 1) * active
             taus.append(n_acc + 1)
             actives.append(active)
+    # every row lacks at most its pending bonus, which the last call chose: it takes no call (a
+    # finished row's lands past its end, where nothing is kept)
+    out.scatter_(1, n_out[:, None], block[:, :1])
 
-    act = torch.stack(actives).cpu()                            # (steps, B)
-    tau = torch.stack(taus).cpu()[act]
+    tau = torch.stack(taus).cpu()[torch.stack(actives).cpu()] if taus else torch.zeros(0, dtype=torch.long)
     accepted = tau[:, None] > torch.arange(1, k)                # (steps, k-1) draft j accepted
-    stats = dict(calls=calls, accept_lengths=tau.tolist(),
-                 accept_rate=accepted.float().mean(0).tolist() if k > 1 else [])
+    tokens = B * max_new_tokens
+    stats = dict(calls=calls, tokens=tokens, tokens_per_call=tokens / calls,
+                 mean_tau=float(tau.float().mean()) if len(tau) else float('nan'), accept_lengths=tau.tolist(),
+                 accept_rate=accepted.float().mean(0).tolist() if k > 1 and len(tau) else [])
     return out[:, :total], stats
 
 
-def check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, cli=False, paths=1):
-    """Every user error generate() can meet, as a one-line BadInput (naming command-line flags
-    when cli=True)."""
-    if isinstance(paths, bool) or not isinstance(paths, int) or not 1 <= paths <= MAX_PATHS:
-        raise BadInput(f"{named('paths', paths, cli)}: drafted paths per call, a whole number from 1 to {MAX_PATHS}")
-    if paths > 1 and drafter is None:
-        raise BadInput(f"{named('paths', paths, cli)}: several paths need a drafter (--heads or --drafter)")
-    if prompt.dim() != 2 or prompt.size(1) == 0:
-        raise BadInput("prompt is empty: give at least one token")
-    if max_new_tokens < 1:
-        raise BadInput(f"{named('max_new_tokens', max_new_tokens, cli)}: must be >= 1")
+def merged_stats(runs):
+    """The stats of several generate() calls (a list of their stats) as one call's: calls and tokens
+    summed, mean_tau and the acceptance per position over every step of every call."""
+    taus = [t for s in runs for t in s['accept_lengths']]
+    calls, tokens = sum(s['calls'] for s in runs), sum(s['tokens'] for s in runs)
+    width = max((len(s['accept_rate']) for s in runs), default=0)
+    rate = [sum(s['accept_rate'][j] * len(s['accept_lengths']) for s in runs if len(s['accept_rate']) > j)
+            / max(1, sum(len(s['accept_lengths']) for s in runs if len(s['accept_rate']) > j)) for j in range(width)]
+    return dict(calls=calls, tokens=tokens, tokens_per_call=tokens / max(1, calls),
+                mean_tau=sum(taus) / len(taus) if taus else float('nan'), accept_lengths=taus, accept_rate=rate)
+
+
+def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0, accept='exact', cli=False,
+               paths=1, generator=None, compile=False, threads=None):
+    """Every user error generate() can meet, before any work, as a one-line BadInput naming the
+    argument (the command-line flag when cli=True), what was given and what is allowed; a setting
+    that means nothing here is one too (a drafter says which of its own mean nothing:
+    heads.Drafter.meaningless). Returns k (the drafter's when None; 1 for plain decoding) and the
+    acceptance rule (rule, param)."""
+    def say(name, value):
+        return named(name, value, cli)
+
+    if not isinstance(model, GPT):
+        raise BadInput(f"model is {describe(model)}; want a model.GPT (data.load_target)")
+    if not isinstance(prompt, torch.Tensor):
+        raise BadInput(f"prompt is {describe(prompt)}; want a tensor of token ids (B, T), one row per prompt: "
+                       f"torch.tensor([ids])")
+    if prompt.dim() != 2:
+        raise BadInput(f"prompt has shape {tuple(prompt.shape)}; want (B, T), one row per prompt"
+                       + (f": prompt[None] is one row of {prompt.size(0)} tokens" if prompt.dim() == 1 else ''))
+    if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+        raise BadInput(f"prompt is a {prompt.dtype} tensor; want integer token ids (torch.long)")
+    if prompt.numel() == 0:
+        raise BadInput(f"prompt is empty (shape {tuple(prompt.shape)}): give at least one row of at least one token")
+    device = model.lm_head.weight.device
+    if prompt.device != device:
+        raise BadInput(f"prompt is on {prompt.device}, the model on {device}: put them on one device")
+    V = model.config.vocab_size
+    lo, hi = int(prompt.min()), int(prompt.max())   # one read from the device, before any work
+    if lo < 0 or hi >= V:
+        raise BadInput(f"prompt holds token id {lo if lo < 0 else hi}; the model's vocabulary has ids 0..{V - 1}")
+    if not is_whole(max_new_tokens, 1):
+        raise BadInput(f"{say('max_new_tokens', max_new_tokens)}: want a whole number >= 1")
     limit = model.config.block_size
     if prompt.size(1) + max_new_tokens > limit:
-        raise BadInput(f"{named('max_new_tokens', max_new_tokens, cli)}: the prompt ({prompt.size(1)} tokens) "
+        raise BadInput(f"{say('max_new_tokens', max_new_tokens)}: the prompt ({prompt.size(1)} tokens) "
                        f"and {max_new_tokens} new tokens exceed the model's context of {limit} tokens")
+    if not is_real(temperature):
+        raise BadInput(f"{say('temperature', temperature)}: want a number >= 0 (0 = greedy)")
     check_number('--temperature' if cli else 'temperature', temperature, lo=0.0, note='0 = greedy')
-    rule, param = parse_accept(accept, model.config.vocab_size, cli)
+    if not isinstance(accept, str):
+        raise BadInput(f"{say('accept', accept)}: want a rule's name, one of "
+                       + ', '.join(n if read is None else f"{n}:N" for n, (_, read) in ACCEPT.items()))
+    rule, param = parse_accept(accept, V, cli)
     if accept.partition(':')[0] != 'exact' and temperature > 0:
-        raise BadInput(f"{named('accept', accept, cli)} is lossy and greedy-only; with temperature > 0 "
+        raise BadInput(f"{say('accept', accept)} is lossy and greedy-only; with temperature > 0 "
                        f"use exact acceptance")
-    if drafter is not None:
+    if not is_whole(paths, 1, MAX_PATHS):
+        raise BadInput(f"{say('paths', paths)}: drafted paths per call, a whole number from 1 to {MAX_PATHS}")
+    if drafter is None:
+        for name, value, default in (('k', k, None), ('accept', accept, 'exact')):
+            if value != default:
+                raise BadInput(f"{say(name, value)} means nothing without a drafter: plain decoding takes the "
+                               f"target's own token, one a call")
+        if paths != 1:
+            raise BadInput(f"{say('paths', paths)}: several paths need a drafter "
+                           + ("(--heads or --drafter)" if cli else "(drafter=...)"))
+        k = 1
+    else:
+        if not (callable(getattr(drafter, 'draft', None)) and is_whole(getattr(drafter, 'k', None), 2)):
+            raise BadInput(f"drafter is {describe(drafter)}; want a drafter (heads.Drafter: its k and draft)")
+        weights = next(drafter.parameters(), None) if isinstance(drafter, torch.nn.Module) else None
+        if weights is not None and weights.device != device:
+            raise BadInput(f"the drafter is on {weights.device}, the model on {device}: load it with "
+                           f"decode.load_drafter(path, model), or move it")
+        k = drafter.k if k is None else k
+        if not is_whole(k):
+            raise BadInput(f"{say('k', k)}: want a whole number from 2 to the drafter's {drafter.k}")
         if k < 2:
-            raise BadInput(f"{named('k', k, cli)}: a drafter needs k >= 2 (1 bonus + at least one draft)")
+            raise BadInput(f"{say('k', k)}: a drafter needs k >= 2 (1 bonus + at least one draft)")
         if k > drafter.k:
-            raise BadInput(f"{named('k', k, cli)}: the drafter was trained for k <= {drafter.k}")
-    return rule, param
+            raise BadInput(f"{say('k', k)}: the drafter was trained for k <= {drafter.k}")
+        if rule is min_block and param > k:   # it would take every draft and still not reach N
+            raise BadInput(f"{say('accept', accept)} at {say('k', k)}: a step commits at most k = {k} tokens, so "
+                           f"at least {param} cannot be kept; use minblock:N with N <= k (N = k takes every draft "
+                           f"unverified)")
+    if paths > 1 and not callable(getattr(drafter, 'draft_paths', None)):
+        raise BadInput(f"{say('paths', paths)}: this drafter drafts one path a call (no draft_paths: heads.Drafter's)")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise BadInput(f"generator is {describe(generator)}; want a torch.Generator or None")
+    if generator is not None and generator.device.type != prompt.device.type:
+        raise BadInput(f"the generator is on {generator.device}, the prompt on {prompt.device}: make it with "
+                       f"torch.Generator(device=...) on the prompt's device")
+    if not isinstance(compile, bool):
+        raise BadInput(f"compile={compile!r}: want True or False")
+    if not (threads in (None, 'auto') or is_whole(threads, 1, 1024)):
+        raise BadInput(f"threads={threads!r}: want 'auto', None (torch's setting as it is) or a whole number from 1 "
+                       f"to 1024")
+    if isinstance(drafter, Drafter):
+        for setting, value, why in drafter.meaningless(temperature, paths):
+            raise BadInput(f"{say(setting, value)} means nothing here: {why}")
+    return k, (rule, param)
 
 
 MAX_PATHS = 64   # drafted paths per call: the block is 1 + paths * (k-1) tokens
@@ -476,8 +583,9 @@ def replayed(step, device):
 
 
 def tokens_behind(n_out, total):
-    """How many tokens the slowest row still has to generate: the loop's one read from the device."""
-    return int(total - n_out.min())
+    """How many tokens the slowest row still needs target calls for, the loop's one read from the
+    device: all it lacks but its pending bonus, which the last call already chose."""
+    return int(total - 1 - n_out.min())
 
 
 @contextmanager
@@ -529,8 +637,18 @@ WHAT = {'heads': 'BPD heads', 'dblast': 'DBlast drafter'}
 
 def load_drafter(path, target, kind=None, vocab=None):
     """A drafter checkpoint of any kind in DRAFTERS, checked against the target it was trained for
-    (weights fingerprint, and the vocabulary when both record one). kind: the one kind to accept."""
-    ckpt = load_checkpoint(path)
+    (weights fingerprint, and the vocabulary when both record one). kind: the one kind to accept.
+    Its weights' names and shapes are checked against the drafter its fields describe, built on
+    the meta device (no memory), before any tensor is made: a crafted size is refused, not
+    allocated."""
+    if not isinstance(target, GPT):
+        raise BadInput(f"target is {describe(target)}; want the model.GPT the drafter was trained for "
+                       f"(data.load_target)")
+    if kind is not None and kind not in DRAFTERS:
+        raise BadInput(f"kind={kind!r}: want one of {', '.join(map(repr, DRAFTERS))}, or None for any")
+    if vocab is not None and not isinstance(vocab, Vocab):
+        raise BadInput(f"vocab is {describe(vocab)}; want a data.Vocab (data.load_vocab) or None")
+    ckpt = load_checkpoint(path)       # every field it carries checked for type and range (data.FIELDS)
     have = ckpt.get('kind')
     if have not in DRAFTERS or (kind is not None and have != kind):
         raise BadInput(f"{path} is not a {WHAT.get(kind, 'drafter')} checkpoint (it is a "
@@ -543,10 +661,23 @@ def load_drafter(path, target, kind=None, vocab=None):
         raise BadInput(f"{path} was trained with a different vocabulary ({trained_with}) than the "
                        f"target's ({vocab}); give the target's --meta or retrain the drafter")
     cls = DRAFTERS[have]
+    missing = [a for a in ('drafter',) + cls.ARGS if a not in ckpt]
+    if missing:
+        raise BadInput(f"drafter checkpoint {path} is malformed (it has no {missing[0]!r})")
+    # built for the target the fingerprint names, whatever config the file says
+    args = {a: ckpt[a] for a in cls.ARGS}
+    with torch.device('meta'):
+        shapes = {n: tuple(t.shape) for n, t in cls(target.config, **args).state_dict().items()}
+    held = {n: tuple(t.shape) for n, t in ckpt['drafter'].items()}
+    if held != shapes:
+        odd = sorted(set(shapes) ^ set(held)) or [n for n in shapes if shapes[n] != held[n]]
+        raise BadInput(f"drafter checkpoint {path} is malformed: its {', '.join(f'{a}={v}' for a, v in args.items())} "
+                       f"do not fit its weights ({odd[0]}: {held.get(odd[0], 'missing')}, want "
+                       f"{shapes.get(odd[0], 'none')})")
     try:
-        drafter = cls(GPTConfig.from_dict(ckpt['model_args']), **{a: ckpt[a] for a in cls.ARGS})
+        drafter = cls(target.config, **args)
         drafter.load_state_dict(ckpt['drafter'])
-    except Exception as e:  # missing fields, wrong shapes
+    except Exception as e:  # anything the checks above did not foresee
         raise BadInput(f"drafter checkpoint {path} is malformed ({first_line(e, type(e).__name__)})")
     check_finite(drafter, path)
     p = target.lm_head.weight

@@ -32,7 +32,7 @@ def colour_blocks(vocab, tokens, taus, colour):
     if not colour:
         return vocab.decode(tokens)
     parts, i = [], 0
-    for s, t in enumerate(taus):
+    for s, t in enumerate(taus + [len(tokens)]):   # the last bonus, written without a step, ends it
         if i >= len(tokens):
             break
         code = '\033[30;46m' if s % 2 else '\033[30;43m'
@@ -108,6 +108,8 @@ def check_cli(args):
          'a DBlast --drafter with --paths > 1'),
         (args.verify is not None and args.paths_from == 'branches', '--verify',
          'i.i.d. paths (with --paths-from branches each path is verified against its own branch)'),
+        (args.verify is not None and args.temperature == 0, '--verify',
+         'sampling (--temperature > 0): greedy decoding compares argmaxes, with nothing to verify against'),
         (args.sample_drafts is not None and (not drafter or args.temperature == 0), '--[no-]sample-drafts',
          'sampling with a drafter')]
     for given, flag, applies_to in meaningless:
@@ -152,9 +154,11 @@ def decode_cli(args, device, precision):
             drafter.verify = args.verify or drafter.verify
             drafter.zt = drafter.zt if args.zt is None else args.zt
             drafter.paths_from = args.paths_from or drafter.paths_from
-    check_args(model, prompt, max_new, drafter, args.k or (drafter.k if drafter else 1), args.temperature,
-               args.accept, cli=True, paths=args.paths)
-    kw = dict(temperature=args.temperature, compile=args.compile)
+            if drafter.paths_from == 'branches':   # what one path per branch is verified against
+                drafter.verify = 'branch'
+    # the drafter's own word on what means nothing here (heads.Drafter.meaningless), named as flags
+    check_args(model, prompt, max_new, drafter, args.k, args.temperature, args.accept, cli=True, paths=args.paths)
+    kw = dict(temperature=args.temperature, compile=args.compile, threads=None)   # intra_op_threads' above
 
     def gen(**extra):
         g = torch.Generator(device=device).manual_seed(args.seed)
@@ -174,9 +178,8 @@ def decode_cli(args, device, precision):
     colour = sys.stdout.isatty() and not args.no_color
     T0 = prompt.size(1)
     print(vocab.decode(out[0, :T0].tolist()) + colour_blocks(vocab, out[0, T0:].tolist(), stats['accept_lengths'], colour))
-    taus = stats['accept_lengths']
     plain = 'greedy' if args.temperature == 0 else 'sampling'
-    print(f"\n--- k={args.k or drafter.k} paths={args.paths} accept={args.accept}: mean tau {sum(taus) / len(taus):.2f}, "
+    print(f"\n--- k={args.k or drafter.k} paths={args.paths} accept={args.accept}: mean tau {stats['mean_tau']:.2f}, "
           f"{stats['calls']} calls (plain: {base_stats['calls']}), "
           f"{max_new / dt:.1f} tokens/s vs {max_new / dt_base:.1f} plain {plain}: speedup {dt_base / dt:.2f}x "
           f"({precision})")

@@ -41,6 +41,7 @@ class Drafter(nn.Module):
                                 drafter's own distribution at that temperature, False takes its
                                 argmax (a point mass); at temperature 0 drafts are always argmax
         drafts, Q = drafter.draft(h, bonus, target, k, temperature=0.0, generator=None)
+        drafter.meaningless(temperature, paths)   what a call would ask of it in vain (checked first)
 
     h (B, C): the target's final hidden state after the last committed token (the state the bonus
     was predicted from); bonus (B,): the token the target chose there, about to be committed;
@@ -56,6 +57,20 @@ class Drafter(nn.Module):
 
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
         raise NotImplementedError
+
+    def meaningless(self, temperature, paths):
+        """What a call at `temperature` with `paths` drafted paths would ask of this drafter in vain:
+        [(setting, value, why)], where setting is a call's argument ('paths') or one of the
+        drafter's own settings. decode.generate refuses the first, in one line, before any work
+        (generate.py names its flag). A drafter with settings of its own extends this; what only
+        one kind of drafter has is judged there alone. Here: several paths of argmax drafts, which
+        the independent draws of this class's draft_paths make all the same (a drafter that draws
+        its paths otherwise says for itself)."""
+        own_paths = type(self).draft_paths is not Drafter.draft_paths
+        if paths > 1 and not own_paths and not (temperature > 0 and self.sample_drafts):
+            return [('paths', paths, "drafted by argmax (greedy decoding, or drafts not sampled), every path is the "
+                                     "same; use one path, or sample the drafts")]
+        return []
 
     def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
         """Several paths for one call (decode's tree verification, MATH.md §9): drafts

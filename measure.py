@@ -18,16 +18,15 @@ import types
 from contextlib import ExitStack, contextmanager
 from unittest import mock
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import decode
 import train
-from data import PROMPT_LEN, BadInput, check_out_dir, heldout_prompts, load_dataset, newline_id
+from data import PROMPT_LEN, BadInput, check_out_dir, heldout_prompts, load_dataset, newline_id, write_atomically
 from dblast import expected_tau
-from decode import generate
+from decode import generate, merged_stats
 from model import GPT, KVCache
 
 
@@ -134,16 +133,10 @@ class Bench:
         the calls' stats merged."""
         compile = self.args.compile if compile is None else compile
         g = torch.Generator(device=self.device).manual_seed(seed)
-        outs, calls, taus, acc = [], 0, [], 0.0
-        for chunk in self.prompts.split(self.args.batch):
-            out, s = generate(model, chunk, self.args.max_new, drafter=drafter, k=k, temperature=temperature,
-                              accept=accept, generator=g, compile=compile, paths=paths)
-            outs.append(out)
-            calls += s['calls']
-            taus += s['accept_lengths']
-            acc = acc + np.asarray(s['accept_rate']) * len(s['accept_lengths'])  # weight by steps
-        return torch.cat(outs), dict(calls=calls, accept_lengths=taus,
-                                     accept_rate=(np.atleast_1d(acc) / len(taus)).tolist())
+        runs = [generate(model, chunk, self.args.max_new, drafter=drafter, k=k, temperature=temperature, accept=accept,
+                         generator=g, compile=compile, paths=paths, threads=None)    # the threads bench set
+                for chunk in self.prompts.split(self.args.batch)]
+        return torch.cat([out for out, _ in runs]), merged_stats([s for _, s in runs])
 
     def expected_tau(self, model, drafter, T, way, zt=1.0):
         """Expected tau of `drafter` drafting `way` (a DRAFTING key) at temperature T, exactly,
@@ -174,8 +167,7 @@ class Bench:
                     lambda: self.decode_all(model, temperature=temperature, compile=False)]
         times, results = timed(fns, self.args.repeats, self.device, warmup=self.args.compile or str(self.device) != 'cpu')
         (dt, dt0), ((out, stats), (base_out, base_stats)) = times[:2], results[:2]
-        taus = stats['accept_lengths']
-        r = dict(k=k, tau=float(np.mean(taus)), accept_rate=[round(a, 4) for a in stats['accept_rate']],
+        r = dict(k=k, tau=stats['mean_tau'], accept_rate=[round(a, 4) for a in stats['accept_rate']],
                  calls=stats['calls'], plain_calls=base_stats['calls'], seconds=dt, plain_seconds=dt0,
                  speedup=dt0 / dt)
         if len(times) == 4:
@@ -298,11 +290,12 @@ def write_json(obj, path):
 
 
 def write_text(text, path):
-    """Atomically: a reader never sees half a file."""
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """Atomically (data.write_atomically): a reader never sees half a file, and an interrupted or
+    failed write leaves no temporary file."""
+    def write(tmp):
+        with open(tmp, 'w') as f:
+            f.write(text)
+    write_atomically(path, write, 'results file')
 
 
 class Tee:

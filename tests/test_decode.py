@@ -22,6 +22,7 @@ from conftest import ROOT, Proc, assert_clean_error, cli, naive_greedy, randomis
 from data import BadInput, save_checkpoint
 from data import Precision, pick_dtype
 import decode
+from dblast import DBlastDrafter
 from decode import generate, load_drafter, merged_step, static_cache
 from heads import BlockHeads
 from model import GPT, GPTConfig
@@ -106,7 +107,9 @@ def replay(model, heads, out, taus, t0, k, mode, n):
         if tau < k and p + 1 + j < total:
             assert not ok(j, p, d[j]), f"step {s}: draft {j} passes {mode} but was rejected"
         p += tau
-    assert p >= total and p - taus[-1] < total, "accept lengths do not tile the output"
+    # the steps tile all but the last token, the last call's bonus: the target's argmax too
+    assert p >= total - 1 and (not taus or p - taus[-1] < total - 1), "accept lengths do not tile the output"
+    assert p > total - 1 or out[0, p] == greedy_next[p - 1], "the last bonus is not the target's argmax"
 
 
 # ----------------------------------------------------------------------------- fixtures
@@ -182,7 +185,7 @@ def prompts(data):
 def greedy_ref(model, prompts):
     """Plain greedy for `prompts`, M + 2*K_MAX tokens (the oracle needs the future past M)."""
     out, stats = generate(model, prompts, M + 2 * K_MAX)
-    assert stats['calls'] == M + 2 * K_MAX + 1
+    assert stats['calls'] == M + 2 * K_MAX              # one call a token, the prefill's included
     return out
 
 
@@ -213,7 +216,7 @@ def test_plain_decoding_calls_no_verifier(model, prompts, greedy_ref, temperatur
         monkeypatch.setattr(decode, name, broken)
     m = 12
     out, stats = generate(model, prompts, m, temperature=temperature, generator=torch.Generator().manual_seed(0))
-    assert stats['calls'] == m + 1 and all(t == 1 for t in stats['accept_lengths'])
+    assert stats['calls'] == m and stats['accept_lengths'] == [1] * ((m - 1) * prompts.size(0))
     if temperature == 0.0:
         assert torch.equal(out, greedy_ref[:, :out.size(1)])
         return
@@ -245,8 +248,9 @@ def test_exact_mode_equals_plain_greedy(model, trained, prompts, greedy_ref, kin
     assert torch.equal(out, greedy_ref[:, :T0 + M])
     taus = stats['accept_lengths']
     assert all(1 <= t <= k for t in taus)
-    # every row's steps tile its M new tokens: the last step may overshoot by at most k-1
-    assert prompts.size(0) * M <= sum(taus) <= prompts.size(0) * (M + k - 1)
+    # every row's steps tile all but the last of its M new tokens (the last call's bonus, written
+    # without a step): the last step may overshoot by at most k-1
+    assert prompts.size(0) * (M - 1) <= sum(taus) <= prompts.size(0) * (M - 1 + k - 1)
     assert len(stats['accept_rate']) == k - 1
     # acceptance is prefix-closed: position j+1 is never accepted more often than position j
     rates = stats['accept_rate']
@@ -271,10 +275,12 @@ def test_oracle_drafter_accepts_every_block(model, prompts, greedy_ref, k, m):
     oracle = Oracle(greedy_ref, T0, T0 + m, K_MAX)
     out, stats = generate(model, prompts, m, drafter=oracle, k=k)
     assert torch.equal(out, greedy_ref[:, :T0 + m])
-    steps = math.ceil(m / k)
-    assert stats['calls'] == steps + 1
+    steps = math.ceil((m - 1) / k)              # the last token is the last call's bonus: no call of its own
+    assert stats['calls'] == steps + 1 == math.ceil((m - 1) / k) + 1
     assert stats['accept_lengths'] == [k] * (steps * prompts.size(0))
-    assert stats['accept_rate'] == [1.0] * (k - 1)
+    assert stats['accept_rate'] == [1.0] * (k - 1) * (steps > 0)
+    assert stats['mean_tau'] == k or steps == 0
+    assert stats['tokens'] == m * prompts.size(0) and stats['tokens_per_call'] == m * prompts.size(0) / (steps + 1)
     assert oracle.n_calls == steps + 1          # prefill + one merged propose per step
 
 
@@ -286,7 +292,7 @@ def test_topk_full_vocabulary_accepts_every_draft(model, prompts):
     _, st_exact = generate(model, prompts, m, drafter=heads, k=k)
     assert min(st_exact['accept_lengths']) == 1     # the drafts really are (often) wrong
     out, stats = generate(model, prompts, m, drafter=heads, k=k, accept=f'topk:{V}')
-    steps = math.ceil(m / k)
+    steps = math.ceil((m - 1) / k)
     assert stats['accept_lengths'] == [k] * (steps * prompts.size(0))
     assert stats['calls'] == steps + 1
     assert stats['accept_rate'] == [1.0] * (k - 1)
@@ -294,7 +300,7 @@ def test_topk_full_vocabulary_accepts_every_draft(model, prompts):
         replay(model, heads, out[b:b + 1], stats['accept_lengths'][b::prompts.size(0)], T0, k, 'topk', V)
 
 
-@pytest.mark.parametrize('k,l', [(4, 2), (6, 3), (6, 6), (4, 7)])
+@pytest.mark.parametrize('k,l', [(4, 2), (6, 3), (6, 6), (4, 4)])
 def test_minblock_commits_at_least_l_tokens(model, prompts, k, l):
     m = 31
     heads = make_heads('randomised', model, None, seed=20 + l)
@@ -302,7 +308,7 @@ def test_minblock_commits_at_least_l_tokens(model, prompts, k, l):
         row = prompts[b:b + 1]
         out, stats = generate(model, row, m, drafter=heads, k=k, accept=f'minblock:{l}')
         taus = stats['accept_lengths']
-        left = m
+        left = m - 1                    # the last token is the last call's bonus, written without a step
         for tau in taus:
             if left >= l:
                 assert tau >= min(l, k), (taus, l)
@@ -388,11 +394,114 @@ def test_bad_input_topk_larger_than_vocab(model, trained):
                  accept=f'topk:{V + 1}')
 
 
-def test_bad_prompt_raises(model):
-    with pytest.raises(BadInput, match='empty'):
-        generate(model, torch.zeros(1, 0, dtype=torch.long), 4)
-    with pytest.raises(BadInput, match='empty'):
-        generate(model, torch.zeros(4, dtype=torch.long), 4)
+# (what generate() is given, what the one line must say): every argument, as a Python caller gets
+# it wrong. A 1-D prompt is refused, not taken as one row: the output's shape is (B, T) either way,
+# and a guess would hide a batch flattened by mistake.
+BAD_CALLS = [
+    ('1-D prompt', dict(prompt=torch.tensor([3, 4, 5])),
+     r"prompt has shape \(3,\); want \(B, T\).*prompt\[None\] is one row of 3"),
+    ('3-D prompt', dict(prompt=torch.zeros(1, 2, 3, dtype=torch.long)), r"shape \(1, 2, 3\); want \(B, T\)"),
+    ('list prompt', dict(prompt=[[3, 4, 5]]), r"prompt is list .*want a tensor of token ids \(B, T\)"),
+    ('float prompt', dict(prompt=torch.tensor([[3.0, 4.0]])), r"prompt is a torch.float32 tensor; want integer"),
+    ('bool prompt', dict(prompt=torch.tensor([[True]])), r"torch.bool tensor"),
+    ('empty row', dict(prompt=torch.zeros(1, 0, dtype=torch.long)), r"prompt is empty \(shape \(1, 0\)\)"),
+    ('no rows', dict(prompt=torch.zeros(0, 4, dtype=torch.long)), r"prompt is empty \(shape \(0, 4\)\)"),
+    ('id past the vocabulary', dict(prompt=torch.tensor([[1, V]])), rf"token id {V}; .*ids 0..{V - 1}"),
+    ('negative id', dict(prompt=torch.tensor([[-1, 2]])), r"token id -1"),
+    ('max_new_tokens float', dict(max_new_tokens=2.5), r"max_new_tokens=2.5: want a whole number >= 1"),
+    ('max_new_tokens bool', dict(max_new_tokens=True), r"max_new_tokens=True"),
+    ('temperature text', dict(temperature='hot'), r"temperature='hot': want a number >= 0"),
+    ('temperature nan', dict(temperature=float('nan')), r"temperature"),
+    ('accept not text', dict(accept=3), r"accept=3: want a rule's name"),
+    ('k without a drafter', dict(k=8), r"k=8 means nothing without a drafter"),
+    ('k=1 without a drafter', dict(k=1), r"k=1 means nothing without a drafter"),
+    ('accept without a drafter', dict(accept='topk:2'), r"accept='topk:2' means nothing without a drafter"),
+    ('paths without a drafter', dict(paths=2), r"paths=2: several paths need a drafter \(drafter=...\)"),
+    ('paths zero', dict(paths=0), r"paths=0: drafted paths per call"),
+    ('paths text', dict(paths='4'), r"paths='4': drafted paths per call"),
+    ('generator not one', dict(generator=0), r"generator is int 0; want a torch.Generator"),
+    ('compile not a bool', dict(compile='yes'), r"compile='yes': want True or False"),
+    ('threads zero', dict(threads=0), r"threads=0: want 'auto', None"),
+    ('model not a GPT', dict(model='out/ckpt.pt'), r"model is str 'out/ckpt.pt'; want a model.GPT"),
+    ('drafter not one', dict(drafter='heads'), r"drafter is str 'heads'; want a drafter"),
+]
+
+
+@pytest.mark.parametrize('case', BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_every_bad_argument_is_one_line_naming_it(model, case):
+    """generate() checks its arguments as generate.py checks its flags: each bad one is one
+    BadInput naming the argument, what was given and what is allowed, before any work."""
+    _, kw, match = case
+    call = {**dict(model=model, prompt=torch.zeros(1, 4, dtype=torch.long), max_new_tokens=4), **kw}
+    with pytest.raises(BadInput, match=match) as e:
+        generate(call.pop('model'), call.pop('prompt'), call.pop('max_new_tokens'), **call)
+    assert '\n' not in str(e.value)
+
+
+def test_a_prompt_of_int32_ids_is_taken(model, greedy_ref, prompts):
+    """Any integer dtype is token ids: an int32 prompt decodes as its int64 self."""
+    out, _ = generate(model, prompts.int(), 6)
+    assert out.dtype == torch.long and torch.equal(out, greedy_ref[:, :T0 + 6])
+
+
+def test_flags_that_mean_nothing_with_a_drafter_are_refused(model, trained):
+    """The drafter's own word (heads.Drafter.meaningless): several paths of argmax drafts are all the
+    same path (BPD heads under greedy, or not sampled; a K = 1 drafter; Z_T = 0), refused; DBlast's
+    argmax paths, which differ by branch, are not. A mixture told to verify against itself while it
+    draws one path per branch is refused at any paths (MATH.md §9: they are not its samples)."""
+    heads = trained[1]
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(BadInput, match=r"paths=4 means nothing here: drafted by argmax"):
+        generate(model, prompt, 8, drafter=heads, paths=4)
+    heads.sample_drafts = False
+    try:
+        with pytest.raises(BadInput, match=r"paths=2 means nothing here"):
+            generate(model, prompt, 8, drafter=heads, temperature=1.0, paths=2)
+    finally:
+        heads.sample_drafts = True
+    generate(model, prompt, 8, drafter=heads, temperature=1.0, paths=2)          # sampled: paths differ
+    k1 = DBlastDrafter(model.config, 4, 1).double().eval()
+    with pytest.raises(BadInput, match=r"paths=3 means nothing here: drafted by argmax from one branch"):
+        generate(model, prompt, 8, drafter=k1, paths=3)
+    k4 = DBlastDrafter(model.config, 4, 4).double().eval()
+    generate(model, prompt, 8, drafter=k4, paths=3)                              # greedy branches differ
+    k4.zt = 0.0
+    with pytest.raises(BadInput, match=r"argmax branch \(Z_T = 0\)"):
+        generate(model, prompt, 8, drafter=k4, paths=3)
+    k4.zt, k4.paths_from = 1.0, 'branches'
+    for paths in (1, 3):
+        with pytest.raises(BadInput, match=r"verify='mixture' means nothing here: with paths_from='branches'"):
+            generate(model, prompt, 8, drafter=k4, temperature=1.0, paths=paths)
+    k4.verify = 'branch'
+    generate(model, prompt, 8, drafter=k4, temperature=1.0, paths=3)
+    generate(model, prompt, 8, drafter=k4, paths=3)                              # one per branch, greedy
+
+
+def test_minblock_past_k_is_refused(model, trained):
+    """minblock:N with N > k would take every draft and still fall short of N: refused; N = k takes
+    every draft, as the rule says."""
+    prompt = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(BadInput, match=r"accept='minblock:5' at k=4: a step commits at most k = 4 tokens"):
+        generate(model, prompt, 8, drafter=trained[1], k=4, accept='minblock:5')
+    _, stats = generate(model, prompt, 9, drafter=trained[1], k=4, accept='minblock:4')
+    assert stats['accept_lengths'] == [4, 4]
+
+
+def test_threads_are_the_scripts_for_the_call_and_the_callers_after(model, prompts, monkeypatch):
+    """threads='auto' decodes a small model on one thread and gives the caller back their own
+    setting; None leaves it; a number is that many for the call."""
+    seen = []
+    real = decode.decode_loop
+    monkeypatch.setattr(decode, 'decode_loop', lambda *a: seen.append(torch.get_num_threads()) or real(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for threads in ('auto', None, 3):
+            generate(model, prompts, 2, threads=threads)
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 2, 3]
 
 
 # ----------------------------------------------------------------------------- 5. load_drafter
@@ -446,7 +555,7 @@ def per_row_taus(taus, B, m):
     """Split stats['accept_lengths'] (step-major, active rows only) into each row's sequence: a row
     is active while it has committed fewer than m new tokens. Checks the list is consumed exactly."""
     rows, done, it = [[] for _ in range(B)], [0] * B, iter(taus)
-    while any(d < m for d in done):
+    while any(d < m - 1 for d in done):   # the loop ends when every row lacks at most its last bonus
         for b in range(B):
             if done[b] < m:
                 t = next(it)
@@ -471,9 +580,11 @@ def test_rows_advance_independently(model, trained, data, kind):
     for b in range(4):
         alone, st_alone = generate(model, prompts[b:b + 1], m)
         assert torch.equal(out[b:b + 1], alone), f"row {b}"
-        # the row's own run with the same heads takes the same steps as inside the batch
+        # the row's own run with the same heads takes the same steps as inside the batch, where a row
+        # that lacks only its last bonus takes one more while another row is behind
         _, st_b = generate(model, prompts[b:b + 1], m, drafter=heads, k=k)
-        assert st_b['accept_lengths'] == rows[b], f"row {b}"
+        alone_taus = st_b['accept_lengths']
+        assert rows[b][:len(alone_taus)] == alone_taus and len(rows[b]) - len(alone_taus) in (0, 1), f"row {b}"
 
 
 def test_rows_advance_independently_mixed_oracle(model, prompts, greedy_ref):
@@ -483,11 +594,11 @@ def test_rows_advance_independently_mixed_oracle(model, prompts, greedy_ref):
     oracle = Oracle(greedy_ref, T0, T0 + m, K_MAX, bad_rows=[1])
     out, stats = generate(model, prompts, m, drafter=oracle, k=k)
     assert torch.equal(out, greedy_ref[:, :T0 + m])
-    fast = math.ceil(m / k)
-    assert stats['calls'] == m + 1                       # the slow row sets the pace
+    fast = math.ceil((m - 1) / k)
+    assert stats['calls'] == m                           # the slow row sets the pace: a call a token
     taus = stats['accept_lengths']
     # step-major, active rows only: [k, 1, k] for the first `fast` steps, then row 1 alone
-    assert taus == [k, 1, k] * fast + [1] * (m - fast)
+    assert taus == [k, 1, k] * fast + [1] * (m - 1 - fast)
     rates = stats['accept_rate']
     assert rates[0] == pytest.approx(2 * fast / len(taus))
 
@@ -537,7 +648,7 @@ def test_decode_cli_works_on_a_good_checkpoint(good_ckpt, decode_cli):
     assert proc.returncode == 0, proc.stderr
     assert 'Traceback' not in proc.stderr, proc.stderr
     assert proc.stdout.startswith('def ')
-    assert '5 calls' in proc.stdout
+    assert '4 calls' in proc.stdout                  # 4 tokens, the prefill's bonus the first
 
 
 def test_decode_missing_checkpoint_real_process(tmp_path):
@@ -651,4 +762,4 @@ def test_kv_cache_is_in_the_compute_dtype_under_autocast():
         out, stats = generate(model, prompt, 20, drafter=heads, k=4)
     assert static_cache(model, 2, 4).k.dtype == torch.float32              # one cache per compute dtype
     assert out.shape == (2, 26) and torch.equal(out[:, :6], prompt)
-    assert sum(stats['accept_lengths']) >= 40 and stats['calls'] <= 21
+    assert sum(stats['accept_lengths']) >= 2 * 19 and stats['calls'] <= 20
