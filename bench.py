@@ -84,9 +84,36 @@ def trainings(args, resume=True):
 
 
 def ensure_checkpoints(args):
-    """Train the target and every drafter the chosen tables need (skipped when already there)."""
+    """Train the target and every drafter the chosen tables need (skipped when already there). A
+    checkpoint in --ckpt-dir made with other settings is one line in bench's own flags."""
     for _, argv in trainings(args):
-        train.main(argv)
+        try:
+            train.main(argv)
+        except train.Mismatch as e:
+            raise BadInput(other_run(args, e)) from None
+
+
+# what bench.py calls a setting train.py's --resume compares (the rest bench fixes itself)
+BENCH_FLAGS = dict(n_layer='--n-layer', n_head='--n-head', n_embd='--n-embd', block_size='--block-size',
+                   vocab_size='--data', k='--dblast-k')
+
+
+def other_run(args, e):
+    """The line for a checkpoint of --ckpt-dir that train.py refused to resume (train.Mismatch)."""
+    name = os.path.basename(e.path)
+    if e.key in ('trained_from', 'base_fingerprint'):
+        return (f"--ckpt-dir {args.ckpt_dir}: its {name} was trained for another target than its ckpt.pt; remove it "
+                f"or use another --ckpt-dir")
+    have, want = (e.have, e.want) if isinstance(e.want, dict) else ({e.key: e.have}, {e.key: e.want})
+    have = have if isinstance(have, dict) else {}
+    keys = [key for key in want if have.get(key) != want[key]]
+    said = ', '.join(f"{key}={have.get(key)} (this run: {want[key]})" for key in keys)
+    ours = [key for key in keys if key in BENCH_FLAGS and key != 'vocab_size'
+            and not (key == 'k' and name.startswith('heads'))]      # the heads' k is bench's own
+    flags = [f"{BENCH_FLAGS[key]} {have.get(key)}" for key in ours]
+    flags += ["the --data it was trained on"] * ('vocab_size' in keys)
+    return (f"--ckpt-dir {args.ckpt_dir}: its {name} was made by another run ({said}); "
+            + (f"give {', '.join(flags)}, or use another --ckpt-dir" if flags else "use another --ckpt-dir"))
 
 
 def dblast_trainings(args):
@@ -354,8 +381,9 @@ def threads_table(b, base, args, results):
         model(x[:, :-1], x[:, 1:])[1].backward()
         opt.step()
         opt.zero_grad()
-    work = {'training step': train_step, 'decode 128, plain greedy': lambda: generate(base, prompt, 128),
-            'decode 128, DBlast K=4 at T=1.5': lambda: generate(base, prompt, 128, drafter=dblast, temperature=1.5)}
+    work = {'training step': train_step, 'decode 128, plain greedy': lambda: generate(base, prompt, 128, threads=None),
+            'decode 128, DBlast K=4 at T=1.5': lambda: generate(base, prompt, 128, drafter=dblast, temperature=1.5,
+                                                                threads=None)}   # the threads set below
     default, rows = os.cpu_count() or 1, []
     print(f"\n### 6. Threads: 1 against {default} ({args.repeats} rounds, median)\n")
     print(md_table(['work', 'busy processes', '1 thread (ms)', f'{default} threads (ms)', 'ratio'], []), flush=True)

@@ -38,12 +38,12 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from data import (DTYPES, PROMPT_LEN, ArgumentParser, BadInput, Precision, Vocab, check_finite, check_number,
-                  check_out_dir, decoding_precision, heldout_prompts, intra_op_threads, load_checkpoint, load_dataset,
-                  newline_id, pick_device, pick_dtype, run_script, save_checkpoint,
-                  target_from, vocab_for, windows)
+from data import (DEMO_PROMPTS, DTYPES, PROMPT_LEN, ArgumentParser, BadInput, Precision, Vocab, check_finite,
+                  check_fits, check_number, check_out_dir, check_replaceable, decoding_precision, first_line,
+                  heldout_prompts, intra_op_threads, is_whole, load_checkpoint, load_dataset, newline_id, pick_device,
+                  pick_dtype, run_script, save_checkpoint, target_from, vocab_for, weight_count, windows)
 from dblast import LOSSES, DBlastDrafter, TargetSamples, contexts, expected_tau
-from decode import agreement, generate, load_drafter, timed_generate
+from decode import agreement, generate, load_drafter, merged_stats, timed_generate
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
@@ -130,6 +130,20 @@ class Runtime:
             tqdm.write(' '.join(str(x) for x in a))
 
 
+# A bar redraws itself with '\r' at every update: on a terminal that is one line, in a file or a
+# pipe every update stays (hundreds a stage). Away from a terminal a bar is drawn at its start, at
+# most once a minute after that, and at its end.
+FILE_BAR_SECONDS = 60
+
+
+def progress(iterable, **kw):
+    """tqdm, readable in a log file too: as it is on a terminal; elsewhere (stderr not a tty) an
+    update at most every FILE_BAR_SECONDS seconds, without resizing to a terminal's width."""
+    tty = sys.stderr.isatty()
+    return tqdm(iterable, dynamic_ncols=tty, **({} if tty else dict(mininterval=FILE_BAR_SECONDS,
+                                                                      maxinterval=FILE_BAR_SECONDS)), **kw)
+
+
 def lr_at(it, lr, warmup, total):
     """Linear warmup, then cosine decay to lr/10."""
     if it < warmup:
@@ -158,17 +172,10 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
     opt = make_optimizer(objective, lr, args.weight_decay, rt.kind)
     start = 0
     if resume is not None:
-        opt.load_state_dict(resume['optimizer'])
+        restore(rt, opt, resume, name)
         start = resume['iter_num']
-        gens = resume['rng']['gen']      # one batch-sampling state per rank
-        if len(gens) == rt.world:
-            rt.gen.set_state(gens[rt.rank])
-            torch.set_rng_state(resume['rng']['torch'][rt.rank])
-            if rt.dgen is not rt.gen and 'dgen' in resume['rng']:
-                rt.dgen.set_state(resume['rng']['dgen'][rt.rank])
     step = torch.compile(model) if args.compile else model
-    bar = tqdm(range(start, iters), desc=name, disable=not rt.master, dynamic_ncols=True,
-               initial=start, total=iters)
+    bar = progress(range(start, iters), desc=name, disable=not rt.master, initial=start, total=iters)
     t0, loss_val = time.perf_counter(), float('nan')
     with rt.precision.matmuls():   # TF32 for the training steps (CUDA); evaluations enter their own
         for it in bar:
@@ -192,7 +199,8 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
                 t0 = time.perf_counter()
                 tps = tokens_per_step * rt.world * (10 if it > start else 1) / max(dt, 1e-9)
                 bar.set_postfix(loss=f'{loss_val:.3f}', lr=f'{opt.param_groups[0]["lr"]:.1e}',
-                                **({'tok/s': f'{tps:.0f}'} if tokens_per_step else {}))
+                                **({'tok/s': f'{tps:.0f}'} if tokens_per_step else {}),
+                                refresh=sys.stderr.isatty())   # in a file: the bar's own pace
             done = it + 1 == iters
             if evaluate is not None and ((it + 1) % args.eval_interval == 0 or done):
                 rt.print(f"{name} step {it + 1}: train loss {loss_val:.4f}, {eval_name} {evaluate(it + 1):.4f}")
@@ -206,8 +214,49 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
     return loss_val
 
 
-def resume_state(args, path, expect):
-    """The checkpoint to resume from (None: start fresh). `expect`: fields that must match."""
+def restore(rt, opt, resume, name):
+    """The optimizer's and the RNGs' states of a resumed stage, each checked against what this run
+    holds before any step: one line if they do not fit, the checkpoint left as it was."""
+    state = resume['optimizer']
+    params = [p for g in opt.param_groups for p in g['params']]
+    fits = [len(g['params']) for g in state['param_groups']] == [len(g['params']) for g in opt.param_groups] and all(
+        is_whole(i, 0, len(params) - 1) and all(not isinstance(t, torch.Tensor) or t.dim() == 0
+                                                 or t.shape == params[i].shape for t in st.values())
+        for i, st in state['state'].items())
+    if not fits:
+        raise BadInput(f"--resume: {name}: the optimizer state in its checkpoint does not fit its weights; retrain "
+                       f"the stage (without --resume) or use another --out-dir")
+    try:
+        opt.load_state_dict(state)
+        gens = resume['rng']['gen']      # one batch-sampling state per rank
+        if len(gens) == rt.world:
+            rt.gen.set_state(gens[rt.rank])
+            torch.set_rng_state(resume['rng']['torch'][rt.rank])
+            if rt.dgen is not rt.gen and 'dgen' in resume['rng']:
+                rt.dgen.set_state(resume['rng']['dgen'][rt.rank])
+    except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise BadInput(f"--resume: {name}: its checkpoint's optimizer or RNG state cannot be restored "
+                       f"({first_line(e, type(e).__name__)}); retrain the stage or use another --out-dir")
+
+
+class Mismatch(BadInput):
+    """--resume found a checkpoint made with other settings: `path`, the field `key`, what it holds
+    (`have`) and what this run needs (`want`). The message names train.py's flags; bench.py, which
+    trains through train.py, names its own."""
+
+    def __init__(self, path, key, have, want, flag):
+        self.path, self.key, self.have, self.want = path, key, have, want
+        super().__init__(f"--resume: {path} was made with another {flag} ({key}={have}, this run: {want}); "
+                         f"use the same flags or another --out-dir")
+
+
+# what a resumed stage needs from its checkpoint, beyond the fields that must match
+RESUMABLE = ('optimizer', 'iter_num', 'rng')
+
+
+def resume_state(args, path, expect, weights='drafter'):
+    """The checkpoint to resume from (None: start fresh). `expect`: fields that must match; every
+    field a resume reads must be there (load_checkpoint has checked the types of those present)."""
     if not args.resume or not os.path.exists(path):
         return None
     ckpt = load_checkpoint(path)
@@ -216,10 +265,24 @@ def resume_state(args, path, expect):
                  k='--k' if 'K' not in expect else '--dblast-k')
     for key, want in expect.items():
         if ckpt.get(key) != want:
-            flag = flags.get(key, '--' + key.replace('_', '-'))
-            raise BadInput(f"--resume: {path} was made with another {flag} ({key}={ckpt.get(key)}, this run: {want}); "
-                           f"use the same flags or another --out-dir")
+            raise Mismatch(path, key, ckpt.get(key), want, flags.get(key, '--' + key.replace('_', '-')))
+    missing = [key for key in (weights,) + RESUMABLE if key not in ckpt]
+    if missing:
+        raise BadInput(f"--resume: {path} has no {missing[0]!r}, so it cannot be resumed; train the stage again "
+                       f"without --resume, or use another --out-dir")
     return ckpt
+
+
+def load_weights(module, weights, path):
+    """A resumed module's weights, or one line naming the first that does not fit it."""
+    want = {n: tuple(t.shape) for n, t in module.state_dict().items()}
+    held = {n: tuple(t.shape) for n, t in weights.items()}
+    odd = sorted(set(want) ^ set(held)) or [n for n in want if want[n] != held[n]]
+    if odd:
+        raise BadInput(f"--resume: {path}: its weights do not fit this run's model ({odd[0]}: "
+                       f"{held.get(odd[0], 'missing')}, want {want.get(odd[0], 'none')}); use the same flags or "
+                       f"another --out-dir")
+    module.load_state_dict(weights)
 
 
 # ----------------------------------------------------------------------------- stage 1: base
@@ -255,10 +318,15 @@ def stage_base(rt, args, ds, vocab):
     path = os.path.join(args.out_dir, 'ckpt.pt')
     model_args = {k: getattr(args, k) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'dropout', 'bias')}
     model_args['vocab_size'] = args.vocab_size
-    resume = resume_state(args, path, dict(model_args=model_args))
+    resume = resume_state(args, path, dict(model_args=model_args), weights='model')
     if resume is not None and resume['iter_num'] >= args.max_iters:
         rt.print(f"base: {path} already trained for {resume['iter_num']} steps; skipping")
         return target_from(resume, path, rt.device)
+    check_replaceable(path)
+    if resume is None:   # by arithmetic first: flags that make a model this machine cannot hold allocate nothing
+        check_fits(16 * weight_count(GPTConfig(**model_args)), rt.device,
+                   f"training the target of these flags (--n-layer {args.n_layer}, --n-embd {args.n_embd}, ...: its "
+                   f"weights, gradients and AdamW's two moments in float32)")
     model = GPT(GPTConfig(**model_args)) if resume is None else target_from(resume, path)
     model.to(rt.device).train()
     rt.print(f"base: {model.get_num_params() / 1e6:.2f}M parameters on {rt.device}, "
@@ -295,16 +363,24 @@ def self_generated(rt, model, train, n, gen_len, temperature, seed, desc, cache_
     key.update(np.ascontiguousarray(train[:1 << 20]).tobytes())
     path = cache_dir and os.path.join(cache_dir, f'samples-{key.hexdigest()[:16]}.pt')
     if path and os.path.exists(path):
-        return torch.load(path, weights_only=True).to(rt.device)
+        try:
+            seqs = torch.load(path, weights_only=True)
+        except Exception:   # a damaged cache is made again
+            seqs = None
+        if (isinstance(seqs, torch.Tensor) and seqs.dtype == torch.long and seqs.shape == (n, PROMPT_LEN + gen_len)
+                and bool(((seqs >= 0) & (seqs < model.config.vocab_size)).all())):
+            return seqs.to(rt.device)
+        rt.print(f"note: {path} is not the samples it should hold; making them again")
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     dgen = torch.Generator(device=rt.device).manual_seed(seed)
     prompts = windows(train, n, PROMPT_LEN, gen).to(rt.device)
     bs = 256 if rt.kind == 'cuda' else 64
     outs = []
-    for i in tqdm(range(0, n, bs), desc=desc, disable=not rt.master, leave=False):
+    for i in progress(range(0, n, bs), desc=desc, disable=not rt.master, leave=False):
         with decoding_precision('float32', rt.device):
-            out, _ = generate(model, prompts[i:i + bs], gen_len, temperature=temperature, generator=dgen)
+            out, _ = generate(model, prompts[i:i + bs], gen_len, temperature=temperature, generator=dgen,
+                              threads=None)   # a batch of rows, in the threads training chose
         outs.append(out)
     seqs = torch.cat(outs)
     if path and rt.master:
@@ -346,8 +422,11 @@ def stage_heads(rt, args, model, train, vocab):
     if resume is not None and resume['iter_num'] >= args.heads_iters:
         rt.print(f"heads: {path} already trained; skipping")
         if args.joint:
-            model.load_state_dict(resume['joint_model'])
+            load_weights(model, resume.get('joint_model') or {}, path)
         return load_drafter(path, model)
+    check_replaceable(path)
+    if args.joint:
+        check_replaceable(os.path.join(args.out_dir, f'ckpt_joint{args.tag}.pt'))
     if args.distill:
         seqs = self_generated(rt, model, train, args.distill_samples, args.block_size - PROMPT_LEN,
                               0.0, args.seed, 'distill (greedy continuations)', os.path.join(args.out_dir, 'data'))
@@ -355,9 +434,9 @@ def stage_heads(rt, args, model, train, vocab):
         labels[:, :PROMPT_LEN] = -1      # only the target's own output is learnt
     heads = BlockHeads(model.config, args.k, args.d_hidden)
     if resume is not None:
-        heads.load_state_dict(resume['drafter'])
+        load_weights(heads, resume['drafter'], path)
         if args.joint:
-            model.load_state_dict(resume['joint_model'])
+            load_weights(model, resume.get('joint_model') or {}, path)
     heads.to(rt.device).train()
     model.train() if args.joint else model.eval()
     B, S = args.batch_size, args.block_size
@@ -438,12 +517,13 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
     if resume is not None and resume['iter_num'] >= args.dblast_iters:
         rt.print(f"dblast: {path} already trained; skipping")
         return
+    check_replaceable(path)
     data = get_data()
     drafter = DBlastDrafter(model.config, k, K, args.d_hidden)
     history = []
     if resume is not None:
-        drafter.load_state_dict(resume['drafter'])
-        history = resume.get('history', [])
+        load_weights(drafter, resume['drafter'], path)
+        history = list(resume.get('history', []))
     drafter.to(rt.device).train()
     lo, hi = data.positions(k)
     B = args.batch_size * 8
@@ -475,59 +555,61 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
 
 # ----------------------------------------------------------------------------- demos
 
-def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print, paths=1):
+def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print, paths=1, threads='auto'):
     """tau and wall-clock speedup over plain decoding of the same model and prompts, one request
     at a time (latency, as the papers measure it), timed in the same run; under greedy decoding,
-    how many tokens equal plain greedy's. Returns the outputs."""
+    how many tokens equal plain greedy's. threads: generate()'s (default: the scripts' choice for
+    decoding). Returns the outputs."""
     def run(**extra):  # -> outputs, stats of every prompt, seconds in all
         g = torch.Generator(device=prompts.device).manual_seed(0)
-        runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, **extra)
+        runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, threads=threads, **extra)
                 for p in prompts]
         return torch.cat([r[0] for r in runs]), [r[1] for r in runs], sum(r[2] for r in runs)
     run(drafter=drafter, k=k, paths=paths)  # warm-up, both ways
     run()
     out, stats, dt = run(drafter=drafter, k=k, paths=paths)
-    base, _, dt0 = run()
-    taus = [t for s in stats for t in s['accept_lengths']]
-    calls = sum(s['calls'] for s in stats)
+    base, base_stats, dt0 = run()
+    stats, base_stats = merged_stats(stats), merged_stats(base_stats)
     same = f", same as plain greedy: {agreement(out, base, prompts.size(1))}" if temperature == 0 else ''
     log(f"{label}, blocks of k={k}{f', {paths} paths a call' if paths > 1 else ''}: mean tau "
-        f"{sum(taus) / len(taus):.2f}, {calls} calls for {len(prompts)} prompts x {max_new} tokens "
-        f"(plain: {len(prompts) * (max_new + 1)}), speedup {dt0 / dt:.2f}x{same}")
+        f"{stats['mean_tau']:.2f}, {stats['calls']} calls for {len(prompts)} prompts x {max_new} tokens "
+        f"(plain: {base_stats['calls']}), speedup {dt0 / dt:.2f}x{same}")
     return out
 
 
 DEMO_PATHS = 4   # paths per call in train.py's closing demo of several paths (bench.py's paths table)
 
 
-def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print):
+def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print, threads='auto'):
     """train.py's closing demos on held-out prompts: BPD heads against plain greedy, then each
     (label, drafter) of `dblast` against plain sampling at `temperature`, then the first of them
-    with DEMO_PATHS i.i.d. paths per call (MATH.md §9)."""
+    with DEMO_PATHS i.i.d. paths per call (MATH.md §9). threads: generate()'s."""
     max_new = min(128, model.config.block_size - prompts.size(1) - max(k, dblast_k))
     if heads is not None:
         log("\n=== blockwise parallel decoding, held-out prompts, greedy")
-        out = demo(model, prompts, heads, k, 0.0, "BPD heads", max_new, log)
+        out = demo(model, prompts, heads, k, 0.0, "BPD heads", max_new, log, threads=threads)
         log(f"--- sample ---\n{vocab.decode(out[0].tolist())}\n--------------")
     if dblast:
         log(f"\n=== speculative sampling at T={temperature}, held-out prompts: the dependent drafter "
             f"against the independent one (sampled drafts, mixture verification)")
     for label, drafter in dblast:
-        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log)
+        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, threads=threads)
     for label, drafter in dblast[:1]:
-        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, paths=DEMO_PATHS)
+        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, paths=DEMO_PATHS, threads=threads)
 
 
 def run_demos(rt, args, model, heads, ds, vocab):
-    """closing_demos on 8 held-out prompts, with the drafters this run trained."""
-    prompts = heldout_prompts(ds.val, 8, PROMPT_LEN, newline_id(vocab)).to(rt.device)
+    """closing_demos on DEMO_PROMPTS held-out prompts, with the drafters this run trained, decoding in
+    --threads if given, else the scripts' choice for decoding (generate's threads='auto')."""
+    prompts = heldout_prompts(ds.val, DEMO_PROMPTS, PROMPT_LEN, newline_id(vocab)).to(rt.device)   # as heldout_prompts_of
     drafters = dblast_drafters(args)
     dblast = []
     if 'dblast' in args.stages and all(os.path.exists(dblast_path(args, K)) for K, _ in drafters):
         dblast = [(f"DBlast, K={K} branches ({loss} loss)" if K > 1 else f"independent, K=1 ({loss} loss)",
                    load_drafter(dblast_path(args, K), model)) for K, loss in drafters]
     with decoding_precision('float32', rt.device):
-        closing_demos(model, prompts, vocab, heads, args.k, dblast, args.dblast_k, args.temperature, rt.print)
+        closing_demos(model, prompts, vocab, heads, args.k, dblast, args.dblast_k, args.temperature, rt.print,
+                      threads=args.threads or 'auto')
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -665,6 +747,10 @@ def parse_args(argv=None):
         raise BadInput(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if not args.tag.replace('_', '').replace('-', '').replace('.', '').isalnum() and args.tag:
         raise BadInput(f"--tag {args.tag!r}: use letters, digits, '.', '_' and '-' (it names files)")
+    if args.meta and 'base' in args.stages:
+        raise BadInput("--meta means nothing with the base stage: the target's vocabulary is its data's (bytes for "
+                       "text, a nanoGPT folder's own meta.pkl); it applies to --stages heads,dblast on a target "
+                       "that records none")
     if args.meta and not os.path.isfile(args.meta):
         raise BadInput(f"--meta {args.meta}: no such file")
     return args
@@ -711,8 +797,21 @@ def run(args):
             dist.destroy_process_group()
 
 
+def written(args):
+    """The checkpoints the chosen stages write."""
+    paths = [os.path.join(args.out_dir, 'ckpt.pt')] if 'base' in args.stages else []
+    if 'heads' in args.stages:
+        paths += [os.path.join(args.out_dir, f'heads{args.tag}.pt')]
+        paths += [os.path.join(args.out_dir, f'ckpt_joint{args.tag}.pt')] * args.joint
+    if 'dblast' in args.stages:
+        paths += [dblast_path(args, K) for K, _ in dblast_drafters(args)]
+    return paths
+
+
 def train_all(rt, args):
     check_out_dir(args.out_dir)
+    for path in written(args):   # --resume: a finished stage writes nothing; each stage checks its own
+        check_replaceable(path, writable=not args.resume)
     ds = load_dataset(args.data, os.path.join(args.out_dir, 'data'))
     base_path = os.path.join(args.out_dir, 'ckpt.pt')
     if 'base' in args.stages:   # the target's vocabulary is the data's (GPT-2's for ids without meta.pkl)

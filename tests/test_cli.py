@@ -3,11 +3,19 @@ train.py, generate.py and bench.py given bad input, the way a user gives it: eve
 command line and what it must do.
 
   refused      exit code 2; stderr has exactly one line starting with `error:` (no argparse usage
-               dump), that line names the flag or file the user gave, and there is no Traceback;
-               no checkpoint (*.pt) in the out folder changed, and no new one appeared
+               dump), that line names the flag or file the user gave (and none the script lacks),
+               and there is no Traceback; no checkpoint (*.pt) in the out folder changed, and no
+               new one appeared
   accepted     exit code 0, no Traceback, no `error:` line (e.g. a FIFO in a data folder is skipped)
   interrupted  Ctrl-C (SIGINT) while it works: exit code 130, no Traceback, and a last line that
                says what to do next; the checkpoint written so far still loads
+
+Whatever a case does, it leaves no half-written file (*.tmp) in its folder or the shared run. The
+classes of hostile input each have their rows: numbers and bounds, choices and names, flags that
+mean nothing in the mode given, files and folders (FIFOs, unreadable, a folder or a read-only file
+where a checkpoint goes, nanoGPT folders missing a split or with an odd byte count), crafted
+checkpoints (a field of the wrong type or range, a config that does not fit the weights it comes
+with, a pickle that would run code), and Ctrl-C.
 
 Most cases run in this process, through the same `main(argv)` and `run_script` a script runs
 (stdout and stderr captured, CUDA hidden, the RNGs and working directory restored afterwards): an
@@ -79,6 +87,7 @@ class Case:
     after: Optional[Callable] = None        # after(paths): more checks once the process is done
     needs_non_root: bool = False            # permission bits mean nothing to root
     process: bool = False                   # run as a real process (see the module's docstring)
+    not_in: tuple = ()                      # what the error line must not say (flags the script lacks)
 
     def __post_init__(self):   # what only a real process shows
         fifo = any('fifo' in a for a in self.argv if isinstance(a, str))
@@ -149,6 +158,31 @@ def copy_over(name, source):
     """prepare: the copy's checkpoint `name` replaced by the crafted file `source`."""
     def prepare(p):
         shutil.copyfile(fill(source, p), os.path.join(p['copy'], name))
+    return prepare
+
+
+def crafted_over(name, change):
+    """prepare: the copy's checkpoint `name` loaded, changed by change(ckpt dict) and saved over itself."""
+    def prepare(p):
+        path = os.path.join(p['copy'], name)
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+        change(ckpt)
+        torch.save(ckpt, path)
+    return prepare
+
+
+def folder_over(name):
+    """prepare: a folder in the place of the copy's checkpoint `name` (it cannot be replaced, even by root)."""
+    def prepare(p):
+        os.remove(os.path.join(p['copy'], name))
+        os.makedirs(os.path.join(p['copy'], name, 'inside'))
+    return prepare
+
+
+def read_only_file(name):
+    """prepare: the copy's checkpoint `name` made read-only (root may still write it: needs_non_root)."""
+    def prepare(p):
+        os.chmod(os.path.join(p['copy'], name), 0o444)
     return prepare
 
 
@@ -263,7 +297,7 @@ CASES = [
     refused('train-out-dir-unwritable', train(out='/proc/cli-test-out'), '/proc/cli-test-out'),
     refused('train-out-dir-in-read-only-folder', train(out='{files}/read_only/out'), '{files}/read_only/out',
             out='fresh', needs_non_root=True),
-    train_refused('meta-missing', ['--meta', '{work}/no_such_meta.pkl'], '{work}/no_such_meta.pkl'),
+    train_refused('meta-missing', ['--meta', '{work}/no_such_meta.pkl'], '{work}/no_such_meta.pkl', stages='heads'),
     train_refused('heads-meta-crafted', ['--meta', '{files}/crafted_train_meta.pkl'],
                   '{files}/crafted_train_meta.pkl', stages='heads', marker='{files}/payload-train-meta'),
     train_refused('heads-crafted-base', [], 'ckpt.pt', stages='heads', prepare=payload_over('ckpt.pt'),
@@ -377,6 +411,88 @@ CASES = [
     bench_refused('n-layer-zero', ['--n-layer', '0'], '--n-layer'),
     bench_refused('out-is-a-file', ['--out', '{files}/a_file.txt'], '{files}/a_file.txt'),
     bench_refused('data-fifo', ['--data', '{files}/a_fifo'], '{files}/a_fifo'),
+    # ------------------------------------------------------------------ crafted checkpoints: every field checked
+    decode_refused('ckpt-model-args-a-list', ['--ckpt', '{files}/model_args_list.pt'], 'model_args', 'list'),
+    decode_refused('ckpt-million-layers', ['--ckpt', '{files}/million_layers.pt'], 'n_layer=1000000',
+                   'do not fit its weights', within=20),   # by arithmetic: nothing allocated
+    decode_refused('ckpt-vocab-size-zero', ['--ckpt', '{files}/vocab_zero.pt'], 'vocab_size is int 0',
+                   only_line=True),                       # no torch warning before the line
+    decode_refused('ckpt-n-embd-text', ['--ckpt', '{files}/n_embd_text.pt'], "n_embd is str '16'"),
+    decode_refused('ckpt-bias-text', ['--ckpt', '{files}/bias_text.pt'], "bias is str 'yes'"),
+    decode_refused('ckpt-n-embd-not-divisible', ['--ckpt', '{files}/n_head_3.pt'], 'not divisible by n_head 3'),
+    decode_refused('ckpt-config-a-list', ['--ckpt', '{files}/config_list.pt'], "'config' is list"),
+    decode_refused('ckpt-data-path-an-int', ['--ckpt', '{files}/data_int.pt'], "'config' holds 'data': int 7"),
+    decode_refused('ckpt-vocab-record-bogus', ['--ckpt', '{files}/vocab_bogus.pt'], 'malformed vocabulary record'),
+    decode_refused('ckpt-weights-not-tensors', ['--ckpt', '{files}/weights_text.pt'], "'model' holds 'lm_head.weight': str"),
+    decode_refused('ckpt-path-a-folder', ['--ckpt', '{files}'], '{files}'),
+    decode_refused('drafter-kind-a-list', ['--drafter', '{files}/kind_list.pt'], "'kind' is list"),
+    decode_refused('heads-k-a-million', ['--heads', '{files}/heads_k_million.pt'], 'k=1000000',
+                   'do not fit its weights', within=20),
+    decode_refused('drafter-branches-text', ['--drafter', '{files}/dblast_K_text.pt'], "'K' is str '4'"),
+    decode_refused('drafter-d-hidden-float', ['--drafter', '{files}/dblast_d_hidden_float.pt'], "'d_hidden' is float"),
+    decode_refused('heads-fingerprint-an-int', ['--heads', '{files}/heads_fingerprint_int.pt'], "'base_fingerprint'"),
+    decode_refused('heads-without-weights', ['--heads', '{files}/heads_no_weights.pt'], "no 'drafter'"),
+    train_refused('resume-without-optimizer', ['--resume', '--max-iters', '40'], "has no 'optimizer'", stages='base',
+                  prepare=crafted_over('ckpt.pt', lambda c: c.pop('optimizer'))),
+    train_refused('resume-iter-num-text', ['--resume', '--max-iters', '40'], "'iter_num' is str '20'", stages='base',
+                  prepare=crafted_over('ckpt.pt', lambda c: c.update(iter_num='20'))),
+    train_refused('resume-iter-num-negative', ['--resume', '--max-iters', '40'], "'iter_num' is int -3", stages='base',
+                  prepare=crafted_over('ckpt.pt', lambda c: c.update(iter_num=-3))),
+    train_refused('resume-rng-missing', ['--resume', '--heads-iters', '9'], "has no 'rng'", stages='heads',
+                  prepare=crafted_over('heads.pt', lambda c: c.pop('rng'))),
+    train_refused('resume-optimizer-of-other-weights', ['--resume', '--heads-iters', '9'], 'optimizer state',
+                  'does not fit', stages='heads',
+                  prepare=crafted_over('heads.pt', lambda c: c.update(optimizer=torch.load(
+                      c['config']['out_dir'] + '/ckpt.pt', weights_only=True)['optimizer']))),
+    train_refused('resume-heads-weights-of-other-shape', ['--resume', '--heads-iters', '9'], 'do not fit',
+                  stages='heads', prepare=crafted_over('heads.pt', lambda c: c.update(
+                      drafter={n: t[..., :1] for n, t in c['drafter'].items()}))),
+    train_refused('heads-on-a-million-layer-base', [], 'n_layer=1000000', stages='heads', within=20,
+                  prepare=copy_over('ckpt.pt', '{files}/million_layers.pt')),
+    train_refused('n-layer-a-million', ['--n-layer', '1000000', '--n-embd', '1024', '--n-head', '16'], 'free on cpu',
+                  stages='base', within=20),        # by arithmetic, before the model is made
+    # ------------------------------------------------------------------ dataset folders
+    train_refused('data-nanogpt-odd-val', ['--data', '{files}/nanogpt_odd_val'], 'val.bin has 1001 bytes'),
+    train_refused('data-nanogpt-no-val', ['--data', '{files}/nanogpt_no_val'], 'val.bin is missing'),
+    train_refused('data-nanogpt-no-train', ['--data', '{files}/nanogpt_no_train'], 'train.bin is missing'),
+    train_refused('data-nanogpt-val-a-folder', ['--data', '{files}/nanogpt_val_folder'],
+                  'val.bin is not a regular file'),
+    bench_refused('data-nanogpt-odd-val', ['--data', '{files}/nanogpt_odd_val'], 'val.bin has 1001 bytes'),
+    # ------------------------------------------------------------------ a checkpoint that cannot be replaced
+    train_refused('ckpt-pt-is-a-folder', [], 'cannot replace the checkpoint', 'ckpt.pt: it is a folder',
+                  stages='base', prepare=folder_over('ckpt.pt')),
+    train_refused('resume-heads-pt-is-a-folder', ['--resume'], 'heads.pt: it is a folder', stages='heads',
+                  prepare=folder_over('heads.pt')),
+    train_refused('dblast-pt-is-a-folder', [], 'dblast_K1.pt: it is a folder', stages='dblast',
+                  prepare=folder_over('dblast_K1.pt')),
+    train_refused('ckpt-pt-read-only', [], 'ckpt.pt: it is read-only', stages='base', needs_non_root=True,
+                  prepare=read_only_file('ckpt.pt')),
+    # ------------------------------------------------------------------ flags that mean nothing here
+    decode_refused('paths-heads-greedy', ['--heads', '{heads}', '--paths', '4'], '--paths 4 means nothing here'),
+    decode_refused('paths-k1-greedy', ['--drafter', '{run}/dblast_K1.pt', '--paths', '2'], '--paths 2 means nothing',
+                   'one branch'),
+    decode_refused('paths-no-sample-drafts', ['--heads', '{heads}', '--temperature', '1', '--no-sample-drafts',
+                                              '--paths', '2'], '--paths 2 means nothing here'),
+    decode_refused('paths-zt-0-greedy', ['--drafter', '{dblast}', '--zt', '0', '--paths', '3'],
+                   '--paths 3 means nothing', 'Z_T = 0'),
+    accepted('decode-paths-dblast-greedy-branches-differ', decode('--drafter', '{dblast}', '--paths', '2')),
+    accepted('decode-paths-from-branches', decode('--drafter', '{dblast}', '--temperature', '1', '--paths', '2',
+                                                  '--paths-from', 'branches')),
+    decode_refused('verify-greedy', ['--drafter', '{dblast}', '--verify', 'branch'], '--verify means nothing'),
+    decode_refused('meta-not-the-recorded-vocabulary', ['--meta', '{files}/plain_meta.pkl'], '--meta',
+                   'is not the bytes vocabulary'),
+    accepted('decode-meta-of-a-char-target', decode('--ckpt', '{files}/char_ckpt.pt', '--meta',
+                                                    '{files}/plain_meta.pkl', '--prompt', 'ab')),
+    train_refused('meta-with-base-stage', ['--meta', '{files}/plain_meta.pkl'], '--meta means nothing', stages='base'),
+    train_refused('heads-meta-not-the-recorded-vocabulary', ['--meta', '{files}/plain_meta.pkl'], '--meta',
+                  'is not the bytes vocabulary', stages='heads'),
+    decode_refused('accept-minblock-past-k', ['--heads', '{heads}', '--k', '4', '--accept', 'minblock:5'],
+                   '--accept minblock:5', '--k 4'),
+    decode_refused('device-cpu-1', ['--device', 'cpu:1'], '--device cpu:1'),
+    train_refused('device-cpu-1', ['--device', 'cpu:1'], '--device cpu:1'),
+    bench_refused('device-cpu-1', ['--device', 'cpu:1'], '--device cpu:1'),
+    refused('bench-ckpt-dir-of-another-size', BENCH + ['--ckpt-dir', '{copy}', '--n-embd', '32'], '--ckpt-dir',
+            'ckpt.pt', '--n-embd 16', out='copy', not_in=('--out-dir', '--resume')),
 ]
 
 assert len({c.id for c in CASES}) == len(CASES), "case ids must be unique"
@@ -412,6 +528,11 @@ def tree_hashes(folder):
     return hashes
 
 
+def temporaries(folder):
+    """Every file under folder that a write left behind half-done (a *.tmp name)."""
+    return [os.path.join(d, n) for d, _, names in os.walk(folder) for n in names if n.endswith('.tmp')]
+
+
 @dataclass
 class Result:
     code: Optional[int]          # None: killed after TIMEOUT seconds
@@ -421,6 +542,7 @@ class Result:
     before: dict                 # tree_hashes of the watched folder before the run
     after: dict = field(default_factory=dict)
     marker_exists: bool = False
+    temporaries: list = field(default_factory=list)   # *.tmp files left in the case's folders
 
     def __repr__(self):
         return f"Result(code={self.code}, {self.seconds:.1f}s)"
@@ -458,7 +580,7 @@ def run_case(case, paths):
         script, *args = [os.fsdecode(a) for a in argv]   # bytes arrive as Python decodes a real argv
         code, stdout, stderr = in_process(lambda: MAINS[script](args))
     return Result(code, stdout, stderr, time.monotonic() - t0, before, tree_hashes(watched),
-                  bool(case.marker) and os.path.exists(fill(case.marker, p)))
+                  bool(case.marker) and os.path.exists(fill(case.marker, p)), temporaries(work) + temporaries(p['run']))
 
 
 def run_process(case, argv, p):
@@ -580,6 +702,46 @@ def make_crafted_files(files, run):
     torch.save(dict(model=GPT(cfg).state_dict(), model_args=asdict(cfg), vocab=Vocab('bytes').state()),
                j('long_ckpt.pt'))
 
+    # crafted checkpoints: one field each out of type or range
+    def variant(name, src='ckpt.pt', **change):
+        d = torch.load(os.path.join(run, src), map_location='cpu', weights_only=True)
+        d.update(change)
+        torch.save(d, j(name))
+    args = good['model_args']
+    variant('model_args_list.pt', model_args=list(args.values()))
+    variant('million_layers.pt', model_args=dict(args, n_layer=10 ** 6))
+    variant('vocab_zero.pt', model_args=dict(args, vocab_size=0))
+    variant('n_embd_text.pt', model_args=dict(args, n_embd='16'))
+    variant('bias_text.pt', model_args=dict(args, bias='yes'))
+    variant('n_head_3.pt', model_args=dict(args, n_head=3))
+    variant('config_list.pt', config=[1, 2])
+    variant('data_int.pt', config=dict(good['config'], data=7))
+    variant('vocab_bogus.pt', vocab=dict(kind='letters'))
+    variant('weights_text.pt', model=dict(good['model'], **{'lm_head.weight': 'weights'}))
+    variant('kind_list.pt', 'dblast_K4.pt', kind=['dblast'])
+    variant('heads_k_million.pt', 'heads.pt', k=10 ** 6)
+    variant('dblast_K_text.pt', 'dblast_K4.pt', K='4')
+    variant('dblast_d_hidden_float.pt', 'dblast_K4.pt', d_hidden=16.0)
+    variant('heads_fingerprint_int.pt', 'heads.pt', base_fingerprint=5)
+    heads = torch.load(os.path.join(run, 'heads.pt'), map_location='cpu', weights_only=True)
+    heads.pop('drafter')
+    torch.save(heads, j('heads_no_weights.pt'))
+    # a character-level target that records no vocabulary (as nanoGPT's), and a plain meta.pkl for it
+    with open(j('plain_meta.pkl'), 'wb') as f:
+        pickle.dump(dict(vocab_size=3, itos={0: 'a', 1: 'b', 2: ' '}, stoi={'a': 0, 'b': 1, ' ': 2}), f)
+    cfg = GPTConfig(block_size=32, vocab_size=3, n_layer=1, n_head=2, n_embd=16)
+    torch.save(dict(model=GPT(cfg).state_dict(), model_args=asdict(cfg)), j('char_ckpt.pt'))
+    # nanoGPT folders that are not quite: an odd byte count, a split missing, a split that is a folder
+    for name in ('nanogpt_odd_val', 'nanogpt_no_val', 'nanogpt_no_train', 'nanogpt_val_folder'):
+        os.makedirs(j(name))
+        tiny_corpus_bins(j(name))
+    with open(j('nanogpt_odd_val', 'val.bin'), 'wb') as f:
+        f.write(bytes(1001))
+    os.remove(j('nanogpt_no_val', 'val.bin'))
+    os.remove(j('nanogpt_no_train', 'train.bin'))
+    os.remove(j('nanogpt_val_folder', 'val.bin'))
+    os.makedirs(j('nanogpt_val_folder', 'val.bin'))
+
     # crafted pickles, each with a marker of its own
     for name in ('ckpt', 'heads', 'drafter'):
         write_payload_checkpoint(j(f'crafted_{name}.pt'), j(f'payload-{name}'))
@@ -683,6 +845,9 @@ def test_cli(case, results, paths):
     assert r.seconds <= case.within, f"took {r.seconds:.1f}s, more than {case.within}s"
     if case.code == 2 or case.out == 'run':
         assert r.after == r.before, f"checkpoints changed: {r.before} -> {r.after}"
+    assert not r.temporaries, f"half-written files left: {r.temporaries}"
+    for said in case.not_in:
+        assert said not in r.stderr, f"the error names {said!r}, which this script does not have:\n{r.stderr}"
     if case.marker:
         assert not r.marker_exists, "the crafted pickle's payload ran: its marker file exists"
     if case.output_has:

@@ -1,13 +1,19 @@
 """Training: the loss goes down, the distillation data is the target's greedy output,
 checkpoints survive resume and interrupted writes, DDP keeps replicas identical, and bad inputs
 end in one clean `error:` line."""
+import os
+import random
+import signal
 import socket
+import subprocess
+import time
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, Proc, assert_clean_error, cli, corpus_text, naive_greedy, run_py, tiny_model
+from conftest import (ROOT, Proc, assert_clean_error, cli, corpus_text, env, naive_greedy, run_py, sigint_at_default,
+                      tiny_model)
 import train
 from data import PROMPT_LEN, BadInput, load_checkpoint, load_target, save_checkpoint, windows
 from decode import generate
@@ -176,6 +182,7 @@ def test_interrupted_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, 'save', real_save)
 
     assert path.read_bytes() == old_bytes
+    assert os.listdir(tmp_path) == ['ckpt.pt']          # the half-written temporary file is gone
     ck = load_checkpoint(str(path))
     assert ck['iter_num'] == 1
     back = load_target(str(path))
@@ -185,6 +192,61 @@ def test_interrupted_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     save_checkpoint(dict(model=new.state_dict(), model_args=vars(new.config), iter_num=2), str(path))
     assert load_checkpoint(str(path))['iter_num'] == 2
     assert load_target(str(path)).fingerprint() == new.fingerprint()
+
+
+# A model whose checkpoint (weights and AdamW's two moments, 5 MB) takes longer to write than a
+# training step takes: saved every step, most of the run is saving
+SAVES_EVERY_STEP = ['--n-layer', '2', '--n-head', '2', '--n-embd', '128', '--block-size', '64', '--batch-size', '2',
+                    '--stages', 'base', '--no-demo', '--device', 'cpu', '--eval-iters', '1', '--eval-interval',
+                    '100000', '--warmup-iters', '10', '--max-iters', '100000', '--ckpt-interval', '1']
+
+
+def test_ctrl_c_at_random_moments_of_saving_every_step_leaves_nothing_half_written(tmp_path, corpus_file):
+    """Three real runs of train.py that save every step, each sent Ctrl-C at a random moment after
+    its first save (0 to 0.5 s later, most of which it spends writing ckpt.pt): each ends with its
+    one line and exit code 130, no temporary file is left, and ckpt.pt loads, with the last step
+    it saved."""
+    rng = random.Random()
+    runs = []
+    for i in range(3):
+        out = tmp_path / f'run{i}'
+        with open(tmp_path / f'stderr{i}', 'w') as err:   # a file, not a pipe nobody reads meanwhile
+            runs.append((out, subprocess.Popen(sigint_at_default(['train.py', *SAVES_EVERY_STEP, '--data',
+                                                                  str(corpus_file), '--out-dir', str(out)]),
+                                               cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=err)))
+    delays = []
+    try:
+        for out, proc in runs:
+            deadline = time.monotonic() + 120
+            while not (out / 'ckpt.pt').exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+            delays.append(rng.uniform(0.0, 0.5))
+            time.sleep(delays[-1])
+            proc.send_signal(signal.SIGINT)
+        codes = [proc.wait(timeout=60) for _, proc in runs]
+    finally:
+        for _, proc in runs:
+            if proc.poll() is None:
+                proc.kill()
+    results = [(out, code, (tmp_path / f'stderr{i}').read_text())
+               for i, ((out, _), code) in enumerate(zip(runs, codes))]
+    for (out, code, err), delay in zip(results, delays):
+        said = f"Ctrl-C {delay:.2f}s after the first save: exit {code}\n{err[-1500:]}"
+        assert code == 130 and 'Traceback' not in err and '--resume' in err.strip().splitlines()[-1], said
+        assert sorted(os.listdir(out)) == ['ckpt.pt', 'data'], said            # no ckpt.pt.*.tmp
+        assert not [n for n in os.listdir(out / 'data') if n.endswith('.tmp')], said
+        assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] >= 1, said
+
+
+def test_a_run_into_a_file_writes_few_progress_updates(tmp_path, corpus_file):
+    """stderr not a terminal (a log file): each bar is drawn at its start, at most once a minute,
+    and at its end, not at every update. A 300-step stage writes six carriage returns at most (its
+    start, its end, and three around the line its evaluation prints; drawn at every tenth step, as
+    on a terminal, it wrote 31 or more), and its last state is its last line."""
+    code, _, err = cli('train.py', [*TINY, '--data', corpus_file, '--out-dir', tmp_path, '--max-iters', '300'])
+    assert code == 0, err[-2000:]
+    assert err.count('\r') <= 6, err
+    assert '300/300' in err.replace('\r', '\n').strip().splitlines()[-1], err
 
 
 # --------------------------------------------------------------------------- DDP
