@@ -632,6 +632,7 @@ class _NoCode(pickle.Unpickler):
 def read_meta(path):
     """A nanoGPT meta.pkl ({'vocab_size', 'stoi', 'itos'}) as a char Vocab, read without executing
     anything: only dicts, strings and ints are accepted."""
+    path = check_path(path, 'meta')
     try:
         with open(path, 'rb') as f:
             meta = _NoCode(f).load()
@@ -648,7 +649,8 @@ def read_meta(path):
 
 
 def vocab_for(ckpt, path, vocab_size, meta=None):
-    """The vocabulary of a target checkpoint: --meta if given; the one this project recorded in it;
+    """The vocabulary of a target checkpoint: --meta if given (refused if it is not the one the
+    checkpoint records); the one this project recorded in it;
     nanoGPT's meta.pkl where its sample.py looks (data/<config dataset>/meta.pkl) or beside the
     checkpoint; else by size: 256 is bytes, 50257 / 50304 is GPT-2."""
     recorded = ckpt.get('vocab') and Vocab.from_state(ckpt['vocab'], path)
@@ -679,7 +681,9 @@ def vocab_for(ckpt, path, vocab_size, meta=None):
 def load_vocab(path, meta=None):
     """The vocabulary of the target checkpoint at `path`, found as `vocab_for` finds it."""
     ckpt = load_checkpoint(path)
-    return vocab_for(ckpt, path, target_from(ckpt, path).config.vocab_size, meta)
+    if 'model_args' not in ckpt:
+        raise BadInput(f"checkpoint {path} has no 'model_args': not a GPT checkpoint")
+    return vocab_for(ckpt, path, check_model_args(ckpt['model_args'], f"checkpoint {path}").vocab_size, meta)
 
 
 # ----------------------------------------------------------------------------- corpora

@@ -14,8 +14,8 @@ import torch
 
 from conftest import Proc, cli, corpus_text
 from data import (DEMO_PROMPTS, PROMPT_LEN, BadInput, Vocab, check_replaceable, heldout_prompts, heldout_prompts_of,
-                  load_dataset, load_target, read_meta, regular_files, save_checkpoint, vocab_for)
-from decode import generate
+                  load_dataset, load_target, load_vocab, read_meta, regular_files, save_checkpoint, vocab_for)
+from decode import generate, load_drafter
 from model import GPT, GPTConfig
 
 TEXT = corpus_text(4000) + "Hello, World! 42\n"
@@ -365,3 +365,26 @@ def test_ctrl_c_during_a_save_finishes_the_save_then_stops(tmp_path, monkeypatch
         save_checkpoint(dict(iter_num=3), str(path))
     assert torch.load(path, weights_only=True) == dict(iter_num=2) and os.listdir(tmp_path) == ['ckpt.pt']
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler     # the handler is given back
+
+
+def test_the_functions_the_readme_calls_refuse_bad_arguments_in_one_line(tmp_path):
+    """load_target, load_vocab, load_drafter and a Vocab's encode and decode, given what a Python
+    caller may get wrong: one BadInput naming the argument and what is allowed, nothing from
+    inside torch or os."""
+    model = GPT(GPTConfig(block_size=16, vocab_size=256, n_layer=1, n_head=2, n_embd=16))
+    path = tmp_path / 'ckpt.pt'
+    save_checkpoint(dict(model=model.state_dict(), model_args=vars(model.config)), str(path))
+    cases = [(lambda: load_target(3), r"checkpoint int 3: give a file name"),
+             (lambda: load_target(path, device='cpu:1'), r"device='cpu:1': the CPU is one device"),
+             (lambda: load_target(path, device='tpu'), r"device='tpu': not a device"),
+             (lambda: load_vocab(['out/ckpt.pt']), r"checkpoint list \['out/ckpt.pt'\]: give a file name"),
+             (lambda: load_vocab(path, meta=5), r"meta int 5: give a file name"),
+             (lambda: load_drafter(path, 'model'), r"target is str 'model'; want the model.GPT"),
+             (lambda: load_drafter(path, model, kind='bpd'), r"kind='bpd': want one of 'heads', 'dblast'"),
+             (lambda: load_drafter(path, model, vocab='bytes'), r"vocab is str 'bytes'; want a data.Vocab"),
+             (lambda: Vocab('bytes').encode(b'def'), r"the prompt is bytes b'def'; want text"),
+             (lambda: Vocab('bytes').decode([[1, 2]]), r"ids list \[\[1, 2\]\]: want a sequence of token ids")]
+    for call, match in cases:
+        with pytest.raises(BadInput, match=match):
+            call()
+    assert load_target(path).config == model.config and Vocab('bytes').decode([100, -1, 300, 101]) == 'de'
