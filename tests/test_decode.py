@@ -461,12 +461,12 @@ def test_flags_that_mean_nothing_with_a_drafter_are_refused(model, trained):
         heads.sample_drafts = True
     generate(model, prompt, 8, drafter=heads, temperature=1.0, paths=2)          # sampled: paths differ
     k1 = DBlastDrafter(model.config, 4, 1).double().eval()
-    with pytest.raises(BadInput, match=r"paths=3 means nothing here: drafted by argmax from one branch"):
+    with pytest.raises(BadInput, match=r"paths=3 means nothing here: drafted by argmax from its one branch"):
         generate(model, prompt, 8, drafter=k1, paths=3)
     k4 = DBlastDrafter(model.config, 4, 4).double().eval()
     generate(model, prompt, 8, drafter=k4, paths=3)                              # greedy branches differ
     k4.zt = 0.0
-    with pytest.raises(BadInput, match=r"argmax branch \(Z_T = 0\)"):
+    with pytest.raises(BadInput, match=r"the top branch alone \(Z_T = 0\)"):
         generate(model, prompt, 8, drafter=k4, paths=3)
     k4.zt, k4.paths_from = 1.0, 'branches'
     for paths in (1, 3):

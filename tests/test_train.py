@@ -3,6 +3,7 @@ checkpoints survive resume and interrupted writes, DDP keeps replicas identical,
 end in one clean `error:` line."""
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -201,41 +202,71 @@ SAVES_EVERY_STEP = ['--n-layer', '2', '--n-head', '2', '--n-embd', '128', '--blo
                     '100000', '--warmup-iters', '10', '--max-iters', '100000', '--ckpt-interval', '1']
 
 
-def test_ctrl_c_at_random_moments_of_saving_every_step_leaves_nothing_half_written(tmp_path, corpus_file):
-    """Three real runs of train.py that save every step, each sent Ctrl-C at a random moment after
-    its first save (0 to 0.5 s later, most of which it spends writing ckpt.pt): each ends with its
-    one line and exit code 130, no temporary file is left, and ckpt.pt loads, with the last step
-    it saved."""
-    rng = random.Random()
-    runs = []
-    for i in range(3):
-        out = tmp_path / f'run{i}'
-        with open(tmp_path / f'stderr{i}', 'w') as err:   # a file, not a pipe nobody reads meanwhile
-            runs.append((out, subprocess.Popen(sigint_at_default(['train.py', *SAVES_EVERY_STEP, '--data',
-                                                                  str(corpus_file), '--out-dir', str(out)]),
-                                               cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=err)))
-    delays = []
+# A process that saves a 5 MB checkpoint over and over, and after each Ctrl-C says what it finds
+SAVER = """
+import os, sys
+import torch
+sys.path.insert(0, {root!r})
+from data import load_checkpoint, save_checkpoint
+folder, n = sys.argv[1], int(sys.argv[2])
+state = dict(model={{f'w{{i}}': torch.randn(256, 256) for i in range(20)}}, iter_num=0)
+done = 0
+while done < n:
     try:
-        for out, proc in runs:
+        state['iter_num'] += 1
+        save_checkpoint(state, os.path.join(folder, 'ckpt.pt'))
+    except KeyboardInterrupt:
+        done += 1
+        saved = load_checkpoint(os.path.join(folder, 'ckpt.pt'))['iter_num']
+        print(f"interrupt {{done}}: {{sorted(os.listdir(folder))}} saved {{saved}} of {{state['iter_num']}}", flush=True)
+"""
+
+
+def test_ctrl_c_at_random_moments_of_saving_leaves_nothing_half_written(tmp_path, corpus_file):
+    """Real processes, Ctrl-C at random moments while they save. One saves a 5 MB checkpoint over
+    and over and is sent Ctrl-C 8 times, 0.02 to 0.2 s apart (most of its time is inside a save):
+    after each, only ckpt.pt is in its folder, and it holds the save begun last or the one before.
+    And train.py saving every step, sent Ctrl-C 0 to 0.5 s after its first save: its one line, exit
+    code 130, no temporary file, and a ckpt.pt that loads."""
+    rng, n = random.Random(), 8
+    saves, out = tmp_path / 'saves', tmp_path / 'run'
+    saves.mkdir()
+    with open(tmp_path / 'saver.out', 'w') as said, open(tmp_path / 'train.err', 'w') as err:   # files, not pipes
+        saver = subprocess.Popen(sigint_at_default(['-c', SAVER.format(root=ROOT), str(saves), str(n)]), cwd=ROOT,
+                                 env=env(), stdout=said, stderr=subprocess.STDOUT)
+        trainer = subprocess.Popen(sigint_at_default(['train.py', *SAVES_EVERY_STEP, '--data', str(corpus_file),
+                                                      '--out-dir', str(out)]),
+                                   cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        def wait_for(ready, proc):
             deadline = time.monotonic() + 120
-            while not (out / 'ckpt.pt').exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.02)
-            delays.append(rng.uniform(0.0, 0.5))
-            time.sleep(delays[-1])
-            proc.send_signal(signal.SIGINT)
-        codes = [proc.wait(timeout=60) for _, proc in runs]
+            while not ready() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        wait_for(lambda: (out / 'ckpt.pt').exists(), trainer)
+        delay = rng.uniform(0.0, 0.5)
+        time.sleep(delay)
+        trainer.send_signal(signal.SIGINT)
+        wait_for(lambda: (saves / 'ckpt.pt').exists(), saver)
+        for i in range(n):            # the next Ctrl-C once the last one is answered
+            time.sleep(rng.uniform(0.02, 0.2))
+            saver.send_signal(signal.SIGINT)
+            wait_for(lambda: (tmp_path / 'saver.out').read_text().count('interrupt ') > i, saver)
+        codes = trainer.wait(timeout=60), saver.wait(timeout=60)
     finally:
-        for _, proc in runs:
+        for proc in (trainer, saver):
             if proc.poll() is None:
                 proc.kill()
-    results = [(out, code, (tmp_path / f'stderr{i}').read_text())
-               for i, ((out, _), code) in enumerate(zip(runs, codes))]
-    for (out, code, err), delay in zip(results, delays):
-        said = f"Ctrl-C {delay:.2f}s after the first save: exit {code}\n{err[-1500:]}"
-        assert code == 130 and 'Traceback' not in err and '--resume' in err.strip().splitlines()[-1], said
-        assert sorted(os.listdir(out)) == ['ckpt.pt', 'data'], said            # no ckpt.pt.*.tmp
-        assert not [n for n in os.listdir(out / 'data') if n.endswith('.tmp')], said
-        assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] >= 1, said
+    lines = (tmp_path / 'saver.out').read_text().splitlines()
+    assert codes[1] == 0 and len(lines) == n, lines
+    for line in lines:
+        found, saved, begun = re.fullmatch(r"interrupt \d+: (.*) saved (\d+) of (\d+)", line).groups()
+        assert found == "['ckpt.pt']" and int(begun) - 1 <= int(saved) <= int(begun), line
+    err = (tmp_path / 'train.err').read_text()
+    said = f"train.py, Ctrl-C {delay:.2f}s after its first save: exit {codes[0]}\n{err[-1500:]}"
+    assert codes[0] == 130 and 'Traceback' not in err and '--resume' in err.strip().splitlines()[-1], said
+    assert sorted(os.listdir(out)) == ['ckpt.pt', 'data'], said            # no ckpt.pt.*.tmp
+    assert not [f for f in os.listdir(out / 'data') if f.endswith('.tmp')], said
+    assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] >= 1, said
 
 
 def test_a_run_into_a_file_writes_few_progress_updates(tmp_path, corpus_file):
