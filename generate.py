@@ -50,7 +50,8 @@ def main(argv=None):
     ap.add_argument('--max-new-tokens', type=int, default=None,
                     help="tokens to generate (default: 200, or what fits the model's context)")
     ap.add_argument('--temperature', type=float, default=0.0, help='0 = greedy')
-    ap.add_argument('--seed', type=int, default=0)
+    ap.add_argument('--seed', type=int, default=None, help='seed of every random draw (default 0): sampling, and a '
+                                                           'DBlast drafter\'s branches')
     ap.add_argument('--heads', default=None, help='BPD heads checkpoint: blockwise parallel decoding')
     ap.add_argument('--drafter', default=None, help='DBlast drafter checkpoint')
     ap.add_argument('--k', type=int, default=None, help='block size (default: what the drafter was trained for)')
@@ -87,7 +88,8 @@ def check_cli(args):
     if args.heads and args.drafter:
         raise BadInput("give --heads or --drafter, not both")
     check_number('--temperature', args.temperature, lo=0.0, note='0 = greedy')
-    check_number('--seed', args.seed, lo=0, hi=2 ** 63 - 1)
+    if args.seed is not None:
+        check_number('--seed', args.seed, lo=0, hi=2 ** 63 - 1)
     if args.max_new_tokens is not None:
         check_number('--max-new-tokens', args.max_new_tokens, lo=1)
     if args.zt is not None:
@@ -111,7 +113,9 @@ def check_cli(args):
         (args.verify is not None and args.temperature == 0, '--verify',
          'sampling (--temperature > 0): greedy decoding compares argmaxes, with nothing to verify against'),
         (args.sample_drafts is not None and (not drafter or args.temperature == 0), '--[no-]sample-drafts',
-         'sampling with a drafter')]
+         'sampling with a drafter'),
+        (args.seed is not None and args.temperature == 0 and not args.drafter, '--seed',
+         'sampling, or a DBlast --drafter (its branches are drawn); greedy decoding draws nothing')]
     for given, flag, applies_to in meaningless:
         if given:
             raise BadInput(f"{flag} means nothing here: it applies to {applies_to}")
@@ -161,7 +165,7 @@ def decode_cli(args, device, precision):
     kw = dict(temperature=args.temperature, compile=args.compile, threads=None)   # intra_op_threads' above
 
     def gen(**extra):
-        g = torch.Generator(device=device).manual_seed(args.seed)
+        g = torch.Generator(device=device).manual_seed(args.seed or 0)
         return timed_generate(model, prompt, max_new, **kw, **extra, generator=g)
 
     if drafter is None:

@@ -747,6 +747,10 @@ def parse_args(argv=None):
         raise BadInput(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if not args.tag.replace('_', '').replace('-', '').replace('.', '').isalnum() and args.tag:
         raise BadInput(f"--tag {args.tag!r}: use letters, digits, '.', '_' and '-' (it names files)")
+    for name, flag in (('tag', '--tag'), ('d_hidden', '--d-hidden')):   # what only drafters have
+        if name in given and args.stages == ['base']:
+            raise BadInput(f"{flag} means nothing here: it applies to the drafters (--stages heads or dblast), "
+                           f"which --stages base does not train")
     if args.meta and 'base' in args.stages:
         raise BadInput("--meta means nothing with the base stage: the target's vocabulary is its data's (bytes for "
                        "text, a nanoGPT folder's own meta.pkl); it applies to --stages heads,dblast on a target "

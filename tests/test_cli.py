@@ -479,6 +479,10 @@ CASES = [
     accepted('decode-paths-from-branches', decode('--drafter', '{dblast}', '--temperature', '1', '--paths', '2',
                                                   '--paths-from', 'branches')),
     decode_refused('verify-greedy', ['--drafter', '{dblast}', '--verify', 'branch'], '--verify means nothing'),
+    decode_refused('seed-greedy', ['--heads', '{heads}', '--seed', '3'], '--seed means nothing'),
+    accepted('decode-seed-greedy-dblast', decode('--drafter', '{dblast}', '--seed', '3')),   # it draws branches
+    train_refused('tag-base-only', ['--tag', '_x'], '--tag means nothing', stages='base'),
+    train_refused('d-hidden-base-only', ['--d-hidden', '8'], '--d-hidden means nothing', stages='base'),
     decode_refused('meta-not-the-recorded-vocabulary', ['--meta', '{files}/plain_meta.pkl'], '--meta',
                    'is not the bytes vocabulary'),
     accepted('decode-meta-of-a-char-target', decode('--ckpt', '{files}/char_ckpt.pt', '--meta',
