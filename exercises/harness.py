@@ -27,6 +27,7 @@ from statistics import NormalDist
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -227,6 +228,47 @@ def target8(seed=0):
     return peaky(GPT(V8), 0.3, seed)
 
 
+@lru_cache
+@torch.no_grad()
+def context_target(seed=0, back=2, theta=0.4, sharp=30.0, scale=0.7):
+    """A target of the enumerable world whose next token depends on the last `back` + 1 tokens, and
+    strongly: two contexts that differ in the token two or three back give conditionals about 0.3
+    apart in total variation (entropy about 1.5 nats a token), far more than the sampling noise of
+    a check. Random weights give nearly first-order targets (conditionals after [3,3,2], [3,7,2]
+    and [1,1,2] agree to about 0.005), under which a verifier that reads a sample drawn in another
+    context cannot be told from a right one. Built, not trained, float64:
+
+        wte: token one-hot (dims 0..7); wpe: (cos, sin) of theta * position (dims 8(back+1), +1)
+        head h of the one layer attends to position - (h+1) alone (its query is the position
+            turned back by theta (h+1), its key the position), and copies that token's one-hot
+            to dims 8(h+1)..8(h+1)+7
+        the MLP: random weights on those dims (seeded), into the logits' dims 0..7"""
+    C, V = 32, 8
+    model = GPT(GPTConfig(block_size=32, vocab_size=V, n_layer=1, n_head=back, n_embd=C)).double()
+    g = torch.Generator().manual_seed(seed)
+    hs, at = C // back, 8 * (back + 1)                   # head size, the position's dims
+    layer = model.transformer.h[0]
+    for p in model.parameters():
+        p.zero_()
+    for ln in (layer.ln_1, layer.ln_2, model.transformer.ln_f):
+        ln.weight.fill_(1.0)
+    model.transformer.wte.weight[:, :V] = scale * torch.eye(V, dtype=torch.float64)
+    position = theta * torch.arange(32, dtype=torch.float64)
+    model.transformer.wpe.weight[:, at], model.transformer.wpe.weight[:, at + 1] = 3 * position.cos(), 3 * position.sin()
+    W, out = layer.attn.c_attn.weight, layer.attn.c_proj.weight          # (3C, C): q, k, v
+    for h in range(back):
+        c, s = math.cos(theta * (h + 1)), math.sin(theta * (h + 1))
+        W[h * hs, at], W[h * hs, at + 1] = sharp * c, sharp * s          # q: the position h+1 back
+        W[h * hs + 1, at], W[h * hs + 1, at + 1] = -sharp * s, sharp * c
+        W[C + h * hs, at], W[C + h * hs + 1, at + 1] = 1.0, 1.0          # k: the position
+        for v in range(V):
+            W[2 * C + h * hs + v, v] = 1.0                               # v: the token
+            out[8 * (h + 1) + v, h * hs + v] = 1.0
+    layer.mlp.c_fc.weight[:, :at] = 2 * torch.randn(4 * C, at, generator=g, dtype=torch.float64)
+    layer.mlp.c_proj.weight[:V] = 3 * torch.randn(V, 4 * C, generator=g, dtype=torch.float64) / math.sqrt(4 * C)
+    return model.eval().requires_grad_(False)
+
+
 @torch.no_grad()
 def continuation_probs(model, prompt, m, temperature):
     """Exact p_T(x_1..x_m | prompt) (V**m,) of every m-token continuation, float64."""
@@ -249,12 +291,16 @@ def pearson(counts, probs):
     return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
 
 
-def chi_square(counts, probs, alpha=ALPHA):
-    """The statistic and its critical value at `alpha` (Wilson-Hilferty's approximation of the
-    chi-square quantile): a statistic above it fails at that level."""
-    stat, df = pearson(counts, probs)
+def critical(df, alpha=ALPHA):
+    """The chi-square quantile 1 - alpha with df degrees of freedom (Wilson-Hilferty)."""
     z = NormalDist().inv_cdf(1 - alpha)
-    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts, probs, alpha=ALPHA):
+    """The statistic and its critical value at `alpha`: a statistic above it fails at that level."""
+    stat, df = pearson(counts, probs)
+    return stat, critical(df, alpha)
 
 
 def p_value(counts, probs):
@@ -382,6 +428,25 @@ class HostSyncs(TorchDispatchMode):
         if func in SYNC_OPS or bool_index:
             self.seen.append(str(func))
         return func(*args, **kwargs)
+
+
+class Allocations(TorchDispatchMode):
+    """Records every tensor an op inside the block allocates: (op, bytes) of each output whose
+    storage is none of its inputs' (a view, or an op that writes into an input, allocates nothing).
+    Watching storage, not addresses: a buffer rebuilt elsewhere and copied back keeps its address,
+    and is still a new tensor the size of the buffer at every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]   # noqa: E731
+        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
+        self.seen += [(str(func), t.untyped_storage().nbytes()) for t in tensors(out)
+                      if t.untyped_storage().data_ptr() not in inputs]
+        return out
 
 
 # ----------------------------------------------------------------------------- trying it for real

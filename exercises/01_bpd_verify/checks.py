@@ -8,7 +8,11 @@ from heads import BlockHeads
 
 NAMES = ('verify_greedy',)                            # what student.py defines
 SEAMS = {'decode.verify_greedy': 'verify_greedy'}     # where decode.merged_step calls it
-REFERENCE = {'verify_greedy': 'decode.verify_greedy'}
+REFERENCE = {'verify_greedy': 'decode.verify_greedy'}   # in a handout: a call of student.py
+# the rest of the answer, left out of a handout (exercises/handout.py), and what the student may use
+STUBS = {'decode.accept_prefix': "what a step keeps, the drafts before the first refusal and the bonus there: "
+                                 "verify_greedy's own work"}
+MAY_USE = ('decode.exact', 'decode.top_n', 'decode.min_block', 'decode.ACCEPT')
 EXACT = (decode.exact, None)
 
 

@@ -8,7 +8,11 @@ from heads import BlockHeads
 
 NAMES = ('verify_sampled',)
 SEAMS = {'decode.verify_sampled': 'verify_sampled'}
-REFERENCE = {'verify_sampled': 'decode.verify_sampled'}
+REFERENCE = {'verify_sampled': 'decode.verify_sampled'}   # in a handout: a call of student.py
+# the rest of the answer, left out of a handout (exercises/handout.py), and what the student may use
+STUBS = {'decode.accept_sampled': "speculative sampling's test, min(1, P/Q): verify_sampled's own work",
+         'decode.residual': "the bonus after a rejection, norm(max(0, P - Q)): verify_sampled's own work"}
+MAY_USE = ('model.sample', 'model.tempered')
 V, N = 6, 200_000
 
 
@@ -137,6 +141,27 @@ def test_p_equal_to_q(impl):
         raise harness.Fail(f"the bonus is not a token: got {bonus[:8].tolist()}..., want tokens in 0..{V - 1}",
                            "the residual max(0, P - Q) sums to 0 here and normalising it divides by zero: fall "
                            "back to P where it sums to 0 (a rejection has probability 0 there)")
+
+
+def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
+    """A residual that rounding leaves all zero falls back to P. Q = P (1 + 2^-8) at every token (a
+    bf16 softmax's rows can sum to 1 + 2^-8): max(0, P - Q) is 0 everywhere, yet u Q(d) >= P(d)
+    refuses a draft about once in 257. Over 200,000 one-draft rows, the bonus after those refusals
+    is a sample of P, not one fixed token. Hint: where the residual sums to 0, take P itself
+    (torch.where on the row's sum); normalising it divides 0 by 0, and model.sample of an all-zero
+    row returns its last index."""
+    g = torch.Generator().manual_seed(10)
+    L = torch.randn(2, V, generator=g, dtype=torch.float64) * 1.5
+    p = F.softmax(L, -1)
+    q = (p[0] * (1 + 2 ** -8)).expand(N, 1, V)
+    drafts = decode.sample(p[:1].expand(N, 1, V), g)
+    _, n_acc, bonus = impl.verify_sampled(L.expand(N, 2, V), q, drafts, 1.0, g)
+    refused = n_acc == 0
+    if refused.any():   # (an answer that renormalises Q refuses nothing here, and has nothing to fall back from)
+        assert_follows(bonus[refused], p[0], f"after the {int(refused.sum())} refusals, where max(0, P - Q) is 0 "
+                       f"everywhere, the bonus is not a sample of P", "the residual max(0, P - Q) sums to 0 here: "
+                       "fall back to P where it does (a draw from an all-zero row returns the last index, a "
+                       "normalised one NaN)")
 
 
 def test_no_host_sync(impl):

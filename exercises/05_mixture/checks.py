@@ -9,7 +9,9 @@ from exercises import harness
 
 NAMES = ('posterior', 'conditionals')
 SEAMS = {'dblast.posterior': 'posterior', 'dblast.conditionals': 'conditionals'}
-REFERENCE = {'posterior': 'dblast.posterior', 'conditionals': 'dblast.conditionals'}
+REFERENCE = {'posterior': 'dblast.posterior', 'conditionals': 'dblast.conditionals'}   # in a handout: calls of student.py
+STUBS = {}   # nothing else of the project is this answer
+MAY_USE = ('dblast.prior', 'dblast.branch_log_probs', 'dblast.DBlastDrafter.draft_paths')
 
 
 def random_mixture(N=6, K=3, n=4, V=5, seed=0):
