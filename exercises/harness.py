@@ -38,7 +38,8 @@ if ROOT not in sys.path:
 from data import (PROMPT_LEN, BadInput, first_line, heldout_prompts, load_checkpoint, load_dataset,  # noqa: E402
                   newline_id, target_from, vocab_for)
 from decode import generate, load_drafter  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, upcast  # noqa: E402
+import train  # noqa: E402
 
 ALPHA = 1e-5   # a statistical check fails a correct answer by chance once in 100,000 runs
 
@@ -451,24 +452,52 @@ class Allocations(TorchDispatchMode):
 
 # ----------------------------------------------------------------------------- trying it for real
 
+def recorded(ckpt, path):
+    """A checkpoint's model_args and config, as train.py records them: one-line errors for anything
+    else (a list where a dict belongs, a data path that is not text), before any of it is used."""
+    if not isinstance(ckpt.get('model_args'), dict):
+        raise BadInput(f"{path}: its model_args is a {type(ckpt.get('model_args')).__name__}, not the dict "
+                       f"train.py records; re-train or re-copy it")
+    config = ckpt.get('config') or {}
+    if not isinstance(config, dict):
+        raise BadInput(f"{path}: its config is a {type(config).__name__}, not the dict train.py records; "
+                       f"re-train or re-copy it")
+    if config.get('data') is not None and not isinstance(config['data'], str):
+        raise BadInput(f"{path}: its recorded data path is {config['data']!r}, not a path; re-train or re-copy it")
+    return config
+
+
 class Tryout:
     """`python -m exercises try N`: the implementation under test through decode.generate, on the
-    checkpoints `python train.py` wrote, one held-out prompt at a time, next to the project's own
-    code on the same prompts. An exercise's try_it(impl, tryout) picks the rows."""
+    checkpoints `python train.py` wrote, one held-out prompt at a time, next to a reference that
+    the code under test cannot reach: the shipped one (the project's own function, or the
+    solution), plugged into the project's seams for its rows; in a handout, which has none, the
+    target alone, by full recompute (no cache, no drafter, no verifier). Under greedy decoding every
+    row says how many tokens equal plain greedy decoding by full recompute, whatever the handout's
+    cache and verifiers do. An exercise's try_it(impl, tryout) picks the rows."""
 
-    def __init__(self, checks, impl, args):
-        self.checks, self.impl, self.args = checks, impl, args
+    def __init__(self, checks, impl, reference, args):
+        self.checks, self.impl, self.reference, self.args = checks, impl, reference, args
+        self.shown = set()                 # the rows of the target alone already made (a handout's pair)
         path = os.path.join(args.out_dir, 'ckpt.pt')
         if not os.path.isfile(path):
             raise BadInput(f"{path} not found: run `python train.py` first (about 6 minutes on 2 cores; "
                            f"`python train.py --preset quick`: a smaller target in under a minute), or give --out-dir")
         ckpt = load_checkpoint(path)
+        config = recorded(ckpt, path)
         self.model = target_from(ckpt, path, args.device)
         self.vocab = vocab_for(ckpt, path, self.model.config.vocab_size)
-        ds = load_dataset((ckpt.get('config') or {}).get('data'), os.path.join(args.out_dir, 'data'))
+        ds = load_dataset(config.get('data'), os.path.join(args.out_dir, 'data'))
         self.train, self.val = ds.train, ds.val
-        self.prompts = heldout_prompts(ds.val, args.prompts, PROMPT_LEN, newline_id(self.vocab)).to(args.device)
+        try:
+            self.prompts = heldout_prompts(ds.val, args.prompts, PROMPT_LEN, newline_id(self.vocab)).to(args.device)
+        except ValueError:    # more prompts than the held-out text has places to start
+            raise BadInput(f"--prompts {args.prompts}: the held-out text ({len(ds.val)} tokens) has fewer places for "
+                           f"a {PROMPT_LEN}-token prompt; give fewer")
         self.max_new = min(args.max_new, self.model.config.block_size - PROMPT_LEN - 8)
+        if self.max_new < 1:
+            raise BadInput(f"{path}: a context of {self.model.config.block_size} tokens leaves no room after a "
+                           f"{PROMPT_LEN}-token prompt")
 
     @lru_cache
     def drafter(self, name):
@@ -479,13 +508,44 @@ class Tryout:
                            f"smaller target in under a minute) first")
         return load_drafter(path, self.model)
 
-    def decode(self, yours, temperature=0.0, decoder=generate, **kw):
-        """Every prompt, one at a time: outputs, tau of every step, calls, seconds. yours=True runs
-        with the implementation under test plugged into the project's seams. decoder: generate, or
-        a decoder with its signature."""
+    @lru_cache
+    def truth(self):
+        """Plain greedy decoding of every prompt by full recompute (B, T0 + max_new)."""
+        with torch.no_grad():
+            return plain_greedy(self.model, self.prompts, self.max_new)
+
+    def target_samples(self, split):
+        """The target's samples that train.py's dblast stage made and cached in --out-dir/data: its
+        training samples ('train') or its held-out ones ('val'), found by what dblast_K1.pt records
+        (how many, at what temperature, from what seed). Made again, with a note, only if that cache
+        is gone."""
+        path = os.path.join(self.args.out_dir, 'dblast_K1.pt')
+        self.drafter('dblast_K1.pt')                              # there, and this target's
+        config = recorded(load_checkpoint(path), path)
+        want = dict(dblast_samples=int, dblast_eval_samples=int, temperature=(int, float), seed=int)
+        bad = [k for k, kind in want.items() if isinstance(config.get(k), bool) or not isinstance(config.get(k), kind)]
+        if bad:
+            raise BadInput(f"{path}: its config records no {bad[0]} as train.py does; re-train it")
+        n = config['dblast_samples'] if split == 'train' else config['dblast_eval_samples']
+        seed = config['seed'] + (1 if split == 'train' else 2)        # as train.py's dblast stage draws them
+        cache = os.path.join(self.args.out_dir, 'data')
+        before = set(os.listdir(cache)) if os.path.isdir(cache) else set()
+        rt = types.SimpleNamespace(device=self.args.device, kind=torch.device(self.args.device).type, master=True)
+        t0 = time.perf_counter()
+        samples = train.dblast_data(rt, self.model, self.train if split == 'train' else self.val, n,
+                                    config['temperature'], seed, f'target samples at T={config["temperature"]}', cache)
+        if set(os.listdir(cache)) - before:
+            print(f"note: train.py's {n} {'training' if split == 'train' else 'held-out'} samples were not in "
+                  f"{cache}/: made them again ({time.perf_counter() - t0:.0f}s)")
+        return samples, config['temperature']
+
+    def decode(self, code, temperature=0.0, decoder=generate, **kw):
+        """Every prompt, one at a time: outputs, tau of every step, calls, seconds. code: an
+        implementation to plug into the project's seams for the run (the one under test, or the
+        reference), or None for the project as it is. decoder: generate, or one with its signature."""
         g = torch.Generator(device=self.prompts.device).manual_seed(0)
         outs, taus, calls = [], [], 0
-        with plugged(self.checks, self.impl) if yours else nullcontext():
+        with plugged(self.checks, code) if code is not None else nullcontext():
             t0 = time.perf_counter()
             for p in self.prompts:
                 out, stats = decoder(self.model, p[None], self.max_new, temperature=temperature, generator=g, **kw)
@@ -495,29 +555,74 @@ class Tryout:
             seconds = time.perf_counter() - t0
         return torch.cat(outs), taus, calls, seconds
 
-    def row(self, label, yours, temperature=0.0, **kw):
+    def row(self, label, code, temperature=0.0, p_value=False, **kw):
         """One table row: tau, calls, speedup over plain decoding (each timed twice, interleaved with
-        it, the faster run of each kept), and under greedy decoding how many tokens equal plain
-        greedy's."""
-        runs = [(self.decode(False, temperature), self.decode(yours, temperature, **kw)) for _ in range(2)]
-        (base, _, base_calls, _), (out, taus, calls, _) = runs[0]
+        it, the faster run of each kept), under greedy decoding how many tokens equal plain greedy
+        decoding by full recompute, and with p_value a chi-square p-value of the second token (see
+        second_token_p)."""
+        runs = [(self.decode(None, temperature), self.decode(code, temperature, **kw)) for _ in range(2)]
+        (_, _, base_calls, _), (out, taus, calls, _) = runs[0]
         base_s = min(r[0][3] for r in runs)
         seconds = min(r[1][3] for r in runs)
+        r = dict(label=label, T=temperature, tau=f"{sum(taus) / len(taus):.2f}", calls=f"{calls} ({base_calls})",
+                 speedup=f"{base_s / seconds:.2f}x", same=self.same(out, temperature), out=out)
+        if p_value:
+            r['p'] = f"{self.second_token_p(code, temperature, **kw):.3f}"
+        return r
+
+    def same(self, out, temperature):
+        """'n/m': tokens of a greedy decoding equal to plain greedy's by full recompute."""
+        if temperature != 0:
+            return ''
         T0 = self.prompts.size(1)
-        same = (out[:, T0:] == base[:, T0:]).sum().item()
-        return dict(label=label, T=temperature, tau=sum(taus) / len(taus), calls=calls, plain_calls=base_calls,
-                    speedup=base_s / seconds, same=f"{same}/{out[:, T0:].numel()}" if temperature == 0 else '',
-                    out=out)
+        return f"{int((out[:, T0:] == self.truth()[:, T0:]).sum())}/{out[:, T0:].numel()}"
+
+    def plain_row(self, temperature=0.0, p_value=False):
+        """The target alone by full recompute: plain greedy decoding (the `same` column's reference),
+        or plain sampling."""
+        P, m, T0 = len(self.prompts), self.max_new, self.prompts.size(1)
+        g = torch.Generator(device=self.prompts.device).manual_seed(0)
+        out = self.truth() if temperature == 0 else self.sampled(self.prompts, m, temperature, g)
+        r = dict(label='the target alone, by full recompute (no cache, no verifier)', T=temperature, tau='1.00',
+                 calls=f"{P * m} full passes", speedup='', same=self.same(out, temperature), out=out)
+        if p_value:
+            r['p'] = f"{self.second_token_p('plain', temperature):.3f}"
+        return r
+
+    def pair(self, label, temperature=0.0, p_value=False, make=lambda code: {}, **kw):
+        """[the reference's row, yours]: the reference plugged into the project's seams, or in a
+        handout (no reference) the target alone by full recompute. make(code): more keywords for
+        one code's run (its own drafter or decoder)."""
+        yours = self.row(f"yours, {label}", self.impl, temperature, p_value, **kw, **make(self.impl))
+        if self.reference is not None:
+            return [self.row(f"reference, {label}", self.reference, temperature, p_value, **kw, **make(self.reference)),
+                    yours]
+        if (temperature, p_value) in self.shown:          # one row of the target alone per table is enough
+            return [yours]
+        self.shown.add((temperature, p_value))
+        return [self.plain_row(temperature, p_value), yours]
 
     @torch.no_grad()
-    def second_token_p(self, yours, drafter, temperature, n=4000, k=4):
+    def sampled(self, prompts, m, temperature, generator=None):
+        """m tokens sampled after each prompt from the target by full recompute (B, T0 + m)."""
+        x = prompts
+        for _ in range(m):
+            p = F.softmax(upcast(self.model(x)[0][:, -1]).double() / temperature, -1)
+            x = torch.cat([x, torch.multinomial(p, 1, generator=generator)], 1)
+        return x
+
+    @torch.no_grad()
+    def second_token_p(self, code, temperature, n=4000, decoder=generate, **kw):
         """The chi-square p-value of the second token of n decodes of one prompt against its exact
-        marginal sum_x1 p(x1) p(x2 | x1): the first verified token, so a biased verifier shows."""
+        marginal sum_x1 p(x1) p(x2 | x1): the first verified token, so a biased verifier shows.
+        code: as for decode, or 'plain': the target alone by full recompute."""
         prompt, V = self.prompts[:1], self.model.config.vocab_size
         g = torch.Generator(device=prompt.device).manual_seed(1)
-        with plugged(self.checks, self.impl) if yours else nullcontext():
-            out, _ = generate(self.model, prompt.expand(n, -1), 2, drafter=drafter, k=k, temperature=temperature,
-                              generator=g)
+        if code == 'plain':
+            out = self.sampled(prompt.expand(n, -1), 2, temperature, g)
+        else:
+            with plugged(self.checks, code) if code is not None else nullcontext():
+                out, _ = decoder(self.model, prompt.expand(n, -1), 2, temperature=temperature, generator=g, **kw)
         p1 = F.softmax(self.model(prompt)[0][0, -1].double() / temperature, -1)
         seqs = torch.cat([prompt.expand(V, -1), torch.arange(V, device=prompt.device)[:, None]], 1)
         p2 = F.softmax(self.model(seqs)[0][:, -1].double() / temperature, -1)
@@ -528,8 +633,7 @@ class Tryout:
         heads = ['', 'T', 'tau', 'calls (plain)', 'speedup', 'same as plain greedy'] + [h for h, _ in extra]
         print('| ' + ' | '.join(heads) + ' |\n|' + '---|' * len(heads))
         for r in rows:
-            cells = [r['label'], r['T'], f"{r['tau']:.2f}", f"{r['calls']} ({r['plain_calls']})",
-                     f"{r['speedup']:.2f}x", r['same']] + [r.get(key, '') for _, key in extra]
+            cells = [r['label'], r['T'], r['tau'], r['calls'], r['speedup'], r['same']] + [r.get(key, '') for _, key in extra]
             print('| ' + ' | '.join(str(c) for c in cells) + ' |')
 
 
@@ -538,11 +642,15 @@ def try_out(n, which, args):
     if not hasattr(checks, 'try_it'):
         raise BadInput(f"exercise {n} has no `try` (its checks are the whole story)")
     who = {'student': 'your student.py', 'solution': 'the reference'}.get(which, f"the control '{which}'")
+    reference = implementation(n, 'solution') if solution_path(n) else None
+    against = ("the reference's rows (the shipped one, plugged in for them)" if reference is not None else
+               "the target alone, by full recompute (a handout has no reference)")
     print(f"exercise {n} ({exercises()[n]}): {who} through the decoder on {args.out_dir}/, "
-          f"{args.prompts} held-out prompts one at a time, next to the project's own code.\n"
+          f"{args.prompts} held-out prompts one at a time, next to {against}; 'same as plain greedy' counts "
+          f"the tokens equal to plain greedy decoding by full recompute.\n"
           f"{' '.join(checks.try_it.__doc__.split())}\n")
     impl = implementation(n, which)
     try:
-        checks.try_it(impl, Tryout(checks, impl, args))
+        checks.try_it(impl, Tryout(checks, impl, reference, args))
     except NotImplementedError as e:
         raise BadInput(f"not written yet: {e} (python -m exercises check {n} says what is missing)")

@@ -308,3 +308,20 @@ def test_a_folder_in_use_is_refused_before_anything_is_written(tmp_path):
         assert code == 2 and len(lines) == 1 and lines[0].startswith('error: handout ') and needle in lines[0], err
     assert sorted(os.listdir(tmp_path)) == ['a_file', 'full'] and os.listdir(tmp_path / 'full') == ['notes.txt']
     assert not os.path.exists(os.path.join(ROOT, 'exercises', 'course'))
+
+
+def test_try_in_a_handout_sets_a_planted_wrong_answer_beside_the_target_alone(handout, tmp_path):
+    """A handout has no reference: `try 1` there sets the student's rows beside the target alone by
+    full recompute, which no student code reaches (not even the handout's cache, exercise 3's), so a
+    planted wrong verify_greedy shows other figures than the reference row."""
+    from test_exercises_cli import table, write_out_dir, wrong_verify_greedy
+    course = copy_of(handout, tmp_path)
+    drop_in(course, 3)
+    with open(os.path.join(course, 'exercises', harness.exercises()[1], 'student.py'), 'w') as f:
+        f.write(wrong_verify_greedy())
+    out_dir = write_out_dir(str(tmp_path / 'out'))
+    proc = run(['-m', 'exercises', 'try', '1', '--out-dir', out_dir, '--prompts', '2', '--max-new', '16'], course)
+    assert proc.returncode == 0, proc.stderr
+    rows = table(proc.stdout)
+    plain, yours = rows['the target alone, by full recompute (no cache, no verifier)'], rows['yours, BPD heads, k = 8']
+    assert plain[5] == '32/32' and yours[5] != plain[5], proc.stdout

@@ -144,6 +144,5 @@ def test_decodes_exactly_greedy(impl):
 
 
 def try_it(impl, tryout):
-    """BPD heads at k = 8 on train.py's target, greedy: yours next to the project's."""
-    heads = tryout.drafter('heads.pt')
-    tryout.table([tryout.row('project', False, drafter=heads, k=8), tryout.row('yours', True, drafter=heads, k=8)])
+    """BPD heads at k = 8 on train.py's target, greedy: yours next to the reference."""
+    tryout.table(tryout.pair('BPD heads, k = 8', drafter=tryout.drafter('heads.pt'), k=8))

@@ -156,6 +156,5 @@ def test_decodes_exactly_greedy(impl):
 
 
 def try_it(impl, tryout):
-    """BPD heads at k = 8, greedy, on train.py's target: yours next to the project's."""
-    heads = tryout.drafter('heads.pt')
-    tryout.table([tryout.row('project', False, drafter=heads, k=8), tryout.row('yours', True, drafter=heads, k=8)])
+    """BPD heads at k = 8, greedy, on train.py's target: on your cache next to the reference's."""
+    tryout.table(tryout.pair('BPD heads, k = 8', drafter=tryout.drafter('heads.pt'), k=8))

@@ -204,16 +204,17 @@ def test_every_committed_draft_passes(impl):
 
 @torch.no_grad()
 def try_it(impl, tryout):
-    """Typical acceptance next to exact and top-k, with the k = 8 heads: tau, agreement with greedy,
-    and the original model's NLL of the output (as bench.py's lossy table)."""
+    """Typical acceptance, yours next to the reference, beside exact and top-k, with the k = 8 heads:
+    tau, agreement with greedy, and the original model's NLL of the output (as bench.py's lossy
+    table)."""
     heads = tryout.drafter('heads.pt')
-    rows = []
     T0 = tryout.prompts.size(1)
-    for accept, yours in [('exact', False), ('topk:2', False), ('topk:3', False), ('typical:0.3,0.6', True),
-                          ('typical:0.09,0.3', True), ('typical:0.01,0.1', True)]:
-        r = tryout.row(accept, yours, drafter=heads, k=8, accept=accept)
+    typical = [r for accept in ('typical:0.3,0.6', 'typical:0.09,0.3', 'typical:0.01,0.1')
+               for r in tryout.pair(accept, drafter=heads, k=8, accept=accept)]          # first: yours may be unwritten
+    rows = [tryout.row(f"{accept} (the project's rule)", None, drafter=heads, k=8, accept=accept)
+            for accept in ('exact', 'topk:2', 'topk:3')] + typical
+    for r in rows:
         logits = tryout.model(r['out'][:, :-1])[0].float()
         nll = -F.log_softmax(logits, -1).gather(-1, r['out'][:, 1:, None]).squeeze(-1)[:, T0 - 1:].mean()
         r['nll'] = f"{float(nll):.3f}"
-        rows.append(r)
     tryout.table(rows, extra=[('output NLL', 'nll')])

@@ -1,14 +1,10 @@
 """Exercise 6's checks: the acceptance-length surrogate (README.md)."""
-import contextlib
 import itertools
 import math
-import os
-import types
 
 import torch
 import torch.nn.functional as F
 
-import train
 from dblast import DBlastDrafter, anchors, expected_accepted, expected_tau
 from exercises import harness
 
@@ -178,6 +174,34 @@ def test_the_acceptance_length_identity(impl):
 
 
 @torch.no_grad()
+def test_the_acceptance_length_identity(impl):
+    """The acceptance-length identity. E_{x ~ p}[sum_j exp(a_j)], summed exactly over every block of
+    the 8-token world, equals the accepted drafts speculative decoding measures (20,000 first steps
+    of a K = 4 drafter). Hint: the identity sums exp(a_j) of your prefix_log_accept, which the
+    first check tests alone; if that one passes and this fails, the clamp at 0 is missing or
+    misplaced."""
+    model = harness.target8()
+    d = harness.peaky(DBlastDrafter(model.config, 4, 4), 0.3, 2)
+    T, n = 1.0, 3
+    seqs = torch.tensor(list(itertools.product(range(8), repeat=n + 1)))           # bonus, x_1..x_3
+    full = torch.cat([harness.PROMPT8.expand(len(seqs), -1), seqs], 1)
+    T0 = harness.PROMPT8.size(1)
+    h = model.hidden(full)
+    logp = F.log_softmax(model.lm_head(h) / T, -1)
+    lp = logp[:, T0 - 1:-1].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)             # (N, n+1)
+    per_block = expected_accepted(d, h[:, T0 - 1], seqs[:, 0], model, seqs[:, 1:], lp[:, 1:], T, True, 'mixture')
+    expected = float((lp.sum(-1).exp() * per_block).sum())
+    rows = 20000
+    _, stats = harness.generate(harness.float32(model), harness.PROMPT8.expand(rows, -1), 4,
+                                drafter=harness.float32(d), temperature=T, generator=torch.Generator().manual_seed(0))
+    first = torch.tensor(stats['accept_lengths'][:rows], dtype=torch.float64) - 1
+    mean, se = first.mean().item(), first.std().item() / math.sqrt(rows)
+    assert abs(mean - expected) < 4.5 * se, \
+        f"the identity gives {expected:.3f} accepted drafts, decoding measures {mean:.3f} +- {se:.3f}, want them " \
+        f"within 4.5 standard errors ({4.5 * se:.3f})"
+
+
+@torch.no_grad()
 def try_it(impl, tryout):
     """train.py's DBlast drafters on held-out samples of its target at T = 1.5: the exact evaluator's
     expected tau and the AL loss, with your functions and the project's."""
@@ -197,3 +221,29 @@ def try_it(impl, tryout):
                 h, bonus, x, log_px = anchors(samples, k, rows[:4096], pos[:4096])
                 loss = d.loss(h, bonus, tryout.model, x, log_px, T)
             print(f"| {name} | {label} | {tau:.3f} | {float(loss):.4f} |")
+
+
+@torch.no_grad()
+def try_it(impl, tryout):
+    """train.py's DBlast drafters on the held-out target samples its dblast stage made and cached in
+    out/data, at its temperature: the exact evaluator's expected tau and the AL loss with your
+    functions, next to the reference's; and the tau each drafter reaches decoding held-out prompts,
+    which the expected tau estimates (decoding calls neither of your functions)."""
+    samples, T = tryout.target_samples('val')
+    whose = [('reference', tryout.reference)] if tryout.reference is not None else []
+    print("| drafter | whose | expected tau | AL loss |\n|---|---|---|---|")
+    for name in ('dblast_K4.pt', 'dblast_K1.pt'):
+        d = tryout.drafter(name)
+        lo, hi = samples.positions(d.k)
+        rows = torch.arange(len(samples.seqs)).repeat_interleave(hi - lo)
+        pos = torch.arange(lo, hi).repeat(len(samples.seqs))
+        for label, code in whose + [('yours', impl)]:
+            with harness.plugged(tryout.checks, code):
+                tau = expected_tau(d, tryout.model, samples, d.k, T, True, 'mixture')
+                h, bonus, x, log_px = anchors(samples, d.k, rows[:4096].to(samples.seqs.device),
+                                              pos[:4096].to(samples.seqs.device))
+                loss = d.loss(h, bonus, tryout.model, x, log_px, T)
+            print(f"| {name} | {label} | {tau:.3f} | {float(loss):.4f} |")
+        _, taus, _, _ = tryout.decode(None, T, drafter=d, k=d.k)
+        print(f"| {name} | decoded at T = {T}, {len(tryout.prompts)} prompts (what expected tau estimates) | "
+              f"{sum(taus) / len(taus):.3f} | |")

@@ -246,15 +246,17 @@ def test_no_host_sync(impl):
 
 def try_it(impl, tryout):
     """train.py's DBlast K = 4 drafter with greedy branches, at T = 0 and 1.5: your tree verification
-    of all four branches next to verifying the drawn branch alone and the mixture's conditionals."""
+    of all four branches next to the reference's, beside the project's verification of the drawn
+    branch alone and of the mixture's conditionals, with a chi-square p-value of the second token
+    under sampling."""
     d = tryout.drafter('dblast_K4.pt')
     d.sample_drafts = False
+    tree = lambda code: dict(decoder=lambda *a, **kw: tree_generate(*a, step=code.tree_step, **kw))   # noqa: E731
     rows = []
     for T in (0.0, 1.5):
         for label, verify in (('drawn branch alone (verify=branch)', 'branch'), ("mixture's conditionals", 'mixture')):
             d.verify = verify
-            rows.append(tryout.row(label, False, T, drafter=d))
-        rows.append(tryout.row('tree of all 4 branches', False, T, drafter=d,
-                               decoder=lambda *a, **kw: tree_generate(*a, step=impl.tree_step, **kw)))
+            rows.append(tryout.row(label, None, T, T > 0, drafter=d))
+        rows += tryout.pair('tree of all 4 branches', T, T > 0, make=tree, drafter=d)
     d.sample_drafts, d.verify = True, 'mixture'
-    tryout.table(rows)
+    tryout.table(rows, extra=[('p-value, 2nd token (4000 decodes)', 'p')])
