@@ -414,7 +414,17 @@ SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_
             aten.unique_dim.default}
 
 
-class HostSyncs(TorchDispatchMode):
+class EagerMode(TorchDispatchMode):
+    """A dispatch mode for eager code only: torch would otherwise wrap its __torch_dispatch__ so that
+    torch.compile skips it, importing torch._dynamo at the first op (1 s on a quiet machine, 3 s on
+    a busy one: a part of every exercise's checks, for a compiler no check runs)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        return False
+
+
+class HostSyncs(EagerMode):
     """Records every op inside the block that would stall the host on a GPU (.item(), nonzero,
     boolean indexing, ...). It works on the CPU too, so a check made here holds on CUDA."""
 
@@ -431,7 +441,7 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-class Allocations(TorchDispatchMode):
+class Allocations(EagerMode):
     """Records every tensor an op inside the block allocates: (op, bytes) of each output whose
     storage is none of its inputs' (a view, or an op that writes into an input, allocates nothing).
     Watching storage, not addresses: a buffer rebuilt elsewhere and copied back keeps its address,
