@@ -64,8 +64,8 @@ def why_not_p(emitted, accepted, drafts, p, q):
 
 def test_shapes_and_the_prefix(impl):
     """Shapes, and nothing past the first rejection. accepted is (B, k-1) bool and a prefix (no True
-    after a False), n_acc its count, the bonus a token. Hint: the accepted prefix is the same as
-    in exercise 1 (decode.accept_prefix); only the test and the bonus change."""
+    after a False), n_acc its count, the bonus a token. Hint: the accepted prefix is exercise 1's
+    (the drafts before the first refusal: a cumulative product); only the test and the bonus change."""
     g = torch.Generator().manual_seed(1)
     B, k = 500, 5
     logits = torch.randn(B, k, V, generator=g, dtype=torch.float64)
