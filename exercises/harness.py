@@ -6,9 +6,10 @@ small worlds and statistics the checks are built from.
 An exercise is a folder NN_name/ with README.md (the task), student.py (the stubs) and checks.py.
 checks.py names what the student writes (NAMES), where the project calls it (SEAMS: 'module.attr'
 -> name), the reference when it is the project's own code (REFERENCE: name -> 'module.attr'; else
-exercises/solutions/NN_name.py), and the checks: functions test_*(impl), written once, run against
-whichever implementation `impl` holds. exercises/solutions/NN_name.py also holds CONTROLS: plausible
-wrong answers ({what is wrong: {name: function}}) that the checks must catch.
+exercises/solutions/NN_name.py), the rest of the answer a handout leaves out (STUBS) and what the
+student may use (MAY_USE; exercises/handout.py), and the checks: functions test_*(impl), written
+once, run against whichever implementation `impl` holds. exercises/solutions/NN_name.py also holds
+CONTROLS: plausible wrong answers ({what is wrong: {name: function}}) that the checks must catch.
 """
 import copy
 import importlib

@@ -4,7 +4,9 @@ as not written when called, and no function anywhere in the copy has one of thei
 check there fails as "not written yet"; plain decoding stops with one line until exercise 3 is
 written, and then, with exercises 1 and 2, plain and one-path decoding give the project's tokens
 while several paths per call refuse, naming exercise 8; and with every reference dropped into the
-students' files every check of every exercise passes in the copy.
+students' files every check of every exercise passes in the copy; `try` there sets a planted wrong
+answer beside the target alone; and a helper of the main code that only listed bodies use must be
+listed too.
 
 Each step in the copy is a real process (sys.executable) run there, so the copy's own modules are
 the ones imported."""
@@ -325,3 +327,51 @@ def test_try_in_a_handout_sets_a_planted_wrong_answer_beside_the_target_alone(ha
     rows = table(proc.stdout)
     plain, yours = rows['the target alone, by full recompute (no cache, no verifier)'], rows['yours, BPD heads, k = 8']
     assert plain[5] == '32/32' and yours[5] != plain[5], proc.stdout
+
+
+def only_answers_use(sources):
+    """The functions and methods of the main modules ({module: source}) that something reads, and
+    only listed bodies (a REFERENCE's or a STUBS entry's): 'module.name', sorted. A reference is the
+    name read anywhere (called, passed, as an attribute), its own body left out."""
+    trees = {m: ast.parse(source) for m, source in sources.items()}
+    taken = []                                                  # (module, first, last) of listed bodies
+    for _, _, entry, _, _ in handout_module.entries():
+        dotted, arm, test = handout_module.parse_entry(entry)
+        module = dotted.split('.')[0]
+        fn = handout_module.find_function(trees[module], dotted, module)
+        for body in ([fn.body] if arm is None else
+                     [node.body if arm == 'if' else node.orelse for node in handout_module.branches(fn, test)]):
+            taken.append((module, body[0].lineno, body[-1].end_lineno))
+    read = {}                                                   # name -> [(module, line)]
+    for m, tree in trees.items():
+        for x in ast.walk(tree):
+            if isinstance(x, (ast.Name, ast.Attribute)):
+                read.setdefault(x.id if isinstance(x, ast.Name) else x.attr, []).append((m, x.lineno))
+    listed = {handout_module.parse_entry(e)[0] for _, _, e, _, _ in handout_module.entries()}
+    found = []
+    for module, tree in trees.items():
+        for node in tree.body:
+            for fn, dotted in [(node, f"{module}.{node.name}")] if isinstance(node, ast.FunctionDef) else \
+                    [(f, f"{module}.{node.name}.{f.name}") for f in node.body if isinstance(f, ast.FunctionDef)] \
+                    if isinstance(node, ast.ClassDef) else []:
+                where = [(m, line) for m, line in read.get(fn.name, [])
+                         if not (m == module and fn.lineno <= line <= fn.end_lineno)]
+                inside = [(m, line) for m, line in where if any(m == tm and a <= line <= b for tm, a, b in taken)]
+                if where and len(inside) == len(where) and dotted not in listed:
+                    found.append(dotted)
+    return sorted(found)
+
+
+def test_a_helper_only_an_answer_uses_is_listed():
+    """A function of the main code that nothing but the listed bodies uses is the answer's
+    substance too, and must be an entry: when the tree verifier's node bookkeeping becomes a
+    function of its own (decode.tree_nodes), this asks for it. (Shown here on a copy of decode.py
+    given such a helper.)"""
+    modules = ['model', 'data', 'heads', 'dblast', 'decode', 'generate', 'train', 'measure', 'bench', 'gpu_check']
+    sources = {m: open(os.path.join(ROOT, m + '.py'), encoding='utf-8').read() for m in modules}
+    assert only_answers_use(sources) == []
+    start = '    B, N, n = drafts.shape\n    dev = drafts.device\n    p = F.softmax'
+    assert start in sources['decode']
+    tampered = dict(sources, decode=sources['decode'].replace(start, '    tree_nodes(drafts)\n' + start)
+                    + '\n\ndef tree_nodes(drafts):\n    return drafts\n')
+    assert only_answers_use(tampered) == ['decode.tree_nodes']
