@@ -493,7 +493,7 @@ class Tryout:
         path = os.path.join(args.out_dir, 'ckpt.pt')
         if not os.path.isfile(path):
             raise BadInput(f"{path} not found: run `python train.py` first (about 6 minutes on 2 cores; "
-                           f"`python train.py --preset quick`: a smaller target in under a minute), or give --out-dir")
+                           f"`python train.py --preset quick`: a smaller target, sooner), or give --out-dir")
         ckpt = load_checkpoint(path)
         config = recorded(ckpt, path)
         self.model = target_from(ckpt, path, args.device)
@@ -516,7 +516,7 @@ class Tryout:
         path = os.path.join(self.args.out_dir, name)
         if not os.path.isfile(path):
             raise BadInput(f"{path} not found: run `python train.py` (all stages; `--preset quick` for a "
-                           f"smaller target in under a minute) first")
+                           f"smaller target, sooner) first")
         return load_drafter(path, self.model)
 
     @lru_cache
