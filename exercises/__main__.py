@@ -106,7 +106,8 @@ def main(argv=None):
     ap.add_argument('--solution', action='store_true', help='run the reference instead of student.py')
     ap.add_argument('--control', default=None, help='check, try: run a negative control (a plausible wrong answer)')
     ap.add_argument('--out-dir', default=None, help="try: train.py's checkpoints (default out/)")
-    ap.add_argument('--prompts', type=int, default=None, help='try: held-out prompts, decoded one at a time (default 8)')
+    ap.add_argument('--prompts', type=int, default=None,
+                    help='try: held-out prompts, decoded one at a time (default 8)')
     ap.add_argument('--max-new', type=int, default=None, help='try: tokens per prompt (default 128)')
     ap.add_argument('--device', default=None, help='try: cpu (default), cuda, cuda:N or mps')
     ap.add_argument('--threads', type=int, default=None,

@@ -256,7 +256,8 @@ def context_target(seed=0, back=2, theta=0.4, sharp=30.0, scale=0.7):
         ln.weight.fill_(1.0)
     model.transformer.wte.weight[:, :V] = scale * torch.eye(V, dtype=torch.float64)
     position = theta * torch.arange(32, dtype=torch.float64)
-    model.transformer.wpe.weight[:, at], model.transformer.wpe.weight[:, at + 1] = 3 * position.cos(), 3 * position.sin()
+    wpe = model.transformer.wpe.weight
+    wpe[:, at], wpe[:, at + 1] = 3 * position.cos(), 3 * position.sin()
     W, out = layer.attn.c_attn.weight, layer.attn.c_proj.weight          # (3C, C): q, k, v
     for h in range(back):
         c, s = math.cos(theta * (h + 1)), math.sin(theta * (h + 1))
@@ -644,7 +645,8 @@ class Tryout:
         heads = ['', 'T', 'tau', 'calls (plain)', 'speedup', 'same as plain greedy'] + [h for h, _ in extra]
         print('| ' + ' | '.join(heads) + ' |\n|' + '---|' * len(heads))
         for r in rows:
-            cells = [r['label'], r['T'], r['tau'], r['calls'], r['speedup'], r['same']] + [r.get(key, '') for _, key in extra]
+            cells = [r['label'], r['T'], r['tau'], r['calls'], r['speedup'], r['same']]
+            cells += [r.get(key, '') for _, key in extra]
             print('| ' + ' | '.join(str(c) for c in cells) + ' |')
 
 

@@ -159,7 +159,8 @@ def test_try_sets_a_planted_wrong_answer_beside_the_reference(out_dir):
     """A verify_greedy that takes the bonus one position late, through `try 1`: the reference's row
     is plain greedy decoding's (every token the same), the wrong answer's is not."""
     code, out, err = in_process(lambda: exercises_main(
-        ['try', '1', '--control', 'bonus one position late', '--out-dir', out_dir, '--prompts', '2', '--max-new', '16']))
+        ['try', '1', '--control', 'bonus one position late', '--out-dir', out_dir, '--prompts', '2',
+         '--max-new', '16']))
     assert code == 0, err
     rows = table(out)
     reference, yours = rows['reference, BPD heads, k = 8'], rows['yours, BPD heads, k = 8']
@@ -179,14 +180,15 @@ def test_train_stopped_by_an_unwritten_exercise_says_resume_continues(tmp_path, 
     closing demo of several paths per call (exercise 8's answer, left out of a handout) is skipped
     with a line, not a stop."""
     import train
-    stub = "exercise 6: write prefix_log_accept in exercises/06_al_loss/student.py (train.py's dblast stage trains DBlast"
+    stub = "exercise 6: write prefix_log_accept in exercises/06_al_loss/student.py (train.py's dblast stage)"
 
     def run(args):
         raise NotImplementedError(stub)
     monkeypatch.setattr(train, 'run', run)
     code, _, err = in_process(lambda: train.main(['--out-dir', str(tmp_path / 'out')]))
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"not written yet: {stub}") and '--resume' in lines[0], err
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"not written yet: {stub}"), err
+    assert '--resume continues' in lines[0], err
 
     logged = []
 

@@ -9,7 +9,7 @@ from exercises import harness
 
 NAMES = ('posterior', 'conditionals')
 SEAMS = {'dblast.posterior': 'posterior', 'dblast.conditionals': 'conditionals'}
-REFERENCE = {'posterior': 'dblast.posterior', 'conditionals': 'dblast.conditionals'}   # in a handout: calls of student.py
+REFERENCE = {'posterior': 'dblast.posterior', 'conditionals': 'dblast.conditionals'}   # in a handout: student.py
 STUBS = {}   # nothing else of the project is this answer
 MAY_USE = ('dblast.prior', 'dblast.branch_log_probs', 'dblast.DBlastDrafter.draft_paths')
 

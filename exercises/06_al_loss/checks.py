@@ -10,7 +10,8 @@ from exercises import harness
 
 NAMES = ('prefix_log_accept', 'al_surrogate')
 SEAMS = {'dblast.prefix_log_accept': 'prefix_log_accept', 'dblast.al_surrogate': 'al_surrogate'}
-REFERENCE = {'prefix_log_accept': 'dblast.prefix_log_accept', 'al_surrogate': 'dblast.al_surrogate'}   # handout: student.py
+# the project's own functions, in a handout calls of student.py
+REFERENCE = {'prefix_log_accept': 'dblast.prefix_log_accept', 'al_surrogate': 'dblast.al_surrogate'}
 # the rest of the answer, left out of a handout (exercises/handout.py), and what the student may use
 STUBS = {'dblast.log_conditionals': "log Q_i(x_i), the mixture's conditional at the block: most of "
                                     "prefix_log_accept's own work"}

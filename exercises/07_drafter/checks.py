@@ -41,7 +41,8 @@ def test_the_contract(impl):
                            "subclass heads.Drafter and set self.k = k in __init__")
     N, V = 50, model.config.vocab_size
     g = torch.Generator().manual_seed(0)
-    h, bonus = torch.randn(N, model.config.n_embd, generator=g, dtype=torch.float64), torch.randint(V, (N,), generator=g)
+    h = torch.randn(N, model.config.n_embd, generator=g, dtype=torch.float64)
+    bonus = torch.randint(V, (N,), generator=g)
     for k in (2, 4):
         drafts, _ = d.draft(h, bonus, model, k, 0.0, g)
         assert drafts.shape == (N, k - 1) and drafts.dtype == torch.long, \
@@ -171,7 +172,8 @@ def test_training_leaves_the_target_alone(impl):
     d = make(impl, model.config, 4)
     g = torch.Generator().manual_seed(5)
     N, V = 16, model.config.vocab_size
-    h, bonus = torch.randn(N, model.config.n_embd, generator=g, dtype=torch.float64), torch.randint(V, (N,), generator=g)
+    h = torch.randn(N, model.config.n_embd, generator=g, dtype=torch.float64)
+    bonus = torch.randint(V, (N,), generator=g)
     x = torch.randint(V, (N, 3), generator=g)
     d.draft(h, bonus, model, 4, 1.5, g)
     d.loss(h, bonus, model, x, 1.5)
