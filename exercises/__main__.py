@@ -19,8 +19,10 @@ if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_
 import argparse
 import time
 
+import torch
+
 from exercises import handout, harness
-from data import ArgumentParser, BadInput, check_number, intra_op_threads, run_script
+from data import ArgumentParser, BadInput, check_number, intra_op_threads, pick_device, run_script
 
 
 def print_list():
@@ -51,12 +53,47 @@ def check(n, which):
     return passed == len(results)
 
 
+TRY_FLAGS = ('out_dir', 'prompts', 'max_new', 'device')     # flags only `try` reads (None: not given)
+
+
+def given(args, names):
+    """The command-line spelling of every flag in names that was given."""
+    return ['--' + n.replace('_', '-') for n in names if getattr(args, n) not in (None, False)]
+
+
+def check_flags(args):
+    """Every flag against the command, before any work: what a command does not read is refused,
+    rather than ignored."""
+    meaningless = {'list': ('solution', 'control', 'threads') + TRY_FLAGS,
+                   'handout': ('solution', 'control', 'threads') + TRY_FLAGS,
+                   'check': TRY_FLAGS, 'try': ()}[args.command]
+    extra = given(args, meaningless)
+    if extra:
+        allowed = {'list': 'no flags', 'handout': 'no flags', 'check': '--solution, --control and --threads',
+                   'try': ''}[args.command]
+        raise BadInput(f"{args.command}: {', '.join(extra)} {'means' if len(extra) == 1 else 'mean'} nothing "
+                       f"here ({args.command} takes {allowed})")
+    if args.command == 'list' and args.number is not None:
+        raise BadInput(f"list {args.number}: list takes nothing after it; the statement of exercise N is "
+                       f"exercises/NN_name/README.md, and `python -m exercises check N` runs its checks")
+    if args.solution and args.control:
+        raise BadInput("--solution and --control: give one (the reference, or one negative control)")
+    if args.control is not None and not args.control.strip():
+        raise BadInput("--control '': give a control's name (python -m exercises check N --control bogus lists them)")
+
+
+def try_device(name):
+    """--device for try: one this machine has (data.pick_device), and a CPU without an index."""
+    name = pick_device('cpu' if name is None else name)
+    if torch.device(name).type == 'cpu' and torch.device(name).index not in (None, 0):
+        raise BadInput(f"--device {name}: a CPU has no device {torch.device(name).index}; use cpu")
+    return name
+
+
 def make_handout(args):
     if args.number is None:
         raise BadInput("handout: give the folder to write the student's copy into "
                        "(python -m exercises handout DIR; a new folder or an empty one)")
-    if args.solution or args.control:
-        raise BadInput("handout: --solution and --control are for check and try")
     handout.make(args.number)
 
 
@@ -67,14 +104,16 @@ def main(argv=None):
     # one positional after the command: check and try take a number, handout a folder
     ap.add_argument('number', nargs='?', metavar='N|DIR', help='check, try: the exercise; handout: the folder to write')
     ap.add_argument('--solution', action='store_true', help='run the reference instead of student.py')
-    ap.add_argument('--control', default=None, help='check: run a negative control (a plausible wrong answer)')
-    ap.add_argument('--out-dir', default='out', help="try: train.py's checkpoints (default out/)")
-    ap.add_argument('--prompts', type=int, default=8, help='try: held-out prompts, decoded one at a time')
-    ap.add_argument('--max-new', type=int, default=128, help='try: tokens per prompt')
-    ap.add_argument('--device', default='cpu')
+    ap.add_argument('--control', default=None, help='check, try: run a negative control (a plausible wrong answer)')
+    ap.add_argument('--out-dir', default=None, help="try: train.py's checkpoints (default out/)")
+    ap.add_argument('--prompts', type=int, default=None,
+                    help='try: held-out prompts, decoded one at a time (default 8)')
+    ap.add_argument('--max-new', type=int, default=None, help='try: tokens per prompt (default 128)')
+    ap.add_argument('--device', default=None, help='try: cpu (default), cuda, cuda:N or mps')
     ap.add_argument('--threads', type=int, default=None,
-                    help="CPU threads (default: the cores not already busy, by the load average)")
+                    help="check, try: CPU threads (default: the cores not already busy, by the load average)")
     args = ap.parse_args(argv)
+    check_flags(args)
     if args.command == 'list':
         print_list()
         return
@@ -89,18 +128,23 @@ def main(argv=None):
     except ValueError:
         raise BadInput(f"{args.command} {args.number}: not an exercise number; choose one of "
                        f"{', '.join(map(str, numbers))}")
-    check_number('--prompts', args.prompts, lo=1)
-    check_number('--max-new', args.max_new, lo=1)
-    if args.threads is not None:
-        check_number('--threads', args.threads, lo=1, hi=1024)
-    intra_op_threads(args.threads)
     if args.number not in numbers:
         raise BadInput(f"exercise {args.number}: choose one of {', '.join(map(str, numbers))}")
+    if args.threads is not None:
+        check_number('--threads', args.threads, lo=1, hi=1024)
+    if args.command == 'try':
+        args.out_dir = 'out' if args.out_dir is None else args.out_dir
+        args.prompts = 8 if args.prompts is None else check_number('--prompts', args.prompts, lo=1, hi=10_000)
+        args.max_new = 128 if args.max_new is None else check_number('--max-new', args.max_new, lo=1, hi=1_000_000)
+        if os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
+            raise BadInput(f"--out-dir {args.out_dir}: a file, not a folder; give train.py's --out-dir")
+        args.device = try_device(args.device)
     if (args.solution or args.control) and harness.solution_path(args.number) is None:
         raise BadInput(f"no exercises/solutions/{numbers[args.number]}.py here (a handout without solutions)")
     if args.control and args.control not in harness.controls(args.number):
         raise BadInput(f"--control {args.control!r}: exercise {args.number}'s controls are "
                        + '; '.join(repr(c) for c in harness.controls(args.number)))
+    intra_op_threads(args.threads)
     which = args.control or ('solution' if args.solution else 'student')
     if args.command == 'check':
         sys.exit(0 if check(args.number, which) else 1)

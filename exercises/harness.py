@@ -6,9 +6,10 @@ small worlds and statistics the checks are built from.
 An exercise is a folder NN_name/ with README.md (the task), student.py (the stubs) and checks.py.
 checks.py names what the student writes (NAMES), where the project calls it (SEAMS: 'module.attr'
 -> name), the reference when it is the project's own code (REFERENCE: name -> 'module.attr'; else
-exercises/solutions/NN_name.py), and the checks: functions test_*(impl), written once, run against
-whichever implementation `impl` holds. exercises/solutions/NN_name.py also holds CONTROLS: plausible
-wrong answers ({what is wrong: {name: function}}) that the checks must catch.
+exercises/solutions/NN_name.py), the rest of the answer a handout leaves out (STUBS) and what the
+student may use (MAY_USE; exercises/handout.py), and the checks: functions test_*(impl), written
+once, run against whichever implementation `impl` holds. exercises/solutions/NN_name.py also holds
+CONTROLS: plausible wrong answers ({what is wrong: {name: function}}) that the checks must catch.
 """
 import copy
 import importlib
@@ -27,6 +28,7 @@ from statistics import NormalDist
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -37,7 +39,8 @@ if ROOT not in sys.path:
 from data import (PROMPT_LEN, BadInput, first_line, heldout_prompts, load_checkpoint, load_dataset,  # noqa: E402
                   newline_id, target_from, vocab_for)
 from decode import generate, load_drafter  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
+from model import GPT, GPTConfig, upcast  # noqa: E402
+import train  # noqa: E402
 
 ALPHA = 1e-5   # a statistical check fails a correct answer by chance once in 100,000 runs
 
@@ -227,6 +230,48 @@ def target8(seed=0):
     return peaky(GPT(V8), 0.3, seed)
 
 
+@lru_cache
+@torch.no_grad()
+def context_target(seed=0, back=2, theta=0.4, sharp=30.0, scale=0.7):
+    """A target of the enumerable world whose next token depends on the last `back` + 1 tokens, and
+    strongly: two contexts that differ in the token two or three back give conditionals about 0.3
+    apart in total variation (entropy about 1.5 nats a token), far more than the sampling noise of
+    a check. Random weights give nearly first-order targets (conditionals after [3,3,2], [3,7,2]
+    and [1,1,2] agree to about 0.005), under which a verifier that reads a sample drawn in another
+    context cannot be told from a right one. Built, not trained, float64:
+
+        wte: token one-hot (dims 0..7); wpe: (cos, sin) of theta * position (dims 8(back+1), +1)
+        head h of the one layer attends to position - (h+1) alone (its query is the position
+            turned back by theta (h+1), its key the position), and copies that token's one-hot
+            to dims 8(h+1)..8(h+1)+7
+        the MLP: random weights on those dims (seeded), into the logits' dims 0..7"""
+    C, V = 32, 8
+    model = GPT(GPTConfig(block_size=32, vocab_size=V, n_layer=1, n_head=back, n_embd=C)).double()
+    g = torch.Generator().manual_seed(seed)
+    hs, at = C // back, 8 * (back + 1)                   # head size, the position's dims
+    layer = model.transformer.h[0]
+    for p in model.parameters():
+        p.zero_()
+    for ln in (layer.ln_1, layer.ln_2, model.transformer.ln_f):
+        ln.weight.fill_(1.0)
+    model.transformer.wte.weight[:, :V] = scale * torch.eye(V, dtype=torch.float64)
+    position = theta * torch.arange(32, dtype=torch.float64)
+    wpe = model.transformer.wpe.weight
+    wpe[:, at], wpe[:, at + 1] = 3 * position.cos(), 3 * position.sin()
+    W, out = layer.attn.c_attn.weight, layer.attn.c_proj.weight          # (3C, C): q, k, v
+    for h in range(back):
+        c, s = math.cos(theta * (h + 1)), math.sin(theta * (h + 1))
+        W[h * hs, at], W[h * hs, at + 1] = sharp * c, sharp * s          # q: the position h+1 back
+        W[h * hs + 1, at], W[h * hs + 1, at + 1] = -sharp * s, sharp * c
+        W[C + h * hs, at], W[C + h * hs + 1, at + 1] = 1.0, 1.0          # k: the position
+        for v in range(V):
+            W[2 * C + h * hs + v, v] = 1.0                               # v: the token
+            out[8 * (h + 1) + v, h * hs + v] = 1.0
+    layer.mlp.c_fc.weight[:, :at] = 2 * torch.randn(4 * C, at, generator=g, dtype=torch.float64)
+    layer.mlp.c_proj.weight[:V] = 3 * torch.randn(V, 4 * C, generator=g, dtype=torch.float64) / math.sqrt(4 * C)
+    return model.eval().requires_grad_(False)
+
+
 @torch.no_grad()
 def continuation_probs(model, prompt, m, temperature):
     """Exact p_T(x_1..x_m | prompt) (V**m,) of every m-token continuation, float64."""
@@ -249,12 +294,16 @@ def pearson(counts, probs):
     return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
 
 
-def chi_square(counts, probs, alpha=ALPHA):
-    """The statistic and its critical value at `alpha` (Wilson-Hilferty's approximation of the
-    chi-square quantile): a statistic above it fails at that level."""
-    stat, df = pearson(counts, probs)
+def critical(df, alpha=ALPHA):
+    """The chi-square quantile 1 - alpha with df degrees of freedom (Wilson-Hilferty)."""
     z = NormalDist().inv_cdf(1 - alpha)
-    return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts, probs, alpha=ALPHA):
+    """The statistic and its critical value at `alpha`: a statistic above it fails at that level."""
+    stat, df = pearson(counts, probs)
+    return stat, critical(df, alpha)
 
 
 def p_value(counts, probs):
@@ -367,7 +416,17 @@ SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_
             aten.unique_dim.default}
 
 
-class HostSyncs(TorchDispatchMode):
+class EagerMode(TorchDispatchMode):
+    """A dispatch mode for eager code only: torch would otherwise wrap its __torch_dispatch__ so that
+    torch.compile skips it, importing torch._dynamo at the first op (1 s on a quiet machine, 3 s on
+    a busy one: a part of every exercise's checks, for a compiler no check runs)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        return False
+
+
+class HostSyncs(EagerMode):
     """Records every op inside the block that would stall the host on a GPU (.item(), nonzero,
     boolean indexing, ...). It works on the CPU too, so a check made here holds on CUDA."""
 
@@ -384,26 +443,73 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class Allocations(EagerMode):
+    """Records every tensor an op inside the block allocates: (op, bytes) of each output whose
+    storage is none of its inputs' (a view, or an op that writes into an input, allocates nothing).
+    Watching storage, not addresses: a buffer rebuilt elsewhere and copied back keeps its address,
+    and is still a new tensor the size of the buffer at every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]   # noqa: E731
+        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
+        self.seen += [(str(func), t.untyped_storage().nbytes()) for t in tensors(out)
+                      if t.untyped_storage().data_ptr() not in inputs]
+        return out
+
+
 # ----------------------------------------------------------------------------- trying it for real
+
+def recorded(ckpt, path):
+    """A checkpoint's model_args and config, as train.py records them: one-line errors for anything
+    else (a list where a dict belongs, a data path that is not text), before any of it is used."""
+    if not isinstance(ckpt.get('model_args'), dict):
+        raise BadInput(f"{path}: its model_args is a {type(ckpt.get('model_args')).__name__}, not the dict "
+                       f"train.py records; re-train or re-copy it")
+    config = ckpt.get('config') or {}
+    if not isinstance(config, dict):
+        raise BadInput(f"{path}: its config is a {type(config).__name__}, not the dict train.py records; "
+                       f"re-train or re-copy it")
+    if config.get('data') is not None and not isinstance(config['data'], str):
+        raise BadInput(f"{path}: its recorded data path is {config['data']!r}, not a path; re-train or re-copy it")
+    return config
+
 
 class Tryout:
     """`python -m exercises try N`: the implementation under test through decode.generate, on the
-    checkpoints `python train.py` wrote, one held-out prompt at a time, next to the project's own
-    code on the same prompts. An exercise's try_it(impl, tryout) picks the rows."""
+    checkpoints `python train.py` wrote, one held-out prompt at a time, next to a reference that
+    the code under test cannot reach: the shipped one (the project's own function, or the
+    solution), plugged into the project's seams for its rows; in a handout, which has none, the
+    target alone, by full recompute (no cache, no drafter, no verifier). Under greedy decoding every
+    row says how many tokens equal plain greedy decoding by full recompute, whatever the handout's
+    cache and verifiers do. An exercise's try_it(impl, tryout) picks the rows."""
 
-    def __init__(self, checks, impl, args):
-        self.checks, self.impl, self.args = checks, impl, args
+    def __init__(self, checks, impl, reference, args):
+        self.checks, self.impl, self.reference, self.args = checks, impl, reference, args
+        self.shown = set()                 # the rows of the target alone already made (a handout's pair)
         path = os.path.join(args.out_dir, 'ckpt.pt')
         if not os.path.isfile(path):
             raise BadInput(f"{path} not found: run `python train.py` first (about 6 minutes on 2 cores; "
-                           f"`python train.py --preset quick`: a smaller target in under a minute), or give --out-dir")
+                           f"`python train.py --preset quick`: a smaller target, sooner), or give --out-dir")
         ckpt = load_checkpoint(path)
+        config = recorded(ckpt, path)
         self.model = target_from(ckpt, path, args.device)
         self.vocab = vocab_for(ckpt, path, self.model.config.vocab_size)
-        ds = load_dataset((ckpt.get('config') or {}).get('data'), os.path.join(args.out_dir, 'data'))
+        ds = load_dataset(config.get('data'), os.path.join(args.out_dir, 'data'))
         self.train, self.val = ds.train, ds.val
-        self.prompts = heldout_prompts(ds.val, args.prompts, PROMPT_LEN, newline_id(self.vocab)).to(args.device)
+        try:
+            self.prompts = heldout_prompts(ds.val, args.prompts, PROMPT_LEN, newline_id(self.vocab)).to(args.device)
+        except ValueError:    # more prompts than the held-out text has places to start
+            raise BadInput(f"--prompts {args.prompts}: the held-out text ({len(ds.val)} tokens) has fewer places for "
+                           f"a {PROMPT_LEN}-token prompt; give fewer")
         self.max_new = min(args.max_new, self.model.config.block_size - PROMPT_LEN - 8)
+        if self.max_new < 1:
+            raise BadInput(f"{path}: a context of {self.model.config.block_size} tokens leaves no room after a "
+                           f"{PROMPT_LEN}-token prompt")
 
     @lru_cache
     def drafter(self, name):
@@ -411,16 +517,47 @@ class Tryout:
         path = os.path.join(self.args.out_dir, name)
         if not os.path.isfile(path):
             raise BadInput(f"{path} not found: run `python train.py` (all stages; `--preset quick` for a "
-                           f"smaller target in under a minute) first")
+                           f"smaller target, sooner) first")
         return load_drafter(path, self.model)
 
-    def decode(self, yours, temperature=0.0, decoder=generate, **kw):
-        """Every prompt, one at a time: outputs, tau of every step, calls, seconds. yours=True runs
-        with the implementation under test plugged into the project's seams. decoder: generate, or
-        a decoder with its signature."""
+    @lru_cache
+    def truth(self):
+        """Plain greedy decoding of every prompt by full recompute (B, T0 + max_new)."""
+        with torch.no_grad():
+            return plain_greedy(self.model, self.prompts, self.max_new)
+
+    def target_samples(self, split):
+        """The target's samples that train.py's dblast stage made and cached in --out-dir/data: its
+        training samples ('train') or its held-out ones ('val'), found by what dblast_K1.pt records
+        (how many, at what temperature, from what seed). Made again, with a note, only if that cache
+        is gone."""
+        path = os.path.join(self.args.out_dir, 'dblast_K1.pt')
+        self.drafter('dblast_K1.pt')                              # there, and this target's
+        config = recorded(load_checkpoint(path), path)
+        want = dict(dblast_samples=int, dblast_eval_samples=int, temperature=(int, float), seed=int)
+        bad = [k for k, kind in want.items() if isinstance(config.get(k), bool) or not isinstance(config.get(k), kind)]
+        if bad:
+            raise BadInput(f"{path}: its config records no {bad[0]} as train.py does; re-train it")
+        n = config['dblast_samples'] if split == 'train' else config['dblast_eval_samples']
+        seed = config['seed'] + (1 if split == 'train' else 2)        # as train.py's dblast stage draws them
+        cache = os.path.join(self.args.out_dir, 'data')
+        before = set(os.listdir(cache)) if os.path.isdir(cache) else set()
+        rt = types.SimpleNamespace(device=self.args.device, kind=torch.device(self.args.device).type, master=True)
+        t0 = time.perf_counter()
+        samples = train.dblast_data(rt, self.model, self.train if split == 'train' else self.val, n,
+                                    config['temperature'], seed, f'target samples at T={config["temperature"]}', cache)
+        if set(os.listdir(cache)) - before:
+            print(f"note: train.py's {n} {'training' if split == 'train' else 'held-out'} samples were not in "
+                  f"{cache}/: made them again ({time.perf_counter() - t0:.0f}s)")
+        return samples, config['temperature']
+
+    def decode(self, code, temperature=0.0, decoder=generate, **kw):
+        """Every prompt, one at a time: outputs, tau of every step, calls, seconds. code: an
+        implementation to plug into the project's seams for the run (the one under test, or the
+        reference), or None for the project as it is. decoder: generate, or one with its signature."""
         g = torch.Generator(device=self.prompts.device).manual_seed(0)
         outs, taus, calls = [], [], 0
-        with plugged(self.checks, self.impl) if yours else nullcontext():
+        with plugged(self.checks, code) if code is not None else nullcontext():
             t0 = time.perf_counter()
             for p in self.prompts:
                 out, stats = decoder(self.model, p[None], self.max_new, temperature=temperature, generator=g, **kw)
@@ -430,29 +567,74 @@ class Tryout:
             seconds = time.perf_counter() - t0
         return torch.cat(outs), taus, calls, seconds
 
-    def row(self, label, yours, temperature=0.0, **kw):
+    def row(self, label, code, temperature=0.0, p_value=False, **kw):
         """One table row: tau, calls, speedup over plain decoding (each timed twice, interleaved with
-        it, the faster run of each kept), and under greedy decoding how many tokens equal plain
-        greedy's."""
-        runs = [(self.decode(False, temperature), self.decode(yours, temperature, **kw)) for _ in range(2)]
-        (base, _, base_calls, _), (out, taus, calls, _) = runs[0]
+        it, the faster run of each kept), under greedy decoding how many tokens equal plain greedy
+        decoding by full recompute, and with p_value a chi-square p-value of the second token (see
+        second_token_p)."""
+        runs = [(self.decode(None, temperature), self.decode(code, temperature, **kw)) for _ in range(2)]
+        (_, _, base_calls, _), (out, taus, calls, _) = runs[0]
         base_s = min(r[0][3] for r in runs)
         seconds = min(r[1][3] for r in runs)
+        r = dict(label=label, T=temperature, tau=f"{sum(taus) / len(taus):.2f}", calls=f"{calls} ({base_calls})",
+                 speedup=f"{base_s / seconds:.2f}x", same=self.same(out, temperature), out=out)
+        if p_value:
+            r['p'] = f"{self.second_token_p(code, temperature, **kw):.3f}"
+        return r
+
+    def same(self, out, temperature):
+        """'n/m': tokens of a greedy decoding equal to plain greedy's by full recompute."""
+        if temperature != 0:
+            return ''
         T0 = self.prompts.size(1)
-        same = (out[:, T0:] == base[:, T0:]).sum().item()
-        return dict(label=label, T=temperature, tau=sum(taus) / len(taus), calls=calls, plain_calls=base_calls,
-                    speedup=base_s / seconds, same=f"{same}/{out[:, T0:].numel()}" if temperature == 0 else '',
-                    out=out)
+        return f"{int((out[:, T0:] == self.truth()[:, T0:]).sum())}/{out[:, T0:].numel()}"
+
+    def plain_row(self, temperature=0.0, p_value=False):
+        """The target alone by full recompute: plain greedy decoding (the `same` column's reference),
+        or plain sampling."""
+        P, m, T0 = len(self.prompts), self.max_new, self.prompts.size(1)
+        g = torch.Generator(device=self.prompts.device).manual_seed(0)
+        out = self.truth() if temperature == 0 else self.sampled(self.prompts, m, temperature, g)
+        r = dict(label='the target alone, by full recompute (no cache, no verifier)', T=temperature, tau='1.00',
+                 calls=f"{P * m} full passes", speedup='', same=self.same(out, temperature), out=out)
+        if p_value:
+            r['p'] = f"{self.second_token_p('plain', temperature):.3f}"
+        return r
+
+    def pair(self, label, temperature=0.0, p_value=False, make=lambda code: {}, **kw):
+        """[the reference's row, yours]: the reference plugged into the project's seams, or in a
+        handout (no reference) the target alone by full recompute. make(code): more keywords for
+        one code's run (its own drafter or decoder)."""
+        yours = self.row(f"yours, {label}", self.impl, temperature, p_value, **kw, **make(self.impl))
+        if self.reference is not None:
+            return [self.row(f"reference, {label}", self.reference, temperature, p_value, **kw, **make(self.reference)),
+                    yours]
+        if (temperature, p_value) in self.shown:          # one row of the target alone per table is enough
+            return [yours]
+        self.shown.add((temperature, p_value))
+        return [self.plain_row(temperature, p_value), yours]
 
     @torch.no_grad()
-    def second_token_p(self, yours, drafter, temperature, n=4000, k=4):
+    def sampled(self, prompts, m, temperature, generator=None):
+        """m tokens sampled after each prompt from the target by full recompute (B, T0 + m)."""
+        x = prompts
+        for _ in range(m):
+            p = F.softmax(upcast(self.model(x)[0][:, -1]).double() / temperature, -1)
+            x = torch.cat([x, torch.multinomial(p, 1, generator=generator)], 1)
+        return x
+
+    @torch.no_grad()
+    def second_token_p(self, code, temperature, n=4000, decoder=generate, **kw):
         """The chi-square p-value of the second token of n decodes of one prompt against its exact
-        marginal sum_x1 p(x1) p(x2 | x1): the first verified token, so a biased verifier shows."""
+        marginal sum_x1 p(x1) p(x2 | x1): the first verified token, so a biased verifier shows.
+        code: as for decode, or 'plain': the target alone by full recompute."""
         prompt, V = self.prompts[:1], self.model.config.vocab_size
         g = torch.Generator(device=prompt.device).manual_seed(1)
-        with plugged(self.checks, self.impl) if yours else nullcontext():
-            out, _ = generate(self.model, prompt.expand(n, -1), 2, drafter=drafter, k=k, temperature=temperature,
-                              generator=g)
+        if code == 'plain':
+            out = self.sampled(prompt.expand(n, -1), 2, temperature, g)
+        else:
+            with plugged(self.checks, code) if code is not None else nullcontext():
+                out, _ = decoder(self.model, prompt.expand(n, -1), 2, temperature=temperature, generator=g, **kw)
         p1 = F.softmax(self.model(prompt)[0][0, -1].double() / temperature, -1)
         seqs = torch.cat([prompt.expand(V, -1), torch.arange(V, device=prompt.device)[:, None]], 1)
         p2 = F.softmax(self.model(seqs)[0][:, -1].double() / temperature, -1)
@@ -463,8 +645,8 @@ class Tryout:
         heads = ['', 'T', 'tau', 'calls (plain)', 'speedup', 'same as plain greedy'] + [h for h, _ in extra]
         print('| ' + ' | '.join(heads) + ' |\n|' + '---|' * len(heads))
         for r in rows:
-            cells = [r['label'], r['T'], f"{r['tau']:.2f}", f"{r['calls']} ({r['plain_calls']})",
-                     f"{r['speedup']:.2f}x", r['same']] + [r.get(key, '') for _, key in extra]
+            cells = [r['label'], r['T'], r['tau'], r['calls'], r['speedup'], r['same']]
+            cells += [r.get(key, '') for _, key in extra]
             print('| ' + ' | '.join(str(c) for c in cells) + ' |')
 
 
@@ -473,11 +655,15 @@ def try_out(n, which, args):
     if not hasattr(checks, 'try_it'):
         raise BadInput(f"exercise {n} has no `try` (its checks are the whole story)")
     who = {'student': 'your student.py', 'solution': 'the reference'}.get(which, f"the control '{which}'")
+    reference = implementation(n, 'solution') if solution_path(n) else None
+    against = ("the reference's rows (the shipped one, plugged in for them)" if reference is not None else
+               "the target alone, by full recompute (a handout has no reference)")
     print(f"exercise {n} ({exercises()[n]}): {who} through the decoder on {args.out_dir}/, "
-          f"{args.prompts} held-out prompts one at a time, next to the project's own code.\n"
+          f"{args.prompts} held-out prompts one at a time, next to {against}; 'same as plain greedy' counts "
+          f"the tokens equal to plain greedy decoding by full recompute.\n"
           f"{' '.join(checks.try_it.__doc__.split())}\n")
     impl = implementation(n, which)
     try:
-        checks.try_it(impl, Tryout(checks, impl, args))
+        checks.try_it(impl, Tryout(checks, impl, reference, args))
     except NotImplementedError as e:
         raise BadInput(f"not written yet: {e} (python -m exercises check {n} says what is missing)")

@@ -6,6 +6,7 @@ For the exercises whose reference is the project's own code (decode.verify_greed
 commit, dblast.posterior and conditionals, prefix_log_accept and al_surrogate), the reference run is
 also a test of the project. Without exercises/solutions/ (an instructor's handout) only the stubs
 are checked."""
+import os
 import types
 
 import pytest
@@ -97,3 +98,25 @@ def test_exercise_1_takes_int32_as_well_as_long():
     for name, fn in harness.check_functions(checks):
         r = harness.run_check(checks, impl, name, fn)
         assert r.passed, f"{r.title}: {r.reason}"
+
+
+def test_each_statement_names_what_its_student_writes_and_may_use():
+    """What checks.py lists (REFERENCE and STUBS: in a handout, the student's or gone; MAY_USE: what
+    the student may call) is what the statement says: each is named in its README.md, what may be
+    used is in the project and is no exercise's stub."""
+    from exercises import handout
+    stubbed = {handout.parse_entry(entry)[0] for _, _, entry, kind, _ in handout.entries() if kind == 'stub'
+               and handout.parse_entry(entry)[1] is None}
+    for n, folder in harness.exercises().items():
+        checks = harness.checks_of(n)
+        readme = open(os.path.join(harness.HERE, folder, 'README.md')).read()
+        assert '**What you may use:**' in readme, f"exercise {n}: its statement has no 'What you may use'"
+        listed = list(getattr(checks, 'REFERENCE', {}).values()) + list(getattr(checks, 'STUBS', {})) + \
+            list(checks.MAY_USE)
+        for entry in listed:
+            dotted = handout.parse_entry(entry)[0]
+            assert any(name in readme for name in (dotted, dotted.split('.', 1)[1])), \
+                f"exercise {n}: {entry} is not named in its README.md"
+        for dotted in checks.MAY_USE:
+            assert harness.resolve(dotted) is not None and dotted not in stubbed, \
+                f"exercise {n} may use {dotted}, which a handout leaves out"

@@ -8,7 +8,11 @@ from heads import BlockHeads
 
 NAMES = ('verify_greedy',)                            # what student.py defines
 SEAMS = {'decode.verify_greedy': 'verify_greedy'}     # where decode.merged_step calls it
-REFERENCE = {'verify_greedy': 'decode.verify_greedy'}
+REFERENCE = {'verify_greedy': 'decode.verify_greedy'}   # in a handout: a call of student.py
+# the rest of the answer, left out of a handout (exercises/handout.py), and what the student may use
+STUBS = {'decode.accept_prefix': "what a step keeps, the drafts before the first refusal and the bonus there: "
+                                 "verify_greedy's own work"}
+MAY_USE = ('decode.exact', 'decode.top_n', 'decode.min_block', 'decode.ACCEPT')
 EXACT = (decode.exact, None)
 
 
@@ -140,6 +144,5 @@ def test_decodes_exactly_greedy(impl):
 
 
 def try_it(impl, tryout):
-    """BPD heads at k = 8 on train.py's target, greedy: yours next to the project's."""
-    heads = tryout.drafter('heads.pt')
-    tryout.table([tryout.row('project', False, drafter=heads, k=8), tryout.row('yours', True, drafter=heads, k=8)])
+    """BPD heads at k = 8 on train.py's target, greedy: yours next to the reference."""
+    tryout.table(tryout.pair('BPD heads, k = 8', drafter=tryout.drafter('heads.pt'), k=8))

@@ -8,7 +8,11 @@ from heads import BlockHeads
 
 NAMES = ('verify_sampled',)
 SEAMS = {'decode.verify_sampled': 'verify_sampled'}
-REFERENCE = {'verify_sampled': 'decode.verify_sampled'}
+REFERENCE = {'verify_sampled': 'decode.verify_sampled'}   # in a handout: a call of student.py
+# the rest of the answer, left out of a handout (exercises/handout.py), and what the student may use
+STUBS = {'decode.accept_sampled': "speculative sampling's test, min(1, P/Q): verify_sampled's own work",
+         'decode.residual': "the bonus after a rejection, norm(max(0, P - Q)): verify_sampled's own work"}
+MAY_USE = ('model.sample', 'model.tempered')
 V, N = 6, 200_000
 
 
@@ -60,8 +64,8 @@ def why_not_p(emitted, accepted, drafts, p, q):
 
 def test_shapes_and_the_prefix(impl):
     """Shapes, and nothing past the first rejection. accepted is (B, k-1) bool and a prefix (no True
-    after a False), n_acc its count, the bonus a token. Hint: the accepted prefix is the same as
-    in exercise 1 (decode.accept_prefix); only the test and the bonus change."""
+    after a False), n_acc its count, the bonus a token. Hint: the accepted prefix is exercise 1's
+    (the drafts before the first refusal: a cumulative product); only the test and the bonus change."""
     g = torch.Generator().manual_seed(1)
     B, k = 500, 5
     logits = torch.randn(B, k, V, generator=g, dtype=torch.float64)
@@ -139,6 +143,27 @@ def test_p_equal_to_q(impl):
                            "back to P where it sums to 0 (a rejection has probability 0 there)")
 
 
+def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
+    """A residual that rounding leaves all zero falls back to P. Q = P (1 + 2^-8) at every token (a
+    bf16 softmax's rows can sum to 1 + 2^-8): max(0, P - Q) is 0 everywhere, yet u Q(d) >= P(d)
+    refuses a draft about once in 257. Over 200,000 one-draft rows, the bonus after those refusals
+    is a sample of P, not one fixed token. Hint: where the residual sums to 0, take P itself
+    (torch.where on the row's sum); normalising it divides 0 by 0, and model.sample of an all-zero
+    row returns its last index."""
+    g = torch.Generator().manual_seed(10)
+    L = torch.randn(2, V, generator=g, dtype=torch.float64) * 1.5
+    p = F.softmax(L, -1)
+    q = (p[0] * (1 + 2 ** -8)).expand(N, 1, V)
+    drafts = decode.sample(p[:1].expand(N, 1, V), g)
+    _, n_acc, bonus = impl.verify_sampled(L.expand(N, 2, V), q, drafts, 1.0, g)
+    refused = n_acc == 0
+    if refused.any():   # (an answer that renormalises Q refuses nothing here, and has nothing to fall back from)
+        assert_follows(bonus[refused], p[0], f"after the {int(refused.sum())} refusals, where max(0, P - Q) is 0 "
+                       f"everywhere, the bonus is not a sample of P", "the residual max(0, P - Q) sums to 0 here: "
+                       "fall back to P where it does (a draw from an all-zero row returns the last index, a "
+                       "normalised one NaN)")
+
+
 def test_no_host_sync(impl):
     """No host sync. For sampled drafts (q given) and for point masses (q None). Hint: draw every
     candidate bonus at once and gather the one at n_acc."""
@@ -203,13 +228,10 @@ def test_lossless_through_generate(impl):
 
 
 def try_it(impl, tryout):
-    """DBlast K = 4 at T = 1.5 and BPD heads at T = 1 on train.py's target: yours next to the project's,
-    and a chi-square p-value of the second token over many decodes of one prompt."""
+    """DBlast K = 4 at T = 1.5 and BPD heads at T = 1 on train.py's target: yours next to the
+    reference, and a chi-square p-value of the second token of 4,000 decodes of one prompt against
+    its exact distribution."""
     rows = []
     for name, T in (('dblast_K4.pt', 1.5), ('heads.pt', 1.0)):
-        d = tryout.drafter(name)
-        for label, yours in (('project', False), ('yours', True)):
-            row = tryout.row(f"{label}, {name}", yours, T, drafter=d, k=4)
-            row['p'] = f"{tryout.second_token_p(yours, d, T):.3f}"
-            rows.append(row)
+        rows += tryout.pair(name, T, p_value=True, drafter=tryout.drafter(name), k=4)
     tryout.table(rows, extra=[('p-value, 2nd token (4000 decodes)', 'p')])

@@ -25,4 +25,5 @@ def verify_sampled(logits, q, drafts, temperature, generator=None):
     No Python loop over positions or rows, no .item() or other host sync (F.one_hot syncs on a CPU;
     Tensor.scatter does not), no division by zero.
     """
-    raise NotImplementedError("exercise 2: write verify_sampled in exercises/02_spec_sampling/student.py")
+    raise NotImplementedError("exercise 2: write verify_sampled in exercises/02_spec_sampling/student.py "
+                              "(speculative sampling runs on it: train.py's DBlast demos, generate.py --drafter)")

@@ -7,7 +7,9 @@ from heads import BlockHeads
 
 NAMES = ('write', 'commit')
 SEAMS = {'model.KVCache.write': 'write', 'model.KVCache.commit': 'commit'}
-REFERENCE = {'write': 'model.KVCache.write', 'commit': 'model.KVCache.commit'}
+REFERENCE = {'write': 'model.KVCache.write', 'commit': 'model.KVCache.commit'}   # in a handout: calls of student.py
+STUBS = {}   # nothing else of the project is this answer (KVCache.keep_path is exercise 8's)
+MAY_USE = ('model.KVCache', 'model.GPT.new_cache', 'model.GPT.forward_cached', 'model.CausalSelfAttention.forward')
 TOL = 1e-10
 
 
@@ -99,6 +101,27 @@ def test_the_buffers_stay_in_place(impl):
         f"lengths {cache.lengths.tolist()} after commit(1), commit([1, 2]), want [2, 3]"
 
 
+def test_nothing_the_size_of_a_layer_is_allocated(impl):
+    """Nothing the size of a layer is allocated per write. A 3-token block written into a cache of
+    256 slots allocates no tensor of even a quarter of a layer's buffer (B, n_head, max_len,
+    head_dim): the block's own few bytes at most. Hint: write into the buffer itself (index
+    assignment, or scatter_ on cache.k[layer_idx]); building the layer anew (scatter without the
+    underscore, torch.where, a clone) and copying it back keeps the address and the values, and
+    still allocates a whole layer at every step."""
+    model = harness.tiny_target()
+    cache = model.new_cache(2, 256)
+    layer = cache.k[0].numel() * cache.k.element_size()
+    k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
+    pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
+    impl.write(cache, 1, k, k, pos)                                      # a first call may set things up
+    with harness.Allocations() as allocations:
+        impl.write(cache, 1, k, k, pos)
+    big = [(op, size) for op, size in allocations.seen if size >= layer // 4]
+    if big:
+        raise harness.Fail(f"write allocated {len(big)} tensor(s) of {max(s for _, s in big)} bytes ({big[0][0]}), "
+                           f"a layer's buffer being {layer}: want nothing of a quarter of that or more")
+
+
 def test_no_host_sync(impl):
     """No host sync. Hint: scatter_ (or index_copy_) with the positions as a tensor; no int(), no .item()."""
     model = harness.tiny_target()
@@ -133,6 +156,5 @@ def test_decodes_exactly_greedy(impl):
 
 
 def try_it(impl, tryout):
-    """BPD heads at k = 8, greedy, on train.py's target: yours next to the project's."""
-    heads = tryout.drafter('heads.pt')
-    tryout.table([tryout.row('project', False, drafter=heads, k=8), tryout.row('yours', True, drafter=heads, k=8)])
+    """BPD heads at k = 8, greedy, on train.py's target: on your cache next to the reference's."""
+    tryout.table(tryout.pair('BPD heads, k = 8', drafter=tryout.drafter('heads.pt'), k=8))

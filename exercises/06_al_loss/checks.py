@@ -1,20 +1,21 @@
 """Exercise 6's checks: the acceptance-length surrogate (README.md)."""
-import contextlib
 import itertools
 import math
-import os
-import types
 
 import torch
 import torch.nn.functional as F
 
-import train
 from dblast import DBlastDrafter, contexts, expected_accepted, expected_tau
 from exercises import harness
 
 NAMES = ('prefix_log_accept', 'al_surrogate')
 SEAMS = {'dblast.prefix_log_accept': 'prefix_log_accept', 'dblast.al_surrogate': 'al_surrogate'}
+# the project's own functions, in a handout calls of student.py
 REFERENCE = {'prefix_log_accept': 'dblast.prefix_log_accept', 'al_surrogate': 'dblast.al_surrogate'}
+# the rest of the answer, left out of a handout (exercises/handout.py), and what the student may use
+STUBS = {'dblast.log_conditionals': "log Q_i(x_i), the mixture's conditional at the block: most of "
+                                    "prefix_log_accept's own work"}
+MAY_USE = ('dblast.posterior', 'dblast.DBlastDrafter.nll', 'dblast.expected_accepted', 'dblast.branch_log_q')
 
 
 def fmt(t):
@@ -46,34 +47,6 @@ def test_the_prefix_weights_by_enumeration(impl):
     assert err < 1e-12, f"a differs from log prod min(1, Q_i / p_i) by {err:.1e}, want below 1e-12"
 
 
-@torch.no_grad()
-def test_the_acceptance_length_identity(impl):
-    """The acceptance-length identity. E_{x ~ p}[sum_j exp(a_j)], summed exactly over every block of
-    the 8-token world, equals the accepted drafts speculative decoding measures (20,000 first steps
-    of a K = 4 drafter). Hint: the identity sums exp(a_j) of your prefix_log_accept, which the
-    first check tests alone; if that one passes and this fails, the clamp at 0 is missing or
-    misplaced."""
-    model = harness.target8()
-    d = harness.peaky(DBlastDrafter(model.config, 4, 4), 0.3, 2)
-    T, n = 1.0, 3
-    seqs = torch.tensor(list(itertools.product(range(8), repeat=n + 1)))           # bonus, x_1..x_3
-    full = torch.cat([harness.PROMPT8.expand(len(seqs), -1), seqs], 1)
-    T0 = harness.PROMPT8.size(1)
-    h = model.hidden(full)
-    logp = F.log_softmax(model.lm_head(h) / T, -1)
-    lp = logp[:, T0 - 1:-1].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)             # (N, n+1)
-    per_block = expected_accepted(d, h[:, T0 - 1], seqs[:, 0], model, seqs[:, 1:], lp[:, 1:], T, True, 'mixture')
-    expected = float((lp.sum(-1).exp() * per_block).sum())
-    rows = 20000
-    _, stats = harness.generate(harness.float32(model), harness.PROMPT8.expand(rows, -1), 4,
-                                drafter=harness.float32(d), temperature=T, generator=torch.Generator().manual_seed(0))
-    first = torch.tensor(stats['accept_lengths'][:rows], dtype=torch.float64) - 1
-    mean, se = first.mean().item(), first.std().item() / math.sqrt(rows)
-    assert abs(mean - expected) < 4.5 * se, \
-        f"the identity gives {expected:.3f} accepted drafts, decoding measures {mean:.3f} +- {se:.3f}, want them " \
-        f"within 4.5 standard errors ({4.5 * se:.3f})"
-
-
 def test_the_threshold_and_the_fallback(impl):
     """The threshold and the fallback. Every prefix kept at tau_threshold 0 (L = -mean_j t_j); only
     a_j >= log tau kept in between; the row's NLL where nothing is kept. Hint: t_j = logsumexp
@@ -95,6 +68,32 @@ def test_the_threshold_and_the_fallback(impl):
                 "two, each t[0, j] the logsumexp of a[0, j:]")
         raise harness.Fail(f"tau_threshold e^-1: {fmt(got)}, want {fmt(want)} (row 0 keeps positions 0 and 1, "
                            f"row 1 nothing)", hint)
+
+
+def test_the_threshold_at_its_edges(impl):
+    """The threshold at its edges. A prefix exactly at the threshold is kept (a_j >= log tau: at
+    tau_threshold e^-30, a_j = -30 is in S), and tau_threshold 0 keeps every prefix however small
+    its weight (e^-31 .. e^-700), never the NLL."""
+    a = torch.tensor([[-29.0, -30.0, -30.5, -31.0], [-31.0, -40.0, -80.0, -700.0]], dtype=torch.float64)
+    nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
+    t = torch.stack([torch.logsumexp(a[:, j:], -1) for j in range(4)], -1)
+    got = impl.al_surrogate(a[:1], nll[:1], math.exp(-30.0))                 # S = {0, 1}: -30 >= -30
+    want = -(t[0, 0] + t[0, 1]) / 2
+    if not torch.allclose(got, want.reshape(1)):
+        hint = ("a_j equal to log tau_threshold is in S: the test is a_j >= log tau, not a_j > log tau"
+                if torch.allclose(got, -t[0, :1]) else
+                "that is the row's NLL: S came out empty, though a_0 = -29 and a_1 = -30 are >= log e^-30; is "
+                "tau_threshold replaced by a larger number somewhere (a guard such as max(tau, 1e-12))?"
+                if torch.allclose(got, nll[:1]) else '')
+        raise harness.Fail(f"tau_threshold e^-30, a = {fmt(a[0])}: {fmt(got)}, want {fmt(want)} (S = positions 0 "
+                           f"and 1, a_1 = -30 being at the threshold)", hint)
+    got = impl.al_surrogate(a[1:], nll[1:], 0.0)
+    want = -t[1].mean()
+    if not torch.allclose(got, want.reshape(1)):
+        hint = ("tau_threshold 0 keeps every prefix: log 0 is -inf, below every a_j, whatever its size; a guard "
+                "such as log(max(tau, 1e-12)) turns 0 into a threshold of e^-27.6, which drops these prefixes")
+        raise harness.Fail(f"tau_threshold 0, a = {fmt(a[1])}: {fmt(got)}, want -mean_j t_j = {fmt(want)} (every "
+                           f"prefix kept{', not the NLL' if torch.allclose(got, nll[1:]) else ''})", hint)
 
 
 def test_gradient_reaches_past_S(impl):
@@ -148,22 +147,82 @@ def test_the_loss_prefers_longer_acceptance(impl):
 
 
 @torch.no_grad()
+def test_the_acceptance_length_identity(impl):
+    """The acceptance-length identity. E_{x ~ p}[sum_j exp(a_j)], summed exactly over every block of
+    the 8-token world, equals the accepted drafts speculative decoding measures (20,000 first steps
+    of a K = 4 drafter). Hint: the identity sums exp(a_j) of your prefix_log_accept, which the
+    first check tests alone; if that one passes and this fails, the clamp at 0 is missing or
+    misplaced."""
+    model = harness.target8()
+    d = harness.peaky(DBlastDrafter(model.config, 4, 4), 0.3, 2)
+    T, n = 1.0, 3
+    seqs = torch.tensor(list(itertools.product(range(8), repeat=n + 1)))           # bonus, x_1..x_3
+    full = torch.cat([harness.PROMPT8.expand(len(seqs), -1), seqs], 1)
+    T0 = harness.PROMPT8.size(1)
+    h = model.hidden(full)
+    logp = F.log_softmax(model.lm_head(h) / T, -1)
+    lp = logp[:, T0 - 1:-1].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)             # (N, n+1)
+    per_block = expected_accepted(d, h[:, T0 - 1], seqs[:, 0], model, seqs[:, 1:], lp[:, 1:], T, True, 'mixture')
+    expected = float((lp.sum(-1).exp() * per_block).sum())
+    rows = 20000
+    _, stats = harness.generate(harness.float32(model), harness.PROMPT8.expand(rows, -1), 4,
+                                drafter=harness.float32(d), temperature=T, generator=torch.Generator().manual_seed(0))
+    first = torch.tensor(stats['accept_lengths'][:rows], dtype=torch.float64) - 1
+    mean, se = first.mean().item(), first.std().item() / math.sqrt(rows)
+    assert abs(mean - expected) < 4.5 * se, \
+        f"the identity gives {expected:.3f} accepted drafts, decoding measures {mean:.3f} +- {se:.3f}, want them " \
+        f"within 4.5 standard errors ({4.5 * se:.3f})"
+
+
+@torch.no_grad()
+def test_the_acceptance_length_identity(impl):
+    """The acceptance-length identity. E_{x ~ p}[sum_j exp(a_j)], summed exactly over every block of
+    the 8-token world, equals the accepted drafts speculative decoding measures (20,000 first steps
+    of a K = 4 drafter). Hint: the identity sums exp(a_j) of your prefix_log_accept, which the
+    first check tests alone; if that one passes and this fails, the clamp at 0 is missing or
+    misplaced."""
+    model = harness.target8()
+    d = harness.peaky(DBlastDrafter(model.config, 4, 4), 0.3, 2)
+    T, n = 1.0, 3
+    seqs = torch.tensor(list(itertools.product(range(8), repeat=n + 1)))           # bonus, x_1..x_3
+    full = torch.cat([harness.PROMPT8.expand(len(seqs), -1), seqs], 1)
+    T0 = harness.PROMPT8.size(1)
+    h = model.hidden(full)
+    logp = F.log_softmax(model.lm_head(h) / T, -1)
+    lp = logp[:, T0 - 1:-1].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)             # (N, n+1)
+    per_block = expected_accepted(d, h[:, T0 - 1], seqs[:, 0], model, seqs[:, 1:], lp[:, 1:], T, True, 'mixture')
+    expected = float((lp.sum(-1).exp() * per_block).sum())
+    rows = 20000
+    _, stats = harness.generate(harness.float32(model), harness.PROMPT8.expand(rows, -1), 4,
+                                drafter=harness.float32(d), temperature=T, generator=torch.Generator().manual_seed(0))
+    first = torch.tensor(stats['accept_lengths'][:rows], dtype=torch.float64) - 1
+    mean, se = first.mean().item(), first.std().item() / math.sqrt(rows)
+    assert abs(mean - expected) < 4.5 * se, \
+        f"the identity gives {expected:.3f} accepted drafts, decoding measures {mean:.3f} +- {se:.3f}, want them " \
+        f"within 4.5 standard errors ({4.5 * se:.3f})"
+
+
+@torch.no_grad()
 def try_it(impl, tryout):
-    """train.py's DBlast drafters on held-out samples of its target at T = 1.5: the exact evaluator's
-    expected tau and the AL loss, with your functions and the project's."""
-    T, k = 1.5, 4
-    rt = types.SimpleNamespace(device=tryout.args.device, kind=tryout.args.device, master=True)
-    samples = train.dblast_data(rt, tryout.model, tryout.val, 32, T, 1337 + 2, 'held-out samples',
-                                os.path.join(tryout.args.out_dir, 'data'))
-    lo, hi = samples.positions(k)
-    rows = torch.arange(len(samples.seqs)).repeat_interleave(hi - lo)
-    pos = torch.arange(lo, hi).repeat(len(samples.seqs))
+    """train.py's DBlast drafters on the held-out target samples its dblast stage made and cached in
+    out/data, at its temperature: the exact evaluator's expected tau and the AL loss with your
+    functions, next to the reference's; and the tau each drafter reaches decoding held-out prompts,
+    which the expected tau estimates (decoding calls neither of your functions)."""
+    samples, T = tryout.target_samples('val')
+    whose = [('reference', tryout.reference)] if tryout.reference is not None else []
     print("| drafter | whose | expected tau | AL loss |\n|---|---|---|---|")
     for name in ('dblast_K4.pt', 'dblast_K1.pt'):
         d = tryout.drafter(name)
-        for label, yours in (('project', False), ('yours', True)):
-            with harness.plugged(tryout.checks, impl) if yours else contextlib.nullcontext():
-                tau = expected_tau(d, tryout.model, samples, k, T, True, 'mixture')
-                h, bonus, x, log_px = contexts(samples, k, rows[:4096], pos[:4096])
+        lo, hi = samples.positions(d.k)
+        rows = torch.arange(len(samples.seqs)).repeat_interleave(hi - lo)
+        pos = torch.arange(lo, hi).repeat(len(samples.seqs))
+        for label, code in whose + [('yours', impl)]:
+            with harness.plugged(tryout.checks, code):
+                tau = expected_tau(d, tryout.model, samples, d.k, T, True, 'mixture')
+                h, bonus, x, log_px = contexts(samples, d.k, rows[:4096].to(samples.seqs.device),
+                                              pos[:4096].to(samples.seqs.device))
                 loss = d.loss(h, bonus, tryout.model, x, log_px, T)
             print(f"| {name} | {label} | {tau:.3f} | {float(loss):.4f} |")
+        _, taus, _, _ = tryout.decode(None, T, drafter=d, k=d.k)
+        print(f"| {name} | decoded at T = {T}, {len(tryout.prompts)} prompts (what expected tau estimates) | "
+              f"{sum(taus) / len(taus):.3f} | |")

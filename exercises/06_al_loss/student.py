@@ -20,7 +20,9 @@ def prefix_log_accept(log_prior, log_qx, log_px, verify='mixture'):
     log Q_i(x_i) = logsumexp_z(log pi'_z + sum_{l<=i} log q~_l) - logsumexp_z(log pi'_z + sum_{l<i} log q~_l).
     verify='branch' (the ablation) is optional: only the mixture form is checked.
     """
-    raise NotImplementedError("exercise 6: write prefix_log_accept in exercises/06_al_loss/student.py")
+    raise NotImplementedError("exercise 6: write prefix_log_accept in exercises/06_al_loss/student.py (train.py's "
+                              "dblast stage trains DBlast with it, and its DBlast demos then decode with exercise 5's "
+                              "conditionals too)")
 
 
 def al_surrogate(a, nll, tau_threshold):

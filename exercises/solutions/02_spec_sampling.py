@@ -62,6 +62,14 @@ def point_mass_by_one_hot(logits, q, drafts, temperature, generator=None):
     return accept_prefix(ok, sample(weights, generator))
 
 
+def residual_without_its_fallback(logits, q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], q, drafts, generator)
+    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if q is None else (p[:, :-1] - q).clamp(min=0.0)
+    weights = torch.cat([r, p[:, -1:]], 1)                               # an all-zero row stays all zero
+    return accept_prefix(ok, sample(weights, generator))
+
+
 CONTROLS = {
     'residual without subtracting q': dict(verify_sampled=residual_without_q),
     'temperature on the acceptance test only': dict(verify_sampled=temperature_on_the_test_only),
@@ -70,4 +78,5 @@ CONTROLS = {
     'the coins drawn from the global RNG': dict(verify_sampled=coins_from_the_global_rng),
     'the bonus drawn from the global RNG': dict(verify_sampled=bonus_from_the_global_rng),
     'a point mass made with F.one_hot (a host sync)': dict(verify_sampled=point_mass_by_one_hot),
+    'the residual without its fallback to P': dict(verify_sampled=residual_without_its_fallback),
 }

@@ -35,10 +35,19 @@ def buffers_rebuilt(cache, layer_idx, k, v, pos):
     return cache.k[layer_idx], cache.v[layer_idx]
 
 
+def layer_rebuilt_and_copied_back(cache, layer_idx, k, v, pos):
+    idx = pos[:, None, :, None].expand(-1, k.size(1), -1, k.size(3))                # (B, nh, L, hs)
+    for buf, new in ((cache.k, k), (cache.v, v)):
+        layer = buf[layer_idx].scatter(2, idx, new.to(buf.dtype))                  # a whole layer, new
+        buf[layer_idx].copy_(layer)                                                 # right values and address
+    return cache.k[layer_idx], cache.v[layer_idx]
+
+
 CONTROLS = {
     'commits the same length for every row': dict(commit=same_length_for_every_row),
     'writes the block at the start of the buffer': dict(write=write_at_the_start),
     "writes every row at row 0's positions": dict(write=every_row_at_row_0s_positions),
     'commit rebinds the lengths to a new tensor': dict(commit=lengths_rebound),
     'write rebuilds the buffers (torch.cat of the layers)': dict(write=buffers_rebuilt),
+    'write builds the layer anew and copies it back': dict(write=layer_rebuilt_and_copied_back),
 }

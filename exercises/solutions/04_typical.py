@@ -59,10 +59,16 @@ def float64_guard_in_float32(logits, drafts, param):
     return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
 
 
+def parts_swapped(text, vocab_size):
+    epsilon, delta = parse_typical(text, vocab_size)
+    return delta, epsilon                                           # (delta, epsilon): the rule reads them swapped
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
     'exp(+H) instead of exp(-H)': dict(typical=exp_of_plus_entropy),
     'an entropy without a guard (NaN in float32)': dict(typical=entropy_without_a_guard),
     "float64's guard 1e-300 in float32 (where it is 0)": dict(typical=float64_guard_in_float32),
+    'parse_typical returns its parts swapped': dict(parse_typical=parts_swapped),
 }

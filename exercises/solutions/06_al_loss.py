@@ -26,8 +26,22 @@ def every_prefix_kept(a, nll, tau_threshold):
     return project_al_surrogate(a, nll, 0.0)                                 # the threshold ignored
 
 
+def strict_threshold(a, nll, tau_threshold):
+    log_tau = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() > log_tau                                              # > where the rule says >=
+    n_keep = keep.sum(-1)
+    al = -torch.where(keep, torch.logcumsumexp(a.flip(-1), -1).flip(-1), 0.0).sum(-1) / n_keep.clamp(min=1)
+    return torch.where(n_keep > 0, al, nll)
+
+
+def guarded_log_of_zero(a, nll, tau_threshold):
+    return project_al_surrogate(a, nll, max(tau_threshold, 1e-12))         # "log 0" made finite: e^-27.6
+
+
 CONTROLS = {
     'no clamp at 1': dict(prefix_log_accept=no_clamp),
     'the tail without the later prefixes': dict(al_surrogate=tail_without_later_prefixes),
     'every prefix kept': dict(al_surrogate=every_prefix_kept),
+    'a strict threshold (a_j > log tau)': dict(al_surrogate=strict_threshold),
+    'tau_threshold 0 guarded as 1e-12': dict(al_surrogate=guarded_log_of_zero),
 }

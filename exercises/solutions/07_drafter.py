@@ -105,11 +105,102 @@ class LossAtOne(MyDrafter):
         return F.cross_entropy(logits.flatten(0, 1), x.flatten())
 
 
+class ClampedNotRenormalised(MyDrafter):
+    """Q clamped away from 0 (for a log later, say) and not renormalised: its rows sum above 1."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        drafts, q = super().draft(h, bonus, target, k, temperature, generator)
+        return drafts, None if q is None else q.clamp(min=1e-6)
+
+
+class KeepsTheUnembedding(MyDrafter):
+    """Keeps the target's lm_head as a submodule of its own, taken at the first call: the target's
+    (tied) embedding is then one of the drafter's parameters, trained by its optimizer and saved in
+    its state."""
+
+    def logits(self, h, bonus, target, n):
+        self.unembed = target.lm_head
+        u = self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1))
+        z = torch.stack([u + head(u) for head in self.heads[:n]], 1)
+        return upcast(self.unembed(self.ln(z)))
+
+
+class Recurrent(Drafter):
+    """Another right answer, with positions that depend on each other: a recurrent head whose state
+    reads each draft before drafting the next (one loop over the k-1 drafted positions, which the
+    statement allows for such a drafter). Q_i is the conditional given the drafts before it, which is
+    what draft i was drawn from."""
+
+    def __init__(self, config, k, sample_drafts=True):
+        super().__init__()
+        C = config.n_embd
+        self.k, self.sample_drafts = k, sample_drafts
+        self.w_in = nn.Linear(2 * C, C)
+        self.cell = nn.Linear(2 * C, C)
+        self.ln = LayerNorm(C, bias=True)
+
+    def start(self, h, bonus, target):
+        return torch.tanh(self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1)))
+
+    def advance(self, s, token, target):
+        return torch.tanh(self.cell(torch.cat([s, target.transformer.wte(token)], -1)))
+
+    def logits_at(self, s, target):
+        return upcast(target.lm_head(self.ln(s)))
+
+    def teacher_forced(self, h, bonus, target, x):
+        """The logits (N, n, V) of every position given the tokens x (N, n) before it."""
+        s, out = self.start(h, bonus, target), []
+        for i in range(x.size(1)):
+            out.append(self.logits_at(s, target))
+            s = self.advance(s, x[:, i], target)
+        return torch.stack(out, 1)
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        sampled = self.sample_drafts and temperature > 0
+        s, drafts, qs = self.start(h, bonus, target), [], []
+        for _ in range(k - 1):
+            logits = self.logits_at(s, target)
+            q = F.softmax(tempered(logits, temperature), -1) if sampled else None
+            d = sample(q, generator) if sampled else logits.argmax(-1)
+            drafts.append(d)
+            qs.append(q)
+            s = self.advance(s, d, target)
+        return torch.stack(drafts, 1), torch.stack(qs, 1) if sampled else None
+
+    def loss(self, h, bonus, target, x, temperature=1.0):
+        logits = self.teacher_forced(h, bonus, target, x)
+        return F.cross_entropy(tempered(logits, temperature).flatten(0, 1), x.flatten())
+
+
+class RolloutMismatch(Recurrent):
+    """The state is advanced by each position's argmax while the drafts are sampled, and Q is then
+    recomputed by teacher forcing on the drafts: Q_i is conditioned on drafts that draft i was not
+    drawn after."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        if not (self.sample_drafts and temperature > 0):
+            return super().draft(h, bonus, target, k, temperature, generator)
+        s, drafts = self.start(h, bonus, target), []
+        for _ in range(k - 1):
+            logits = self.logits_at(s, target)
+            drafts.append(sample(F.softmax(tempered(logits, temperature), -1), generator))
+            s = self.advance(s, logits.argmax(-1), target)                # not the draft
+        drafts = torch.stack(drafts, 1)
+        return drafts, F.softmax(tempered(self.teacher_forced(h, bonus, target, drafts), temperature), -1)
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
+    'Q clamped at 1e-6 and not renormalised': dict(MyDrafter=ClampedNotRenormalised),
     'draws from the global RNG': dict(MyDrafter=GlobalRandomness),
     'drafts drawn at T = 1 while Q is at T': dict(MyDrafter=DrawsAtOne),
+    'a recurrent Q from another rollout than the drafts': dict(MyDrafter=RolloutMismatch),
+    "keeps the target's lm_head as its own submodule": dict(MyDrafter=KeepsTheUnembedding),
     'the temperature applied twice (lossless, at T^2)': dict(MyDrafter=TemperedTwice),
     'the loss without the temperature (trained at T = 1)': dict(MyDrafter=LossAtOne),
 }

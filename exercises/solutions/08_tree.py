@@ -1,39 +1,11 @@
-"""Exercise 8's reference is the project's own step: decode.merged_step with paths=K verifies the
-K branches as a tree in one target call (MATH.md §9). Below it, an answer written by hand the way
-the statement describes (one sample per node), which carries the plausible wrong answers the
-checks must catch."""
+"""Exercise 8's reference: tree verification of K greedy branches in one target call, written from
+the statement (one sample per tree node), and the plausible wrong answers its checks must catch.
+It uses nothing a handout leaves out: the project's own tree (decode.merged_step with paths=K,
+MATH.md §9) is this exercise's answer, and tests/test_paths.py tests it."""
 import torch
 import torch.nn.functional as F
 
-import decode
-from heads import Drafter
 from model import sample, tempered, upcast
-
-
-class StateProbe(Drafter):
-    """A drafter that drafts nothing and keeps the state merged_step drafts from: the target's state
-    after the last committed token."""
-
-    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
-        self.h = h
-        return torch.zeros(h.size(0), k - 1, dtype=torch.long, device=h.device), None
-
-    def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
-        return self.draft(h, bonus, target, k)[0][:, None].expand(-1, paths, -1), None
-
-
-@torch.no_grad()
-def tree_step(model, cache, bonus, paths, active, temperature=0.0, generator=None):
-    """The project's step on the block [bonus, path_0 .. path_{K-1}] of point-mass drafts."""
-    B, K, n = paths.shape
-    probe = StateProbe()
-    probe.k = n + 1
-    block = torch.cat([bonus[:, None], paths.flatten(1)], 1)
-    n_acc, kept, nxt, _ = decode.merged_step(model, probe, cache, block, None, active, temperature,
-                                             generator=generator, paths=K)
-    # the kept path is the first one whose drafts are the kept ones (the first of the longest)
-    branch = (paths == kept[:, None, 1:]).all(-1).long().argmax(-1)
-    return n_acc, branch, nxt[:, 0], probe.h
 
 
 def tree_forward(model, cache, tokens, depth, attend):
@@ -77,8 +49,11 @@ def commit_branch(cache, branch, n, n_acc, active):
 
 
 @torch.no_grad()
-def by_hand(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
-            shared_nodes=True, move=True):
+def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
+                nodes='prefix', move=True):
+    """tree_step, and (by its keywords) the wrong answers below: nodes 'prefix' shares a node
+    between branches with the same prefix (right), 'none' gives every branch its own, 'token' shares
+    it between branches with the same token at that depth, whatever came before."""
     B, K, n = paths.shape
     dev = paths.device
     depth, attend = tree_layout(K, n, dev)
@@ -91,8 +66,10 @@ def by_hand(model, cache, bonus, paths, active, temperature=0.0, generator=None,
         x = sample(F.softmax(tempered(logits, temperature), -1), generator)
     # node slots: the node after path_z[:i+1] is slot 1 + z n + i; branches with the same prefix share
     # the node, and use the first such branch's slot (and its one sample)
-    same = (paths[:, :, None, :] == paths[:, None, :, :]).long().cumprod(-1).bool()     # (B, z, z', i)
-    canon = same.long().argmax(2) if shared_nodes else torch.arange(K, device=dev)[None, :, None].expand(B, K, n)
+    same = paths[:, :, None, :] == paths[:, None, :, :]                                 # (B, z, z', i)
+    if nodes == 'prefix':
+        same = same.long().cumprod(-1).bool()                                           # the whole prefix
+    canon = torch.arange(K, device=dev)[None, :, None].expand(B, K, n) if nodes == 'none' else same.long().argmax(2)
     node = 1 + canon * n + torch.arange(n, device=dev)                                  # (B, K, n)
     parent = torch.cat([torch.zeros(B, K, 1, dtype=torch.long, device=dev), node[:, :, :-1]], -1)
     match = x.gather(1, parent.flatten(1)).view(B, K, n) == paths                       # sample at parent = token
@@ -109,8 +86,17 @@ def by_hand(model, cache, bonus, paths, active, temperature=0.0, generator=None,
     return n_acc, branch, next_bonus, h
 
 
+def tree_step(model, cache, bonus, paths, active, temperature=0.0, generator=None):
+    return verify_tree(model, cache, bonus, paths, active, temperature, generator)
+
+
+def wrong(**how):
+    return dict(tree_step=lambda *a, **kw: verify_tree(*a, **kw, **how))
+
+
 CONTROLS = {
-    'a fresh sample for the bonus': dict(tree_step=lambda *a, **kw: by_hand(*a, **kw, fresh_bonus=True)),
-    'each branch samples shared nodes anew': dict(tree_step=lambda *a, **kw: by_hand(*a, **kw, shared_nodes=False)),
-    "branch 0's keys and values committed": dict(tree_step=lambda *a, **kw: by_hand(*a, **kw, move=False)),
+    'a fresh sample for the bonus': wrong(fresh_bonus=True),
+    'each branch samples shared nodes anew': wrong(nodes='none'),
+    'nodes shared by the token at a depth, not by the prefix': wrong(nodes='token'),
+    "branch 0's keys and values committed": wrong(move=False),
 }
