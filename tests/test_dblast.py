@@ -198,13 +198,13 @@ def test_al_loss_threshold_and_fallback(target, kind, verify):
     assert not torch.allclose(a, other)     # the two forms really differ for K > 1
 
 
-def test_al_surrogate_gradient_reaches_past_S_but_not_past_the_clamp():
-    """S = {1}, yet the tail t_1 = logsumexp_{j >= 1} a_j sums over every later prefix: log q at the
-    positions after S gets gradient through it (MATH.md §6 says so); where q_i(x_i) >= p_i(x_i) the
+def test_al_surrogate_gradient_reaches_past_R_but_not_past_the_clamp():
+    """R = {1}, yet the tail lambda_1 = logsumexp_{j >= 1} a_j sums over every later prefix: log q at the
+    positions after R gets gradient through it (MATH.md §6 says so); where q_i(x_i) >= p_i(x_i) the
     clamp in a_j stops it. Exercise 6's check, run on the project's own functions (it stays here
     for a handout without exercises/solutions/)."""
     project = types.SimpleNamespace(prefix_log_accept=prefix_log_accept, al_surrogate=al_surrogate)
-    harness.checks_of(6).test_gradient_reaches_past_S(project)
+    harness.checks_of(6).test_gradient_reaches_past_R(project)
 
 
 def test_al_gradient_at_a_clamped_position_with_two_branches():

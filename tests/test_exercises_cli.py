@@ -89,9 +89,9 @@ def test_a_bad_flag_is_one_line(argv, needles):
 def test_try_checks_what_its_checkpoint_records(tmp_path, out_dir):
     """A checkpoint whose model_args is a list, whose config is no dict, or whose recorded data path
     is a number: one line naming the file, not a traceback from the harness; --out-dir a file too."""
-    for name, change, needle in (('list', dict(model_args=[['n_layer', 1]]), 'model_args is a list'),
-                                 ('config', dict(config=['data']), 'config is a list'),
-                                 ('data', dict(config=dict(data=5)), 'recorded data path is 5')):
+    for name, change, needle in (('list', dict(model_args=[['n_layer', 1]]), "its 'model_args' is list"),
+                                 ('config', dict(config=['data']), "its 'config' is list"),
+                                 ('data', dict(config=dict(data=5)), "its 'config' holds 'data': int 5")):
         folder = write_out_dir(str(tmp_path / name), **change)
         one_error(['try', '1', '--out-dir', folder], os.path.join(folder, 'ckpt.pt'), needle)
     one_error(['try', '1', '--out-dir', os.path.join(out_dir, 'corpus.txt')], '--out-dir', 'not a folder')

@@ -95,16 +95,21 @@ def tree_forward():
     m.forward_cached(torch.zeros(1, 3, dtype=torch.long), m.new_cache(1, 16),
                      (torch.tensor([0, 1, 1]), torch.ones(3, 3, dtype=torch.bool)))
 
-def several_paths():
-    layout, decode.tree_layout = decode.tree_layout, lambda paths, n, device: None   # past the layout
+def several_paths():   # past the layout and the verifier, to the kept path's move
+    layout, verify = decode.tree_layout, decode.verify
+    decode.tree_layout = lambda paths, n, device: None
+    decode.verify = lambda *args: (torch.zeros(1, dtype=torch.long),) * 3
     try:
         decode.merged_step(Faked(), None, None, torch.zeros(1, 5, dtype=torch.long), None,
                            torch.ones(1, dtype=torch.bool), paths=2)
     finally:
-        decode.tree_layout = layout
+        decode.tree_layout, decode.verify = layout, verify
+
+def tree_verify():
+    decode.verify(torch.zeros(1, 5, 8), None, torch.zeros(1, 2, 2, dtype=torch.long), 0.0, (decode.exact, None))
 
 BRANCHES = {'model.GPT.forward_cached [else of tree is None]': tree_forward,
-            'decode.merged_step [if paths > 1]': several_paths}
+            'decode.merged_step [if paths > 1]': several_paths, 'decode.verify [if N > 1]': tree_verify}
 
 def outcome(call):
     try:
@@ -275,7 +280,7 @@ def test_plain_and_one_path_decoding_need_only_their_exercises(handout, tmp_path
     script = TINY + DECODES + """
 from data import run_script
 print(json.dumps(decodes()))
-run_script(lambda: decode.generate(tiny(), PROMPT, M, drafter=heads(), k=4, paths=2))
+run_script(lambda: decode.generate(tiny(), PROMPT, M, drafter=heads(), k=4, paths=2, temperature=1.0))
 """
     proc = run(script, course)
     world = {}
@@ -364,14 +369,13 @@ def only_answers_use(sources):
 
 def test_a_helper_only_an_answer_uses_is_listed():
     """A function of the main code that nothing but the listed bodies uses is the answer's
-    substance too, and must be an entry: when the tree verifier's node bookkeeping becomes a
-    function of its own (decode.tree_nodes), this asks for it. (Shown here on a copy of decode.py
-    given such a helper.)"""
+    substance too, and must be an entry (as decode.tree_nodes is, which only the tree verifier
+    calls). Shown here on a copy of decode.py given one more such helper."""
     modules = ['model', 'data', 'heads', 'dblast', 'decode', 'generate', 'train', 'measure', 'bench', 'gpu_check']
     sources = {m: open(os.path.join(ROOT, m + '.py'), encoding='utf-8').read() for m in modules}
     assert only_answers_use(sources) == []
-    start = '    B, N, n = drafts.shape\n    dev = drafts.device\n    p = F.softmax'
-    assert start in sources['decode']
-    tampered = dict(sources, decode=sources['decode'].replace(start, '    tree_nodes(drafts)\n' + start)
-                    + '\n\ndef tree_nodes(drafts):\n    return drafts\n')
-    assert only_answers_use(tampered) == ['decode.tree_nodes']
+    start = '    B, N, n = drafts.shape\n    p = F.softmax'
+    assert sources['decode'].count(start) == 1                  # verify_tree_sampled's first lines
+    tampered = dict(sources, decode=sources['decode'].replace(start, '    tree_helper(drafts)\n' + start)
+                    + '\n\ndef tree_helper(drafts):\n    return drafts\n')
+    assert only_answers_use(tampered) == ['decode.tree_helper']

@@ -16,12 +16,12 @@ MAY_USE = ('model.sample', 'model.tempered')
 V, N = 6, 200_000
 
 
-def one_position(impl, q, drafts, temperature, seed=0):
+def one_position(impl, Q, drafts, temperature, seed=0):
     """N rows of one block with a single draft (k = 2), target logits L (2, V) for every row:
     (emitted token after the bonus, accepted (N,), bonus (N,)) and p = softmax(L / T) (2, V)."""
     g = torch.Generator().manual_seed(seed)
     L = torch.randn(2, V, generator=g, dtype=torch.float64) * 1.5
-    accepted, n_acc, bonus = impl.verify_sampled(L.expand(N, 2, V), q, drafts, temperature, g)
+    accepted, n_acc, bonus = impl.verify_sampled(L.expand(N, 2, V), Q, drafts, temperature, g)
     emitted = torch.where(n_acc == 1, drafts[:, 0], bonus)
     return emitted, accepted[:, 0], bonus, F.softmax(L / temperature, -1)
 
@@ -49,17 +49,17 @@ def off(tokens, probs):
     return stat > crit
 
 
-def why_not_p(emitted, accepted, drafts, p, q):
+def why_not_p(emitted, accepted, drafts, p, Q):
     """Which half of the rule is wrong, once the emitted token is known not to follow p: the
     accepted drafts (their rate and their tokens, min(P, Q)) or the bonus after a rejection (the
     residual). A hint, not a verdict: it runs only after the check has failed."""
-    q = F.one_hot(drafts[0, 0], V).double() if q is None else q[0, 0]
-    both = torch.minimum(p, q)
+    Q = F.one_hot(drafts[0, 0], V).double() if Q is None else Q[0, 0]
+    both = torch.minimum(p, Q)
     n, rate = len(emitted), float(both.sum())
     z = (int(accepted.sum()) - n * rate) / max(n * rate * (1 - rate), 1e-12) ** 0.5
     if abs(z) > 4.4 or off(drafts[accepted, 0], both):        # 4.4 standard errors: p < 1e-5 as well
         return ACCEPT_HINT
-    return RESIDUAL_HINT if off(emitted[~accepted], (p - q).clamp(min=0)) else ''
+    return RESIDUAL_HINT if off(emitted[~accepted], (p - Q).clamp(min=0)) else ''
 
 
 def test_shapes_and_the_prefix(impl):
@@ -69,9 +69,9 @@ def test_shapes_and_the_prefix(impl):
     g = torch.Generator().manual_seed(1)
     B, k = 500, 5
     logits = torch.randn(B, k, V, generator=g, dtype=torch.float64)
-    q = F.softmax(torch.randn(B, k - 1, V, generator=g, dtype=torch.float64), -1)
-    drafts = decode.sample(q, g)
-    accepted, n_acc, bonus = impl.verify_sampled(logits, q, drafts, 1.0, g)
+    Q = F.softmax(torch.randn(B, k - 1, V, generator=g, dtype=torch.float64), -1)
+    drafts = decode.sample(Q, g)
+    accepted, n_acc, bonus = impl.verify_sampled(logits, Q, drafts, 1.0, g)
     assert accepted.shape == (B, k - 1) and accepted.dtype == torch.bool, \
         f"accepted is {tuple(accepted.shape)} {accepted.dtype}, want (B, k-1) = {(B, k - 1)} torch.bool"
     assert n_acc.shape == (B,) and bonus.shape == (B,), \
@@ -93,12 +93,12 @@ def test_shapes_and_the_prefix(impl):
 def test_the_first_token_follows_p(impl):
     """The first emitted token follows p. One draft per row, 200,000 rows: the token after the
     bonus (the draft if accepted, else the bonus) has exactly the target's distribution at T,
-    for a proposal q far from p (T = 0.7 and 1.3) and for a point-mass draft (q None).
+    for a proposal Q far from p (T = 0.7 and 1.3) and for a point-mass draft (Q None).
     Hint: P(emit x) = Q(x) min(1, P(x)/Q(x)) + P(reject) norm(max(0, P - Q))(x) = P(x); the
     bonus after a rejection must come from the residual, tempered like P."""
     g = torch.Generator().manual_seed(2)
-    q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, -1).expand(N, 1, V)
-    cases = [(q, decode.sample(q, g), T, 3, f"T={T}, sampled drafts") for T in (0.7, 1.3)]
+    Q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, -1).expand(N, 1, V)
+    cases = [(Q, decode.sample(Q, g), T, 3, f"T={T}, sampled drafts") for T in (0.7, 1.3)]
     cases.append((None, torch.full((N, 1), 2), 1.3, 4, "a point-mass draft (always token 2, Q(2) = 1)"))
     for qq, drafts, T, seed, what in cases:
         emitted, accepted, _, p = one_position(impl, qq, drafts, T, seed=seed)
@@ -114,26 +114,26 @@ def test_after_an_accepted_block_the_bonus_follows_p(impl):
     of the target's distribution after the last position, at T. Hint: P_{k-1} = softmax(logits[:, -1] / T),
     the same temperature as everywhere else."""
     g = torch.Generator().manual_seed(5)
-    q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64), -1).expand(N, 1, V)
-    drafts = decode.sample(q, g)
-    _, accepted, bonus, p = one_position(impl, q, drafts, 0.7, seed=6)
+    Q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64), -1).expand(N, 1, V)
+    drafts = decode.sample(Q, g)
+    _, accepted, bonus, p = one_position(impl, Q, drafts, 0.7, seed=6)
     rate = accepted.float().mean().item()
     if not rate > 0.2:
         raise harness.Fail(f"your code accepted {rate:.1%} of the drafts, want about "
-                           f"{float(torch.minimum(p[0], q[0, 0]).sum()):.0%}", ACCEPT_HINT)
+                           f"{float(torch.minimum(p[0], Q[0, 0]).sum()):.0%}", ACCEPT_HINT)
     assert_follows(bonus[accepted], p[1], "after an accepted draft the bonus is not the target's sample")
 
 
 def test_p_equal_to_q(impl):
-    """p equal to q: no division by zero. The residual max(0, p - q) is zero everywhere; the bonus
+    """p equal to Q: no division by zero. The residual max(0, p - Q) is zero everywhere; the bonus
     must still be a valid token (a rejection never happens there, but the step draws every
     position's candidate at once). Hint: fall back to p where the residual sums to zero."""
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(64, 3, V, generator=g, dtype=torch.float64)
-    q = F.softmax(logits[:, :-1] / 0.9, -1)                              # exactly p at T = 0.9
-    accepted, n_acc, bonus = impl.verify_sampled(logits, q, decode.sample(q, g), 0.9, g)
+    Q = F.softmax(logits[:, :-1] / 0.9, -1)                              # exactly p at T = 0.9
+    accepted, n_acc, bonus = impl.verify_sampled(logits, Q, decode.sample(Q, g), 0.9, g)
     if not accepted.all():
-        raise harness.Fail(f"q is p at T = 0.9, yet {int((~accepted).sum())} of {accepted.numel()} drafts were "
+        raise harness.Fail(f"Q is p at T = 0.9, yet {int((~accepted).sum())} of {accepted.numel()} drafts were "
                            f"refused, want none", "with Q = P the test u * Q(d) < P(d) always passes: if it does "
                            "not, P is not softmax(logits / T) at the temperature given (or the test compares "
                            "something else)")
@@ -153,9 +153,9 @@ def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
     g = torch.Generator().manual_seed(10)
     L = torch.randn(2, V, generator=g, dtype=torch.float64) * 1.5
     p = F.softmax(L, -1)
-    q = (p[0] * (1 + 2 ** -8)).expand(N, 1, V)
+    Q = (p[0] * (1 + 2 ** -8)).expand(N, 1, V)
     drafts = decode.sample(p[:1].expand(N, 1, V), g)
-    _, n_acc, bonus = impl.verify_sampled(L.expand(N, 2, V), q, drafts, 1.0, g)
+    _, n_acc, bonus = impl.verify_sampled(L.expand(N, 2, V), Q, drafts, 1.0, g)
     refused = n_acc == 0
     if refused.any():   # (an answer that renormalises Q refuses nothing here, and has nothing to fall back from)
         assert_follows(bonus[refused], p[0], f"after the {int(refused.sum())} refusals, where max(0, P - Q) is 0 "
@@ -165,15 +165,15 @@ def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync. For sampled drafts (q given) and for point masses (q None). Hint: draw every
+    """No host sync. For sampled drafts (Q given) and for point masses (Q None). Hint: draw every
     candidate bonus at once and gather the one at n_acc."""
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(8, 4, V, generator=g, dtype=torch.float64)
-    q = F.softmax(torch.randn(8, 3, V, generator=g, dtype=torch.float64), -1)
-    drafts = decode.sample(q, g)
+    Q = F.softmax(torch.randn(8, 3, V, generator=g, dtype=torch.float64), -1)
+    drafts = decode.sample(Q, g)
     point_mass = ("only the point-mass path syncs (F.one_hot? It checks its input's range on the host): remove the "
                   "draft's mass with p.scatter(-1, drafts[..., None], 0.0) instead")
-    for qq, what, hint in ((q, 'sampled drafts (q given)', ''), (None, 'point-mass drafts (q None)', point_mass)):
+    for qq, what, hint in ((Q, 'sampled drafts (Q given)', ''), (None, 'point-mass drafts (Q None)', point_mass)):
         with harness.HostSyncs() as syncs:
             impl.verify_sampled(logits, qq, drafts, 1.0, g)
         if syncs.seen:
@@ -194,8 +194,8 @@ def test_the_same_seed_gives_the_same_output(impl):
     g = torch.Generator().manual_seed(9)
     B = 400
     logits = torch.randn(B, 4, V, generator=g, dtype=torch.float64) * 1.5
-    q = F.softmax(torch.randn(B, 3, V, generator=g, dtype=torch.float64), -1)
-    for qq, drafts, what in ((q, decode.sample(q, g), 'sampled drafts'),
+    Q = F.softmax(torch.randn(B, 3, V, generator=g, dtype=torch.float64), -1)
+    for qq, drafts, what in ((Q, decode.sample(Q, g), 'sampled drafts'),
                              (None, logits[:, :-1].argmax(-1), 'point-mass drafts')):
         runs = []
         with torch.random.fork_rng(devices=[]):                           # the caller's global RNG untouched
@@ -220,7 +220,7 @@ def test_lossless_through_generate(impl):
     model = harness.target8()
     for sample_drafts, T in ((True, 1.3), (False, 0.8)):
         heads = harness.peaky(BlockHeads(model.config, 4, sample_drafts=sample_drafts), 0.3, 1)
-        hint = '' if sample_drafts else ("for argmax drafts merged_step gives you q None, a point mass (Q(d) = 1): "
+        hint = '' if sample_drafts else ("for argmax drafts merged_step gives you Q None, a point mass (Q(d) = 1): "
                                          "the residual is P without the draft's mass, P = softmax(logits / T) at "
                                          "the T given (0.8 here), for the test and the bonus alike")
         harness.assert_lossless(model, heads, T, what=f"{'sampled' if sample_drafts else 'argmax'} drafts, T={T}: ",

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from model import sample, tempered   # sample(weights, generator): one index per row; tempered: logits / T, safely
 
 
-def verify_sampled(logits, q, drafts, temperature, generator=None):
+def verify_sampled(logits, Q, drafts, temperature, generator=None):
     """Speculative sampling's verification of one block, lossless for any proposal.
 
     logits (B, k, V): the target's logits after each position of the block [bonus, d_1 .. d_{k-1}].
-    q (B, k-1, V): the proposal's distribution each draft was drawn from, Q_{j+1}(.) for draft j+1,
+    Q (B, k-1, V): the proposal's distribution each draft was drawn from, Q_{j+1}(.) for draft j+1,
         at `temperature` already; or None when the drafts are a point mass (Q(d) = 1).
     drafts (B, k-1); temperature > 0; generator: draw every random number from it (the coins and
         the bonuses), never from the global RNG, so the same seed gives the same output.

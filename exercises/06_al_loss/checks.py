@@ -48,8 +48,8 @@ def test_the_prefix_weights_by_enumeration(impl):
 
 
 def test_the_threshold_and_the_fallback(impl):
-    """The threshold and the fallback. Every prefix kept at tau_threshold 0 (L = -mean_j t_j); only
-    a_j >= log tau kept in between; the row's NLL where nothing is kept. Hint: t_j = logsumexp
+    """The threshold and the fallback. Every prefix kept at tau_threshold 0 (L = -mean_j λ_j); only
+    a_j >= log tau kept in between; the row's NLL where nothing is kept. Hint: λ_j = logsumexp
     over j' >= j: a flipped logcumsumexp; tau_threshold 0 keeps everything (log 0 = -inf)."""
     a = torch.tensor([[-0.1, -0.5, -2.0, -4.0], [-3.0, -3.5, -5.0, -6.0]], dtype=torch.float64)
     nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
@@ -58,7 +58,7 @@ def test_the_threshold_and_the_fallback(impl):
     if not torch.allclose(got, -t.mean(-1)):
         hint = ("tau_threshold 0 keeps every prefix (log 0 = -inf, below any a_j): take it as -inf, not as a "
                 "math error" if not torch.isfinite(got).all() else '')
-        raise harness.Fail(f"tau_threshold 0: {fmt(got)}, want -mean_j t_j {fmt(-t.mean(-1))}", hint)
+        raise harness.Fail(f"tau_threshold 0: {fmt(got)}, want -mean_j λ_j {fmt(-t.mean(-1))}", hint)
     got = impl.al_surrogate(a, nll, math.exp(-1.0))                 # keeps a[0, 0] and a[0, 1], nothing of row 1
     want = torch.stack([-(t[0, 0] + t[0, 1]) / 2, nll[1]])
     if not torch.allclose(got, want):
@@ -72,34 +72,34 @@ def test_the_threshold_and_the_fallback(impl):
 
 def test_the_threshold_at_its_edges(impl):
     """The threshold at its edges. A prefix exactly at the threshold is kept (a_j >= log tau: at
-    tau_threshold e^-30, a_j = -30 is in S), and tau_threshold 0 keeps every prefix however small
+    tau_threshold e^-30, a_j = -30 is in R), and tau_threshold 0 keeps every prefix however small
     its weight (e^-31 .. e^-700), never the NLL."""
     a = torch.tensor([[-29.0, -30.0, -30.5, -31.0], [-31.0, -40.0, -80.0, -700.0]], dtype=torch.float64)
     nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
     t = torch.stack([torch.logsumexp(a[:, j:], -1) for j in range(4)], -1)
-    got = impl.al_surrogate(a[:1], nll[:1], math.exp(-30.0))                 # S = {0, 1}: -30 >= -30
+    got = impl.al_surrogate(a[:1], nll[:1], math.exp(-30.0))                 # R = {0, 1}: -30 >= -30
     want = -(t[0, 0] + t[0, 1]) / 2
     if not torch.allclose(got, want.reshape(1)):
-        hint = ("a_j equal to log tau_threshold is in S: the test is a_j >= log tau, not a_j > log tau"
+        hint = ("a_j equal to log tau_threshold is in R: the test is a_j >= log tau, not a_j > log tau"
                 if torch.allclose(got, -t[0, :1]) else
-                "that is the row's NLL: S came out empty, though a_0 = -29 and a_1 = -30 are >= log e^-30; is "
+                "that is the row's NLL: R came out empty, though a_0 = -29 and a_1 = -30 are >= log e^-30; is "
                 "tau_threshold replaced by a larger number somewhere (a guard such as max(tau, 1e-12))?"
                 if torch.allclose(got, nll[:1]) else '')
-        raise harness.Fail(f"tau_threshold e^-30, a = {fmt(a[0])}: {fmt(got)}, want {fmt(want)} (S = positions 0 "
+        raise harness.Fail(f"tau_threshold e^-30, a = {fmt(a[0])}: {fmt(got)}, want {fmt(want)} (R = positions 0 "
                            f"and 1, a_1 = -30 being at the threshold)", hint)
     got = impl.al_surrogate(a[1:], nll[1:], 0.0)
     want = -t[1].mean()
     if not torch.allclose(got, want.reshape(1)):
         hint = ("tau_threshold 0 keeps every prefix: log 0 is -inf, below every a_j, whatever its size; a guard "
                 "such as log(max(tau, 1e-12)) turns 0 into a threshold of e^-27.6, which drops these prefixes")
-        raise harness.Fail(f"tau_threshold 0, a = {fmt(a[1])}: {fmt(got)}, want -mean_j t_j = {fmt(want)} (every "
+        raise harness.Fail(f"tau_threshold 0, a = {fmt(a[1])}: {fmt(got)}, want -mean_j λ_j = {fmt(want)} (every "
                            f"prefix kept{', not the NLL' if torch.allclose(got, nll[1:]) else ''})", hint)
 
 
-def test_gradient_reaches_past_S(impl):
-    """The gradient reaches past S, not past the clamp. With S = {0} (only a[:, 0] kept), t[:, 0]
+def test_gradient_reaches_past_R(impl):
+    """The gradient reaches past R, not past the clamp. With R = {0} (only a[:, 0] kept), λ_0
     still sums over the later prefixes, so log q at positions 1.. gets gradient (MATH.md §6);
-    where q >= p it gets none. Hint: choose S on a.detach(), and keep t_j whole."""
+    where q >= p it gets none. Hint: choose R on a.detach(), and keep λ_j whole."""
     log_qx = torch.tensor([[[-1.0, -1.0, -1.0, -3.0]]], dtype=torch.float64, requires_grad=True)   # K = 1, n = 4
     log_px = torch.tensor([[-0.5, -0.5, -2.0, -0.5]], dtype=torch.float64)        # position 2: q above p
     a = impl.prefix_log_accept(torch.zeros(1, 1, dtype=torch.float64), log_qx, log_px, 'mixture')
@@ -107,23 +107,23 @@ def test_gradient_reaches_past_S(impl):
     if not torch.allclose(a.detach(), want):
         raise harness.Fail(f"a = {fmt(a)}, want {fmt(want)}", "a itself is off (the first check tests it alone): "
                            "a_j = sum_{i<=j} min(0, log Q_i(x_i) - log p_i(x_i)), clamped term by term")
-    loss = impl.al_surrogate(a, torch.zeros(1, dtype=torch.float64), math.exp(-0.75))     # S = {0}
+    loss = impl.al_surrogate(a, torch.zeros(1, dtype=torch.float64), math.exp(-0.75))     # R = {0}
     want = -torch.logsumexp(a.detach()[0], 0).reshape(1)
     if not torch.allclose(loss, want):
-        raise harness.Fail(f"with S = {{0}} the loss is {fmt(loss)}, want -t[0] = {fmt(want)}",
-                           "only a[0] >= log tau = -0.75, so S = {0} and the loss is -t[0], the logsumexp of the "
+        raise harness.Fail(f"with R = {{0}} the loss is {fmt(loss)}, want -λ_0 = {fmt(want)}",
+                           "only a[0] >= log tau = -0.75, so R = {0} and the loss is -λ_0, the logsumexp of the "
                            "whole of a (the check above tests the threshold on hand-made values)")
     loss.sum().backward()
     grad = log_qx.grad[0, 0]
     if not grad[0] < 0:
-        raise harness.Fail(f"position 0, in S, gets gradient {grad[0].item():.3g}, want below 0 (grad {fmt(grad)})",
-                           "the loss must be a function of a (no .detach() on the t_j you average, only on the "
-                           "mask that chooses S)")
+        raise harness.Fail(f"position 0, in R, gets gradient {grad[0].item():.3g}, want below 0 (grad {fmt(grad)})",
+                           "the loss must be a function of a (no .detach() on the λ_j you average, only on the "
+                           "mask that chooses R)")
     if not (grad[1] < 0 and grad[3] < 0):
-        raise harness.Fail(f"positions 1 and 3, after S, get gradient {grad[1].item():.3g} and {grad[3].item():.3g}, "
+        raise harness.Fail(f"positions 1 and 3, after R, get gradient {grad[1].item():.3g} and {grad[3].item():.3g}, "
                            f"want below 0 (grad {fmt(grad)})",
-                           "t[0] = logsumexp of a[0], a[1], .. (the whole tail): the positions after S reach the loss "
-                           "through it; a[0] alone in place of t[0] cuts them off")
+                           "λ_0 = logsumexp of a[0], a[1], .. (the whole tail): the positions after R reach the loss "
+                           "through it; a[0] alone in place of λ_0 cuts them off")
     assert grad[2] == 0, f"position 2, clamped (q above p), gets gradient {grad[2].item():.3g}, want 0 " \
                          f"(grad {fmt(grad)})"
 

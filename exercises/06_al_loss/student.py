@@ -27,7 +27,7 @@ def prefix_log_accept(log_prior, log_qx, log_px, verify='mixture'):
 
 def al_surrogate(a, nll, tau_threshold):
     """The AL loss per row (N,), from a (N, n) and each row's mixture NLL nll (N,):
-    t_j = logsumexp_{j' >= j} a_j'; S = {j : a_j >= log tau_threshold}, chosen without gradient;
-    L = -(1/|S|) sum_{j in S} t_j, or the row's nll where S is empty. tau_threshold >= 0; at 0
+    λ_j = logsumexp_{j' >= j} a_j'; R = {j : a_j >= log tau_threshold}, chosen without gradient;
+    L = -(1/|R|) sum_{j in R} λ_j, or the row's nll where R is empty. tau_threshold >= 0; at 0
     every prefix is kept (log 0 = -inf)."""
     raise NotImplementedError("exercise 6: write al_surrogate in exercises/06_al_loss/student.py")

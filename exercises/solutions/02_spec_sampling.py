@@ -7,71 +7,71 @@ from decode import accept_prefix, accept_sampled, residual
 from model import sample, tempered
 
 
-def residual_without_q(logits, q, drafts, temperature, generator=None):
+def residual_without_Q(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], q, drafts, generator)
-    return accept_prefix(ok, sample(p, generator))                    # the bonus from p, not p - q
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    return accept_prefix(ok, sample(p, generator))                    # the bonus from p, not p - Q
 
 
-def temperature_on_the_test_only(logits, q, drafts, temperature, generator=None):
+def temperature_on_the_test_only(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], q, drafts, generator)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
     p1 = F.softmax(logits, -1)                                          # the bonus at T = 1
-    weights = torch.cat([residual(p1[:, :-1], q, drafts), p1[:, -1:]], 1)
+    weights = torch.cat([residual(p1[:, :-1], Q, drafts), p1[:, -1:]], 1)
     return accept_prefix(ok, sample(weights, generator))
 
 
-def counts_past_the_first_rejection(logits, q, drafts, temperature, generator=None):
+def counts_past_the_first_rejection(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], q, drafts, generator)
-    weights = torch.cat([residual(p[:, :-1], q, drafts), p[:, -1:]], 1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
     n_acc = ok.sum(-1)
     return ok, n_acc, sample(weights, generator).gather(1, n_acc[:, None]).squeeze(1)
 
 
-def ratio_upside_down(logits, q, drafts, temperature, generator=None):
+def ratio_upside_down(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
     p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    q_d = 1.0 if q is None else q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    ok = torch.rand(p_d.shape, generator=generator, dtype=p.dtype) * p_d < q_d   # min(1, q/p)
-    weights = torch.cat([residual(p[:, :-1], q, drafts), p[:, -1:]], 1)
+    q_d = 1.0 if Q is None else Q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    ok = torch.rand(p_d.shape, generator=generator, dtype=p.dtype) * p_d < q_d   # min(1, Q/p)
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
     return accept_prefix(ok, sample(weights, generator))
 
 
-def coins_from_the_global_rng(logits, q, drafts, temperature, generator=None):
+def coins_from_the_global_rng(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
     p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    q_d = 1.0 if q is None else q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_d = 1.0 if Q is None else Q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
     ok = torch.rand_like(p_d) * q_d < p_d                               # the right law, not `generator`'s
-    weights = torch.cat([residual(p[:, :-1], q, drafts), p[:, -1:]], 1)
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
     return accept_prefix(ok, sample(weights, generator))
 
 
-def bonus_from_the_global_rng(logits, q, drafts, temperature, generator=None):
+def bonus_from_the_global_rng(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], q, drafts, generator)
-    weights = torch.cat([residual(p[:, :-1], q, drafts), p[:, -1:]], 1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
     return accept_prefix(ok, sample(weights))                          # generator forgotten here
 
 
-def point_mass_by_one_hot(logits, q, drafts, temperature, generator=None):
+def point_mass_by_one_hot(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
-    point = F.one_hot(drafts, p.size(-1)).to(p.dtype) if q is None else q    # exact, but syncs on the host
+    point = F.one_hot(drafts, p.size(-1)).to(p.dtype) if Q is None else Q    # exact, but syncs on the host
     ok = accept_sampled(p[:, :-1], point, drafts, generator)
     weights = torch.cat([residual(p[:, :-1], point, drafts), p[:, -1:]], 1)
     return accept_prefix(ok, sample(weights, generator))
 
 
-def residual_without_its_fallback(logits, q, drafts, temperature, generator=None):
+def residual_without_its_fallback(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], q, drafts, generator)
-    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if q is None else (p[:, :-1] - q).clamp(min=0.0)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
     weights = torch.cat([r, p[:, -1:]], 1)                               # an all-zero row stays all zero
     return accept_prefix(ok, sample(weights, generator))
 
 
 CONTROLS = {
-    'residual without subtracting q': dict(verify_sampled=residual_without_q),
+    'residual without subtracting Q': dict(verify_sampled=residual_without_Q),
     'temperature on the acceptance test only': dict(verify_sampled=temperature_on_the_test_only),
     'counts past the first rejection': dict(verify_sampled=counts_past_the_first_rejection),
     'acceptance ratio upside down': dict(verify_sampled=ratio_upside_down),

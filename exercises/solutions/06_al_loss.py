@@ -18,7 +18,7 @@ def tail_without_later_prefixes(a, nll, tau_threshold):
     log_tau = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
     keep = a.detach() >= log_tau
     n_keep = keep.sum(-1)
-    al = -torch.where(keep, a, 0.0).sum(-1) / n_keep.clamp(min=1)           # a_j where t_j belongs
+    al = -torch.where(keep, a, 0.0).sum(-1) / n_keep.clamp(min=1)           # a_j where λ_j belongs
     return torch.where(n_keep > 0, al, nll)
 
 
