@@ -49,8 +49,11 @@ class Drafter(nn.Module):
     proposed after the bonus, and Q (B, k-1, V): the proposal's conditional at each drafted
     position given the drafts before it, at `temperature` (row i of Q is what draft i was drawn
     from), or None when the drafts are a point mass (argmax drafting, or greedy decoding, where
-    verification only compares argmaxes). The draws come from `generator`. No host sync, no
-    Python loop over positions: the step that calls it runs as one CUDA graph.
+    verification only compares argmaxes). The draws come from `generator`. No host sync and no
+    Python loop over rows: the step that calls it runs as one CUDA graph. A loop over the k-1
+    drafted positions is one only a drafter whose draft i needs the sampled draft i-1 has reason
+    for (a recurrent one; k is fixed per graph, so a compiled step unrolls it); the project's own
+    drafters draft every position at once.
     """
     k: int
     sample_drafts: bool = True
