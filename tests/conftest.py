@@ -3,10 +3,14 @@ the greedy reference and randomised BPD heads, and the helpers that run the scri
 (a real process, or the script's main in this process)."""
 import importlib
 import io
+import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from contextlib import redirect_stderr, redirect_stdout
 from unittest import mock
 
@@ -180,3 +184,103 @@ def assert_clean_error(proc, *needles):
 class Proc:
     def __init__(self, returncode, stdout, stderr):
         self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+# ----------------------------------------------------------------------------- the second core
+# Every test runs on one intra-op thread, so one pytest process leaves the second core of a 2-core
+# machine idle. The tests marked `second_process` (those that build a handout, compile with
+# inductor, train at the GPU preset's shapes, run the exercises' checks or bench.py end to end)
+# run in a second pytest process, started with this one and given the same tests, -k and -m: it
+# runs the marked ones while this process runs the others, then this process reports each marked
+# test as the second one reported it (pytest's own report serialisation: the same outcome,
+# traceback and captured output). Each test still runs alone as usual. BLOCKWISE_ONE_PROCESS=1
+# runs everything in this process (for --pdb); so does a one-core machine.
+
+SECOND = 'BLOCKWISE_SECOND_PROCESS'   # set in the second process: the file its reports go to
+_second = {}
+
+
+def pytest_configure(config):
+    _second['config'] = config
+    if (os.environ.get(SECOND) or os.environ.get('BLOCKWISE_ONE_PROCESS') or (os.cpu_count() or 1) < 2
+            or config.option.collectonly or config.option.usepdb):
+        return
+    folder = tempfile.mkdtemp(prefix='blockwise-second-')
+    selection = [f for flag, value in (('-k', config.option.keyword), ('-m', config.option.markexpr)) if value
+                 for f in (flag, value)]
+    log = open(os.path.join(folder, 'output.txt'), 'w')
+    proc = subprocess.Popen([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '--basetemp',
+                             os.path.join(folder, 'tmp'), *selection, *config.args],
+                            cwd=str(config.invocation_params.dir), stdin=subprocess.DEVNULL, stdout=log,
+                            stderr=subprocess.STDOUT,
+                            env=dict(os.environ, **{SECOND: os.path.join(folder, 'reports.jsonl')}))
+    _second.update(proc=proc, folder=folder, reports=os.path.join(folder, 'reports.jsonl'), log=log, ids=set(),
+                   done={}, read=0)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    marked = [i for i in items if i.get_closest_marker('second_process')]
+    if os.environ.get(SECOND):       # the second process: only the marked tests
+        config.hook.pytest_deselected(items=[i for i in items if i not in marked])
+        items[:] = marked
+    elif 'proc' in _second:          # this process: its own tests first, then the reports of the marked
+        _second['ids'] = {i.nodeid for i in marked}
+        items[:] = [i for i in items if i not in marked] + marked
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get(SECOND):
+        config = _second['config']
+        data = config.hook.pytest_report_to_serializable(config=config, report=report)
+        with open(os.environ[SECOND], 'a') as f:
+            f.write(json.dumps(data) + '\n')
+
+
+def _reports_of(nodeid):
+    """The second process's reports of one test, once its teardown is reported (or a failure
+    saying the process ended without it)."""
+    config, proc, done = _second['config'], _second['proc'], _second['done']
+    while not (done.get(nodeid) and done[nodeid][-1].when == 'teardown'):
+        ended = proc.poll() is not None
+        lines = ''
+        if os.path.exists(_second['reports']):
+            with open(_second['reports']) as f:
+                f.seek(_second['read'])
+                lines = f.read()
+        whole = lines[:lines.rfind('\n') + 1]        # a line still being written waits for the next look
+        _second['read'] += len(whole)
+        for line in whole.splitlines():
+            report = config.hook.pytest_report_from_serializable(config=config, data=json.loads(line))
+            if isinstance(report.longrepr, list):   # a skip's (file, line, reason): JSON made it a list
+                report.longrepr = tuple(report.longrepr)
+            done.setdefault(report.nodeid, []).append(report)
+        if ended and not whole and not (done.get(nodeid) and done[nodeid][-1].when == 'teardown'):
+            with open(os.path.join(_second['folder'], 'output.txt')) as f:
+                tail = f.read()[-3000:]
+            return [pytest.TestReport(nodeid, ('', 0, nodeid), {}, 'failed', when='call', longrepr=(
+                f"the second pytest process ended (exit code {proc.returncode}) before it reported this "
+                f"test; its output ends:\n{tail}"))]
+        if not whole:
+            time.sleep(0.05)
+    return done.pop(nodeid)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.nodeid not in _second.get('ids', ()):
+        return None
+    item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    for report in _reports_of(item.nodeid):
+        item.ihook.pytest_runtest_logreport(report=report)
+    item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+def pytest_unconfigure(config):
+    if 'proc' in _second:
+        if _second['proc'].poll() is None:   # stopped early (-x, Ctrl-C, nothing marked): not wanted
+            _second['proc'].kill()
+            _second['proc'].wait()
+        _second['log'].close()
+        shutil.rmtree(_second['folder'], ignore_errors=True)

@@ -20,6 +20,7 @@ TINY = ['--device', 'cpu', '--n-layer', '1', '--n-head', '2', '--n-embd', '16', 
         '--distill-samples', '4', '--dblast-samples', '4', '--n-prompts', '2', '--max-new', '16']
 
 
+@pytest.mark.slow
 def test_bench_quick_tiny(tmp_path, corpus_file):
     out = tmp_path / 'bench'
     bench.main(['--quick', '--out', str(out), '--data', str(corpus_file)] + TINY)
@@ -66,6 +67,7 @@ def test_step_times_reads_the_cpu_side_rows():
         assert measure.step_times(order, cuda=False) == {'verify': 10, 'host_sync': 5}
 
 
+@pytest.mark.slow
 def test_speed_table_in_bfloat16_on_cpu(tmp_path, corpus_file):
     out = tmp_path / 'bf16'
     code, stdout, stderr = cli('bench.py', ['--tables', 'speed', '--dtype', 'bfloat16', '--repeats', '1',

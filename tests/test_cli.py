@@ -20,11 +20,11 @@ with, a pickle that would run code), and Ctrl-C.
 Most cases run in this process, through the same `main(argv)` and `run_script` a script runs
 (stdout and stderr captured, CUDA hidden, the RNGs and working directory restored afterwards): an
 exception that escapes would be a traceback in a real run, and is reported as one. Real processes
-(`process=True`) are kept for what only they show: Ctrl-C, the exit code and stderr end to end, a
-crafted pickle whose payload must not run on load, and FIFOs, where a regression would hang (a
-process gets TIMEOUT seconds; running out of time fails its case). A crafted pickle (a checkpoint
-or meta.pkl whose unpickling would create a marker file) must be refused without running: the
-marker file must not exist afterwards.
+(`process=True`) are kept for what only they show: Ctrl-C, the exit code and stderr end to end
+(one case a script), and FIFOs, where a regression would hang (a process gets TIMEOUT seconds;
+running out of time fails its case). A crafted pickle (a checkpoint or meta.pkl whose unpickling
+would create a marker file) must be refused without running: the marker file must not exist
+afterwards, whichever process would have run it.
 
 How it runs: one tiny training run (ckpt.pt, heads.pt, dblast_K4.pt, dblast_K1.pt) and the crafted
 files are made once for the module (the `paths` fixture); the `results` fixture then runs every
@@ -61,6 +61,8 @@ from generate import main as generate_main
 from model import GPT, GPTConfig
 from train import main as train_main
 
+pytestmark = pytest.mark.slow   # every case: the quick tier keeps the scripts' own tests of bad input
+
 TIMEOUT = 90          # seconds any one process may take; more is a hang
 WORKERS = 2           # real processes at a time (beside the in-process cases)
 MAINS = {'train.py': train_main, 'generate.py': generate_main, 'bench.py': bench_main}
@@ -91,7 +93,7 @@ class Case:
 
     def __post_init__(self):   # what only a real process shows
         fifo = any('fifo' in a for a in self.argv if isinstance(a, str))
-        self.process = self.process or bool(self.interrupt or self.marker) or fifo
+        self.process = self.process or bool(self.interrupt) or fifo
 
     def __repr__(self):
         return f"Case({self.id!r})"
@@ -403,7 +405,7 @@ CASES = [
     bench_refused('max-new-zero', ['--max-new', '0'], '--max-new'),
     bench_refused('max-new-beyond-context', ['--max-new', '100000'], '--max-new', within=30),
     bench_refused('tables-empty', ['--tables', ''], '--tables'),
-    bench_refused('tables-bogus', ['--tables', 'bogus'], '--tables', process=True),
+    bench_refused('tables-bogus', ['--tables', 'bogus'], '--tables'),
     bench_refused('tables-time-alone', ['--tables', 'time'], '--tables'),
     bench_refused('dblast-k-one', ['--dblast-k', '1'], '--dblast-k'),
     bench_refused('seed-neg', ['--seed', '-1'], '--seed'),

@@ -19,6 +19,8 @@ from heads import BlockHeads
 from model import GPT, GPTConfig
 from train import HeadsObjective
 
+pytestmark = pytest.mark.second_process   # inductor compiles: on the other core (conftest.py)
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -101,6 +103,7 @@ def test_host_sync_detector_catches_syncs():
 
 
 @pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
+@pytest.mark.slow
 def test_merged_step_traces_as_one_graph(kind, temperature, accept, paths):
     """fullgraph=True raises at any graph break: a .item(), a data-dependent branch or shape, or
     a torch.Generator argument (why the compiled step draws from the global RNG)."""
@@ -138,6 +141,7 @@ def traced_only(monkeypatch):
         monkeypatch.setitem(decode._COMPILED, DEV, torch.compile(merged_step, backend='aot_eager', dynamic=False))
 
 
+@pytest.mark.slow
 def test_compiled_generate_matches_eager():
     """The step as generate(compile=True) compiles it (inductor: C++ on the CPU, CUDA graphs on GPU)
     gives the eager tokens, greedy with BPD heads."""
@@ -149,6 +153,7 @@ def test_compiled_generate_matches_eager():
     assert torch.equal(eager, compiled) and s1['accept_lengths'] == s2['accept_lengths']
 
 
+@pytest.mark.slow
 def test_compiled_sampling_matches_eager(traced_only):
     """The same random numbers in the same order give the same tokens: the compiled graph draws
     them from the global RNG (with fallback_random, inductor too draws through the eager kernels)."""
@@ -162,6 +167,7 @@ def test_compiled_sampling_matches_eager(traced_only):
     assert torch.equal(eager, compiled) and s1['accept_lengths'] == s2['accept_lengths']
 
 
+@pytest.mark.slow
 def test_compiled_sampling_seeded_by_generator(traced_only):
     """compile=True with a generator: the same seed gives the same output, another seed another,
     and the caller's global RNG is left as it was."""
@@ -174,6 +180,7 @@ def test_compiled_sampling_seeded_by_generator(traced_only):
     assert torch.equal(torch.get_rng_state(), state)
 
 
+@pytest.mark.slow
 def test_generate_keeps_the_generator_out_of_the_compiled_step(monkeypatch):
     """generate(compile=True, generator=g) must not hand g to the compiled step: every draw from
     it would split the graph (a full-graph compile raises)."""
@@ -186,6 +193,7 @@ def test_generate_keeps_the_generator_out_of_the_compiled_step(monkeypatch):
              generator=torch.Generator(device=DEV).manual_seed(0))
 
 
+@pytest.mark.slow
 def test_random_offset_loss_compiles_once():
     """train.py --compile: the heads' random-offset loss takes its head as a 0-dim tensor, so the
     compiled training step is one graph for every offset. As a Python int each offset would
@@ -206,6 +214,7 @@ def test_random_offset_loss_compiles_once():
     assert len(graphs) == 1
 
 
+@pytest.mark.slow
 def test_a_sweep_stays_compiled(monkeypatch):
     """bench.py's sweep needs more graphs than dynamo's default limit of 8; past the limit the step
     would quietly run eager. Traced with the eager backend (no code generation: fast), with the
@@ -228,6 +237,7 @@ def test_a_sweep_stays_compiled(monkeypatch):
     assert len(configs) > 8
 
 
+@pytest.mark.slow
 def test_each_configuration_compiles_one_graph_and_writes_the_cache_in_place(traced_only):
     """One graph per way of decoding, compiled on the first call and reused by the next (a graph
     per step would be a recompile every call; a DBlast step whose Q came back in other strides

@@ -18,6 +18,8 @@ from data import (DEMO_PROMPTS, PROMPT_LEN, BadInput, Vocab, check_replaceable, 
 from decode import generate, load_drafter
 from model import GPT, GPTConfig
 
+pytestmark = pytest.mark.second_process   # balances the two processes (conftest.py)
+
 TEXT = corpus_text(4000) + "Hello, World! 42\n"
 
 

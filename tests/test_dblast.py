@@ -59,6 +59,7 @@ def first_step_accepted(model, drafter, temperature, n, seed=0):
 
 # --------------------------------------------------------------------------- the AL identity
 
+@pytest.mark.slow
 @pytest.mark.parametrize('K,branches,verify', [(1, 'sampled', 'mixture'), (4, 'sampled', 'mixture'),
                                                (4, 'sampled', 'branch'), (4, 'greedy', 'mixture'),
                                                (4, 'greedy', 'branch')])
@@ -280,6 +281,7 @@ def phrase_corpus(n_seq, length, gen):
     return seq.view(n_seq, -1)[:, :length]
 
 
+@pytest.mark.slow
 def test_dependent_drafter_splits_the_modes_of_a_multimodal_block():
     """After a marker the target picks one of four phrases. Trained by train.py's default DBlast
     loss on the target's own samples, the K = 4 drafter gives each branch one phrase, and with

@@ -651,6 +651,7 @@ def test_decode_cli_works_on_a_good_checkpoint(good_ckpt, decode_cli):
     assert '4 calls' in proc.stdout                  # 4 tokens, the prefill's bonus the first
 
 
+@pytest.mark.slow
 def test_decode_missing_checkpoint_real_process(tmp_path):
     proc = run_py(['generate.py', '--ckpt', str(tmp_path / 'nope.pt'), '--prompt', 'x',
                    '--device', 'cpu'])

@@ -35,6 +35,7 @@ def test_every_check_fails_on_the_stub_as_not_written(n):
 
 
 @pytest.mark.skipif(not HAVE_SOLUTIONS, reason="a handout: exercises/solutions/ was removed")
+@pytest.mark.second_process   # on the other core (conftest.py)
 @pytest.mark.parametrize('n', EXERCISES)
 def test_every_check_passes_on_the_reference(n):
     for r in harness.run(n, 'solution'):
@@ -43,6 +44,7 @@ def test_every_check_passes_on_the_reference(n):
 
 @pytest.mark.skipif(not HAVE_SOLUTIONS, reason="a handout: exercises/solutions/ was removed")
 @pytest.mark.parametrize('n,control', CONTROLS, ids=[f"{n}-{c}" for n, c in CONTROLS])
+@pytest.mark.slow
 def test_the_checks_catch_the_negative_control(n, control):
     failed = [r for r in harness.run(n, control, stop_at_first_failure=True) if not r.passed]
     assert failed, f"exercise {n}: the wrong answer '{control}' passes every check"

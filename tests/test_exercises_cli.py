@@ -19,6 +19,8 @@ from exercises.__main__ import main as exercises_main
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
+pytestmark = pytest.mark.second_process   # balances the two processes (conftest.py)
+
 HAVE_SOLUTIONS = all(harness.solution_path(n) for n in harness.exercises())
 
 

@@ -14,6 +14,7 @@ import gpu_check
 from conftest import ROOT, Proc, assert_clean_error, cli, env
 
 
+@pytest.mark.slow
 def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
     """gpu_check.py --quick: every part runs (those that need CUDA, and compiled training, are
     skipped with the reason), passes, is printed and lands in gpu_check.json."""
@@ -88,6 +89,7 @@ def test_gpu_check_names_the_failed_parts(tmp_path, capsys):
     assert '| 1.5 |' in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_killed_gpu_check_keeps_the_parts_it_finished(tmp_path, corpus_file):
     """gpu_check.py --quick killed right after its first part: that part's record is on disk,
     in parts.jsonl and in gpu_check.json. The test waits for the record to appear, not for a time."""

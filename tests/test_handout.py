@@ -26,6 +26,8 @@ from exercises import handout as handout_module
 from exercises import harness
 from exercises.__main__ import main as exercises_main
 
+pytestmark = [pytest.mark.slow, pytest.mark.second_process]   # handouts made and run: on the other core (conftest.py)
+
 # A tiny float64 target whose weights are redrawn large, so greedy decoding of it is not one repeated
 # token, and BPD heads redrawn the same way. The same text builds them in this process (the
 # project's code) and in the copy.

@@ -234,6 +234,7 @@ def test_chunked_loss_equals_the_one_chunk_loss(monkeypatch, offset):
         assert len(calls) == n_heads
 
 
+@pytest.mark.second_process   # a compile: on the other core (conftest.py)
 def test_chunked_loss_compiles_without_graph_breaks(monkeypatch):
     """The training step can be compiled: the checkpointed chunks trace with fullgraph=True
     (aot_eager: autograd traced, no code generation) and give the eager loss and gradients. One

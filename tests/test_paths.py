@@ -96,7 +96,16 @@ def test_greedy_paths_decode_exactly_greedy_and_commit_the_longest(N, monkeypatc
     assert not torch.equal(out, ref[:, :38])
 
 
-def counts_of(model, drafter, temperature, paths, n_rows=20000, seed=0, m=3):
+# Rows per chi-square test, by a power calculation on the controls below (each a bug the test
+# must catch). A control's statistic is noncentral chi-square, with mean df + lambda and variance
+# 2(df + 2 lambda), lambda growing in proportion to the rows. At 5000 rows the weakest control (r
+# not updated) measures 886 against a critical value of 503: lambda about 450 over about 430
+# degrees of freedom, so the critical value lies 7 standard deviations below its mean. (At 3000:
+# 513 against 331, under 5; the other two controls measure 883 against 332 and 1228 against 417.)
+N_ROWS = 5000
+
+
+def counts_of(model, drafter, temperature, paths, n_rows=N_ROWS, seed=0, m=3):
     g = torch.Generator().manual_seed(seed)
     out, stats = generate(model, V8_PROMPT.expand(n_rows, -1), m, drafter=drafter, k=4, temperature=temperature,
                           generator=g, paths=paths)
@@ -106,7 +115,7 @@ def counts_of(model, drafter, temperature, paths, n_rows=20000, seed=0, m=3):
 
 def chi2_paths(model, drafter, temperature, paths):
     counts, stats = counts_of(model, drafter, temperature, paths)
-    return chi_square(counts, continuation_probs(temperature), 20000) + (stats,)
+    return chi_square(counts, continuation_probs(temperature), N_ROWS) + (stats,)
 
 
 # (drafter spec of test_sampling, T, paths, DBlast's paths_from): i.i.d. paths of sampled heads,
@@ -121,7 +130,12 @@ WAYS = [('heads-sampled', 1.5, 4, 'iid'), ('heads-argmax', 0.7, 3, 'iid'),
         ('K4-sampled-branch-zt0', 1.0, 3, 'branches')]
 
 
-@pytest.mark.parametrize('spec,temperature,paths,paths_from', WAYS)
+# the quick tier keeps i.i.d. paths of sampled heads and one path per branch
+QUICK = {('heads-sampled', 1.5, 4, 'iid'), ('K4-sampled-branch-zt1', 0.7, 4, 'branches')}
+
+
+@pytest.mark.parametrize('spec,temperature,paths,paths_from',
+                         [w if w in QUICK else pytest.param(*w, marks=pytest.mark.slow) for w in WAYS])
 def test_several_paths_are_lossless(target8, spec, temperature, paths, paths_from):
     d = make_drafter(spec)
     d.paths_from = paths_from
@@ -140,6 +154,7 @@ def test_chi_square_catches_r_not_updated_after_a_rejected_candidate(target8, mo
     assert stat > crit, f"r not updated passed: chi2 {stat:.1f} < {crit:.1f}"
 
 
+@pytest.mark.slow
 def test_chi_square_catches_every_candidate_tested_against_path_0s_q(target8, monkeypatch):
     """One path per branch, each branch its own q; testing all of them against the first path's q
     is wrong wherever the branches differ."""
@@ -152,6 +167,7 @@ def test_chi_square_catches_every_candidate_tested_against_path_0s_q(target8, mo
     assert stat > crit, f"path 0's q for all passed: chi2 {stat:.1f} < {crit:.1f}"
 
 
+@pytest.mark.slow
 def test_chi_square_catches_branch_paths_verified_against_the_mixture(target8, monkeypatch):
     """Paths drawn one per branch are not i.i.d. samples of the mixture: verifying them against the
     mixture's conditionals (right for i.i.d. paths) biases the output. At Z_T = 0 the mixture is

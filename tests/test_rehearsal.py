@@ -9,11 +9,15 @@ joint forward-backward graph (what breaks when a step does not trace) without a 
 code generation per graph; tests/test_compiled.py runs the real inductor on the decoding step."""
 import functools
 
+import pytest
 import torch
 
 from conftest import cli, corpus_text
 from data import load_checkpoint, load_target
 from decode import load_drafter
+
+# training at the GPU preset's shapes: slow, and on the other core (conftest.py)
+pytestmark = [pytest.mark.slow, pytest.mark.second_process]
 
 GPU_SHAPES = dict(n_layer=6, n_head=6, n_embd=384, block_size=512)
 

@@ -222,6 +222,7 @@ while done < n:
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_random_moments_of_saving_leaves_nothing_half_written(tmp_path, corpus_file):
     """Real processes, Ctrl-C at random moments while they save. One saves a 5 MB checkpoint over
     and over and is sent Ctrl-C 8 times, 0.02 to 0.2 s apart (most of its time is inside a save):
@@ -269,6 +270,7 @@ def test_ctrl_c_at_random_moments_of_saving_leaves_nothing_half_written(tmp_path
     assert load_checkpoint(str(out / 'ckpt.pt'))['iter_num'] >= 1, said
 
 
+@pytest.mark.slow
 def test_a_run_into_a_file_writes_few_progress_updates(tmp_path, corpus_file):
     """stderr not a terminal (a log file): each bar is drawn at its start, at most once a minute,
     and at its end, not at every update. A 300-step stage writes six carriage returns at most (its
@@ -301,6 +303,7 @@ def torchrun_base(corpus_file, out):
     return proc, fps
 
 
+@pytest.mark.slow
 def test_torchrun_two_gloo_ranks_end_identical(tmp_path, corpus_file):
     out = tmp_path / 'ddp'
     proc, fps = torchrun_base(corpus_file, out)
@@ -314,6 +317,7 @@ def test_torchrun_two_gloo_ranks_end_identical(tmp_path, corpus_file):
     assert load_target(str(out / 'ckpt.pt')).fingerprint() == fps[0]
 
 
+@pytest.mark.slow
 def test_a_loss_non_finite_on_one_rank_stops_every_rank(tmp_path):
     """Finiteness is decided by all ranks together: had rank 1 raised alone, rank 0 would wait in
     its next all-reduce until the timeout."""
@@ -364,6 +368,7 @@ def train_cli():
     return run
 
 
+@pytest.mark.slow
 def test_train_data_missing_path_real_process(tmp_path):
     proc = run_py(['train.py', *TINY, '--data', str(tmp_path / 'missing'), '--out-dir',
                    str(tmp_path / 'out')])
