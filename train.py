@@ -7,7 +7,7 @@ Train the target GPT, then its drafters, in stages:
           target's own greedy continuations (sequence-level distillation, --no-distill for corpus text)
   dblast  DBlast dependent drafters (K = --branches and the K = 1 baseline) on the target's own samples
 
-    python train.py                         # everything, CPU preset in about 6 minutes on 2 cores
+    python train.py                         # everything (CPU preset: 6 to 7 minutes on 2 cores, README)
     python train.py --stages heads --k 4    # only the heads, on the existing out/ckpt.pt
     torchrun --nproc_per_node 2 train.py    # data parallel (NCCL on CUDA, gloo on CPU)
 
@@ -47,21 +47,24 @@ from decode import agreement, generate, load_drafter, merged_stats, timed_genera
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
-# Presets, picked by device. CPU: the whole `python train.py` in about 6 minutes on 2 quiet cores.
+# Presets, picked by device. CPU: the whole `python train.py` in 6 to 7 minutes on a quiet 2-core
+# AMD EPYC (README, "Set up"); a 3-layer target at a high learning rate, 1000 steps: on 2 cores
+# every step costs its FLOPs (a compiled step is no faster there), so the preset spends them where
+# the closing demos need them (heads tau at k = 8 above 5.5, DBlast K = 4 above K = 1).
 PRESETS = {
-    'cpu': dict(n_layer=4, n_head=4, n_embd=128, block_size=256, batch_size=16, max_iters=1300,
-                lr=2e-3, warmup_iters=100, eval_interval=250, eval_iters=20,
-                heads_iters=400, distill_samples=256, dblast_iters=3000, dblast_samples=1024,
+    'cpu': dict(n_layer=3, n_head=4, n_embd=128, block_size=256, batch_size=16, max_iters=1000,
+                lr=4e-3, warmup_iters=100, eval_interval=250, eval_iters=10,
+                heads_iters=400, heads_lr=3e-3, distill_samples=256, dblast_iters=1500, dblast_samples=1024,
                 dblast_eval_samples=32),
-    # under a minute on 2 cores: every checkpoint `python -m exercises try N` reads, from a smaller
-    # target (its drafters accept about as much as the CPU preset's: heads tau 5.59 at k = 8)
+    # every checkpoint `python -m exercises try N` reads, from a smaller target, in about 2 minutes
+    # on the same machine (README, "Set up")
     'quick': dict(n_layer=2, n_head=2, n_embd=64, block_size=256, batch_size=16, max_iters=400,
                   lr=3e-3, warmup_iters=40, eval_interval=200, eval_iters=10,
-                  heads_iters=150, distill_samples=64, dblast_iters=400, dblast_samples=128,
+                  heads_iters=150, heads_lr=1e-3, distill_samples=64, dblast_iters=400, dblast_samples=128,
                   dblast_eval_samples=16),
     'gpu': dict(n_layer=6, n_head=6, n_embd=384, block_size=512, batch_size=64, max_iters=3000,
                 lr=1e-3, warmup_iters=200, eval_interval=500, eval_iters=50,
-                heads_iters=1500, distill_samples=4096, dblast_iters=3000, dblast_samples=4096,
+                heads_iters=1500, heads_lr=1e-3, distill_samples=4096, dblast_iters=3000, dblast_samples=4096,
                 dblast_eval_samples=64),
 }
 
@@ -353,13 +356,13 @@ def stage_base(rt, args, ds, vocab):
 # ----------------------------------------------------------------------------- stage 2: heads
 
 @torch.no_grad()
-def self_generated(rt, model, train, n, gen_len, temperature, seed, desc, cache_dir=None):
-    """Corpus prompts continued by the target itself: (n, PROMPT_LEN + gen_len) tokens.
+def self_generated(rt, model, train, n_seqs, gen_len, temperature, seed, desc, cache_dir=None):
+    """Corpus prompts continued by the target itself: (n_seqs, PROMPT_LEN + gen_len) tokens.
     temperature 0: greedy (BPD's sequence-level distillation); > 0: samples (DBlast's data).
     With cache_dir, kept there under a key of everything that determines them (the target's
-    weights, the text, n, the length, T, the seed): stages and bench runs that need the same
+    weights, the text, n_seqs, the length, T, the seed): stages and bench runs that need the same
     samples generate them once. Made at decoding's float32, whatever the training precision."""
-    key = hashlib.sha1(f'{model.fingerprint()} {len(train)} {n} {gen_len} {temperature} {seed}'.encode())
+    key = hashlib.sha1(f'{model.fingerprint()} {len(train)} {n_seqs} {gen_len} {temperature} {seed}'.encode())
     key.update(np.ascontiguousarray(train[:1 << 20]).tobytes())
     path = cache_dir and os.path.join(cache_dir, f'samples-{key.hexdigest()[:16]}.pt')
     if path and os.path.exists(path):
@@ -367,17 +370,17 @@ def self_generated(rt, model, train, n, gen_len, temperature, seed, desc, cache_
             seqs = torch.load(path, weights_only=True)
         except Exception:   # a damaged cache is made again
             seqs = None
-        if (isinstance(seqs, torch.Tensor) and seqs.dtype == torch.long and seqs.shape == (n, PROMPT_LEN + gen_len)
+        if (isinstance(seqs, torch.Tensor) and seqs.dtype == torch.long and seqs.shape == (n_seqs, PROMPT_LEN + gen_len)
                 and bool(((seqs >= 0) & (seqs < model.config.vocab_size)).all())):
             return seqs.to(rt.device)
         rt.print(f"note: {path} is not the samples it should hold; making them again")
     model.eval()
     gen = torch.Generator().manual_seed(seed)
     dgen = torch.Generator(device=rt.device).manual_seed(seed)
-    prompts = windows(train, n, PROMPT_LEN, gen).to(rt.device)
+    prompts = windows(train, n_seqs, PROMPT_LEN, gen).to(rt.device)
     bs = 256 if rt.kind == 'cuda' else 64
     outs = []
-    for i in progress(range(0, n, bs), desc=desc, disable=not rt.master, leave=False):
+    for i in progress(range(0, n_seqs, bs), desc=desc, disable=not rt.master, leave=False):
         with decoding_precision('float32', rt.device):
             out, _ = generate(model, prompts[i:i + bs], gen_len, temperature=temperature, generator=dgen,
                               threads=None)   # a batch of rows, in the threads training chose
@@ -475,10 +478,10 @@ def stage_heads(rt, args, model, train, vocab):
 
 # ----------------------------------------------------------------------------- stage 3: DBlast
 
-def dblast_data(rt, model, text, n, temperature, seed, desc, cache_dir=None):
+def dblast_data(rt, model, text, n_seqs, temperature, seed, desc, cache_dir=None):
     """DBlast's training data (self-distillation at temperature T): the target's own samples after
     corpus prompts, with its hidden states and log-probabilities (dblast.TargetSamples)."""
-    seqs = self_generated(rt, model, text, n, model.config.block_size - PROMPT_LEN, temperature, seed, desc,
+    seqs = self_generated(rt, model, text, n_seqs, model.config.block_size - PROMPT_LEN, temperature, seed, desc,
                           cache_dir)
     return TargetSamples.of(model, seqs, temperature, decoding_precision('float32', rt.device))
 
@@ -631,7 +634,7 @@ FLAGS = [
     ('out_dir', None, str, 'out', None, 'checkpoints, and the cached corpus and target samples'),
     ('stages', None, str, 'base,heads,dblast', None, 'comma list of base, heads, dblast'),
     ('preset', None, ('auto', 'cpu', 'quick', 'gpu'), 'auto', None, 'defaults by device (quick: a small target '
-                                                                 'in under a minute on a CPU, for `python -m exercises try`)'),
+                                                                 'in minutes on a CPU, for `python -m exercises try`)'),
     ('device', None, str, None, None, 'cpu | cuda | mps (default: best available)'),
     ('compile', None, 'switch', False, None, 'torch.compile the training step'),
     ('dtype', None, DTYPES, 'auto', None, 'training precision (auto: bfloat16 autocast on a CUDA device that '
@@ -666,7 +669,7 @@ FLAGS = [
     ('loss', 'heads', ('random-offset', 'full'), 'random-offset', None, None),
     ('distill', 'heads', bool, True, None, "train on the target's own greedy continuations (default on)"),
     ('heads_iters', 'heads', int, None, POS, None),
-    ('heads_lr', 'heads', float, 1e-3, GT0, None),
+    ('heads_lr', 'heads', float, None, GT0, None),
     ('distill_samples', 'heads', int, None, POS, None),
     ('branches', 'dblast', int, 4, dict(lo=1, hi=256), 'K, the latent branches of the DBlast mixture (the K=1 '
                                                          'baseline is trained too)'),
@@ -852,10 +855,10 @@ def train_all(rt, args):
         heads = stage_heads(rt, args, model, ds.train, vocab)
     if 'dblast' in args.stages:
         # generated on first need (cached): a resumed run may have nothing left to train
-        T, n, n_val = args.temperature, args.dblast_samples, args.dblast_eval_samples
+        T, n_seqs, n_val = args.temperature, args.dblast_samples, args.dblast_eval_samples
         cache = os.path.join(args.out_dir, 'data')
-        get_data = functools.cache(lambda: dblast_data(rt, model, ds.train, n, T, args.seed + 1,
-                                                       f'dblast data ({n} samples at T={T})', cache))
+        get_data = functools.cache(lambda: dblast_data(rt, model, ds.train, n_seqs, T, args.seed + 1,
+                                                       f'dblast data ({n_seqs} samples at T={T})', cache))
         get_heldout = functools.cache(lambda: dblast_data(rt, model, ds.val, n_val, T, args.seed + 2,
                                                           f'held-out samples at T={T}', cache))
         for K, loss in dblast_drafters(args):
