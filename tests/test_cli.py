@@ -33,7 +33,7 @@ did; each case is its own test id that asserts on its stored result. Cases that 
 their own folder: a fresh copy of the trained run ('copy') or an empty folder ('fresh'); the others
 may only read the shared trained run, whose checkpoints are checked after every case and at the end.
 
-    python -m pytest -q tests/test_cli.py                 # everything (under a minute on 2 cores)
+    python -m pytest -q tests/test_cli.py                 # everything
     python -m pytest -q tests/test_cli.py -k decode       # only generate.py's cases (only they run)
 """
 import hashlib
