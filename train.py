@@ -7,7 +7,7 @@ Train the target GPT, then its drafters, in stages:
           target's own greedy continuations (sequence-level distillation, --no-distill for corpus text)
   dblast  DBlast dependent drafters (K = --branches and the K = 1 baseline) on the target's own samples
 
-    python train.py                         # everything (CPU preset: 6 to 7 minutes on 2 cores, README)
+    python train.py                         # everything (CPU preset: about 7 minutes on 2 cores, README)
     python train.py --stages heads --k 4    # only the heads, on the existing out/ckpt.pt
     torchrun --nproc_per_node 2 train.py    # data parallel (NCCL on CUDA, gloo on CPU)
 
@@ -47,8 +47,8 @@ from decode import agreement, generate, load_drafter, merged_stats, timed_genera
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
-# Presets, picked by device. CPU: the whole `python train.py` in 6 to 7 minutes on a quiet 2-core
-# AMD EPYC (README, "Set up"); a 3-layer target at a high learning rate, 1000 steps: on 2 cores
+# Presets, picked by device. CPU: the whole `python train.py` in about 7 minutes on a quiet 2-core
+# AMD EPYC (README); a 3-layer target at a high learning rate, 1000 steps: on 2 cores
 # every step costs its FLOPs (a compiled step is no faster there), so the preset spends them where
 # the closing demos need them (heads tau at k = 8 above 5.5, DBlast K = 4 above K = 1).
 PRESETS = {
@@ -56,8 +56,8 @@ PRESETS = {
                 lr=4e-3, warmup_iters=100, eval_interval=250, eval_iters=10,
                 heads_iters=400, heads_lr=3e-3, distill_samples=256, dblast_iters=1500, dblast_samples=1024,
                 dblast_eval_samples=32),
-    # every checkpoint `python -m exercises try N` reads, from a smaller target, in about 2 minutes
-    # on the same machine (README, "Set up")
+    # every checkpoint `python -m exercises try N` reads, from a smaller target, in about a minute
+    # on the same machine (README)
     'quick': dict(n_layer=2, n_head=2, n_embd=64, block_size=256, batch_size=16, max_iters=400,
                   lr=3e-3, warmup_iters=40, eval_interval=200, eval_iters=10,
                   heads_iters=150, heads_lr=1e-3, distill_samples=64, dblast_iters=400, dblast_samples=128,

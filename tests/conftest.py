@@ -203,7 +203,7 @@ _second = {}
 def pytest_configure(config):
     _second['config'] = config
     if (os.environ.get(SECOND) or os.environ.get('BLOCKWISE_ONE_PROCESS') or (os.cpu_count() or 1) < 2
-            or config.option.collectonly or config.option.usepdb):
+            or config.option.collectonly or getattr(config.option, 'usepdb', False)):
         return
     folder = tempfile.mkdtemp(prefix='blockwise-second-')
     selection = [f for flag, value in (('-k', config.option.keyword), ('-m', config.option.markexpr)) if value
@@ -216,6 +216,13 @@ def pytest_configure(config):
                             env=dict(os.environ, **{SECOND: os.path.join(folder, 'reports.jsonl')}))
     _second.update(proc=proc, folder=folder, reports=os.path.join(folder, 'reports.jsonl'), log=log, ids=set(),
                    done={}, read=0)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """The second process does not import the test files that hold no marked test."""
+    if os.environ.get(SECOND) and collection_path.suffix == '.py' and collection_path.name.startswith('test_'):
+        return 'second_process' not in collection_path.read_text()
+    return None
 
 
 @pytest.hookimpl(trylast=True)
