@@ -33,7 +33,6 @@ from contextlib import contextmanager
 from unittest import mock
 
 import torch
-from torch._dynamo.utils import counters
 
 import decode
 import train
@@ -111,11 +110,18 @@ def part_train(c, compile=False):
     return dict(ok=True, ckpt_dir=args.ckpt_dir, rows=stages)
 
 
+def compile_counts():
+    """(graphs dynamo has compiled, CUDA graphs inductor skipped) so far in this process. Read
+    through torch's attribute, so that importing this script does not load dynamo."""
+    counters = torch._dynamo.utils.counters
+    return counters['stats']['unique_graphs'], counters['inductor']['cudagraph_skips']
+
+
 def part_recompiles(c):
     """c: compiled decoding with dynamo's recompile and CUDA-graph logs on: after a warm-up call (it
     compiles, unless part h did already), the same call again must compile no new graph and, on CUDA, no CUDA graph may be
     skipped (a skipped one runs the step without graphs, silently slower)."""
-    count = lambda: (counters['stats']['unique_graphs'], counters['inductor']['cudagraph_skips'])  # noqa: E731
+    count = compile_counts
     rows = []
     torch._logging.set_logs(recompiles=True, cudagraphs=True)
     try:
@@ -312,7 +318,7 @@ def run_parts(c, parts, report, path):
     its limit fails, and the next one runs. Then SystemExit naming the failed parts, if any."""
     report['parts'] = {}
     lines = os.path.join(os.path.dirname(path), 'parts.jsonl')
-    graphs = lambda: (counters['stats']['unique_graphs'], counters['inductor']['cudagraph_skips'])  # noqa: E731
+    graphs = compile_counts
     for key, title, part, limit in parts:
         print(f"\n## {key}. {title}\n", flush=True)
         t0, before = time.perf_counter(), graphs()
