@@ -1,6 +1,7 @@
 """Shared helpers for the tests: the repo root on sys.path, tiny seeded models, a tiny corpus,
 the greedy reference and randomised BPD heads, and the helpers that run the scripts' command lines
-(a real process, or the script's main in this process)."""
+(a real process, or the script's main in this process), and the hooks that run the tests marked
+`second_process` in a second pytest process, on the other core."""
 import importlib
 import io
 import json
@@ -188,9 +189,9 @@ class Proc:
 
 # ----------------------------------------------------------------------------- the second core
 # Every test runs on one intra-op thread, so one pytest process leaves the second core of a 2-core
-# machine idle. The tests marked `second_process` (those that build a handout, compile with
-# inductor, train at the GPU preset's shapes, run the exercises' checks or bench.py end to end)
-# run in a second pytest process, started with this one and given the same tests, -k and -m: it
+# machine idle. The tests marked `second_process` (those that build a handout, compile, train at
+# the GPU preset's shapes or run the exercises' reference checks, and a few more that balance the
+# two processes) run in a second pytest process, started with this one and given the same tests, -k and -m: it
 # runs the marked ones while this process runs the others, then this process reports each marked
 # test as the second one reported it (pytest's own report serialisation: the same outcome,
 # traceback and captured output). Each test still runs alone as usual. BLOCKWISE_ONE_PROCESS=1
