@@ -479,6 +479,13 @@ def check_model_args(model_args, where):
     return config
 
 
+def config_of(ckpt, path):
+    """The checked GPTConfig of a target checkpoint dict (check_model_args), without its weights."""
+    if 'model_args' not in ckpt:
+        raise BadInput(f"checkpoint {path} has no 'model_args': not a GPT checkpoint")
+    return check_model_args(ckpt['model_args'], f"checkpoint {path}")
+
+
 def weight_count(config):
     """How many weights GPT(config) holds, tied ones counted once per name as a state_dict lists them,
     by arithmetic: a one-layer model built on the meta device (no memory) gives what lies outside
@@ -681,9 +688,7 @@ def vocab_for(ckpt, path, vocab_size, meta=None):
 def load_vocab(path, meta=None):
     """The vocabulary of the target checkpoint at `path`, found as `vocab_for` finds it."""
     ckpt = load_checkpoint(path)
-    if 'model_args' not in ckpt:
-        raise BadInput(f"checkpoint {path} has no 'model_args': not a GPT checkpoint")
-    return vocab_for(ckpt, path, check_model_args(ckpt['model_args'], f"checkpoint {path}").vocab_size, meta)
+    return vocab_for(ckpt, path, config_of(ckpt, path).vocab_size, meta)
 
 
 # ----------------------------------------------------------------------------- corpora
@@ -861,9 +866,7 @@ def heldout_prompts_of(out_dir='out', n=DEMO_PROMPTS, device='cpu'):
         raise BadInput(f"n={n!r}: how many prompts, a whole number >= 1")
     path = os.path.join(out_dir, 'ckpt.pt')
     ckpt = load_checkpoint(path)
-    if 'model_args' not in ckpt:
-        raise BadInput(f"checkpoint {path} has no 'model_args': not a GPT checkpoint")
-    vocab = vocab_for(ckpt, path, check_model_args(ckpt['model_args'], f"checkpoint {path}").vocab_size)
+    vocab = vocab_for(ckpt, path, config_of(ckpt, path).vocab_size)
     config = ckpt.get('config') or {}
     data = config.get('data')
     if 'data' not in config and config.get('dataset'):    # nanoGPT's train.py

@@ -121,16 +121,15 @@ def part_recompiles(c):
     """c: compiled decoding with dynamo's recompile and CUDA-graph logs on: after a warm-up call (it
     compiles, unless part h did already), the same call again must compile no new graph and, on CUDA, no CUDA graph may be
     skipped (a skipped one runs the step without graphs, silently slower)."""
-    count = compile_counts
     rows = []
     torch._logging.set_logs(recompiles=True, cudagraphs=True)
     try:
         for name, kw in c.configs.items():
-            before = count()
+            before = compile_counts()
             c.compiled.decode_all(c.base, **kw)
-            warm = count()
+            warm = compile_counts()
             c.compiled.decode_all(c.base, **kw)
-            after = count()
+            after = compile_counts()
             rows.append(dict(config=name, warmup_graphs=warm[0] - before[0], new_graphs=after[0] - warm[0],
                              cudagraph_skips=after[1] - before[1]))
     finally:   # the user's own settings again (TORCH_LOGS), not the defaults
@@ -318,10 +317,9 @@ def run_parts(c, parts, report, path):
     its limit fails, and the next one runs. Then SystemExit naming the failed parts, if any."""
     report['parts'] = {}
     lines = os.path.join(os.path.dirname(path), 'parts.jsonl')
-    graphs = compile_counts
     for key, title, part, limit in parts:
         print(f"\n## {key}. {title}\n", flush=True)
-        t0, before = time.perf_counter(), graphs()
+        t0, before = time.perf_counter(), compile_counts()
         try:
             with Precision('float32', c.device), time_limit(limit):
                 res = part(c)
@@ -329,7 +327,7 @@ def run_parts(c, parts, report, path):
             traceback.print_exc()
             res = dict(ok=False, error=f'{type(e).__name__}: {first_line(e, limit=300)}')
         status = 'skipped' if 'skipped' in res else 'pass' if res.pop('ok') else 'fail'
-        after = graphs()
+        after = compile_counts()
         record = dict(part=key, title=title, status=status, seconds=time.perf_counter() - t0, time_limit=limit,
                       graphs_compiled=after[0] - before[0], cudagraph_skips=after[1] - before[1],
                       **versions(c.device), **res)

@@ -191,11 +191,11 @@ class Proc:
 # Every test runs on one intra-op thread, so one pytest process leaves the second core of a 2-core
 # machine idle. The tests marked `second_process` (those that build a handout, compile, train at
 # the GPU preset's shapes or run the exercises' reference checks, and a few more that balance the
-# two processes) run in a second pytest process, started with this one and given the same tests, -k and -m: it
-# runs the marked ones while this process runs the others, then this process reports each marked
-# test as the second one reported it (pytest's own report serialisation: the same outcome,
-# traceback and captured output). Each test still runs alone as usual. BLOCKWISE_ONE_PROCESS=1
-# runs everything in this process (for --pdb); so does a one-core machine.
+# two processes) run in a second pytest process, started with this one and given the same tests,
+# -k and -m: it runs the marked ones while this process runs the others, then this process reports
+# each marked test as the second one reported it (pytest's own report serialisation: the same
+# outcome, traceback and captured output). Each test still runs alone as usual.
+# BLOCKWISE_ONE_PROCESS=1 runs everything in this process (for --pdb); so does a one-core machine.
 
 SECOND = 'BLOCKWISE_SECOND_PROCESS'   # set in the second process: the file its reports go to
 _second = {}
@@ -209,14 +209,12 @@ def pytest_configure(config):
     folder = tempfile.mkdtemp(prefix='blockwise-second-')
     selection = [f for flag, value in (('-k', config.option.keyword), ('-m', config.option.markexpr)) if value
                  for f in (flag, value)]
-    log = open(os.path.join(folder, 'output.txt'), 'w')
+    reports, log = os.path.join(folder, 'reports.jsonl'), open(os.path.join(folder, 'output.txt'), 'w')
     proc = subprocess.Popen([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '--basetemp',
                              os.path.join(folder, 'tmp'), *selection, *config.args],
                             cwd=str(config.invocation_params.dir), stdin=subprocess.DEVNULL, stdout=log,
-                            stderr=subprocess.STDOUT,
-                            env=dict(os.environ, **{SECOND: os.path.join(folder, 'reports.jsonl')}))
-    _second.update(proc=proc, folder=folder, reports=os.path.join(folder, 'reports.jsonl'), log=log, ids=set(),
-                   done={}, read=0)
+                            stderr=subprocess.STDOUT, env=dict(os.environ, **{SECOND: reports}))
+    _second.update(proc=proc, folder=folder, reports=reports, log=log, ids=set(), done={}, read=0)
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -249,7 +247,8 @@ def _reports_of(nodeid):
     """The second process's reports of one test, once its teardown is reported (or a failure
     saying the process ended without it)."""
     config, proc, done = _second['config'], _second['proc'], _second['done']
-    while not (done.get(nodeid) and done[nodeid][-1].when == 'teardown'):
+    finished = lambda: bool(done.get(nodeid)) and done[nodeid][-1].when == 'teardown'   # noqa: E731
+    while not finished():
         ended = proc.poll() is not None
         lines = ''
         if os.path.exists(_second['reports']):
@@ -263,7 +262,7 @@ def _reports_of(nodeid):
             if isinstance(report.longrepr, list):   # a skip's (file, line, reason): JSON made it a list
                 report.longrepr = tuple(report.longrepr)
             done.setdefault(report.nodeid, []).append(report)
-        if ended and not whole and not (done.get(nodeid) and done[nodeid][-1].when == 'teardown'):
+        if ended and not whole and not finished():
             with open(os.path.join(_second['folder'], 'output.txt')) as f:
                 tail = f.read()[-3000:]
             return [pytest.TestReport(nodeid, ('', 0, nodeid), {}, 'failed', when='call', longrepr=(
