@@ -114,7 +114,9 @@ def test_distillation_data_is_target_greedy():
 
 def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monkeypatch):
     a, b = tmp_path / 'interrupted', tmp_path / 'straight'
-    common = TINY + ['--data', str(corpus_file), '--ckpt-interval', '2', '--seed', '7']
+    # one thread in every run: by default each run picks its threads by the machine's load at its
+    # start, and sums split over other threads round differently
+    common = TINY + ['--data', str(corpus_file), '--ckpt-interval', '2', '--seed', '7', '--threads', '1']
     real_lr_at = train.lr_at
 
     def interrupt_at_step_4(it, *args):   # a Ctrl-C as step 5 starts: the last save is step 4's
