@@ -7,7 +7,7 @@ Train the target GPT, then its drafters, in stages:
           target's own greedy continuations (sequence-level distillation, --no-distill for corpus text)
   dblast  DBlast dependent drafters (K = --branches and the K = 1 baseline) on the target's own samples
 
-    python train.py                         # everything (CPU preset: about 7 minutes on 2 cores, README)
+    python train.py                         # everything (CPU preset: about 3.5 minutes on 2 cores, README)
     python train.py --stages heads --k 4    # only the heads, on the existing out/ckpt.pt
     torchrun --nproc_per_node 2 train.py    # data parallel (NCCL on CUDA, gloo on CPU)
 
@@ -47,14 +47,15 @@ from decode import agreement, generate, load_drafter, merged_stats, timed_genera
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
-# Presets, picked by device. CPU: the whole `python train.py` in about 7 minutes on a quiet 2-core
-# AMD EPYC (README); a 3-layer target at a high learning rate, 1000 steps: on 2 cores
-# every step costs its FLOPs (a compiled step is no faster there), so the preset spends them where
-# the closing demos need them (heads tau at k = 8 above 5.5, DBlast K = 4 above K = 1).
+# Presets, picked by device. CPU: the whole `python train.py` in about 3.5 minutes on a quiet 2-core
+# Xeon (README); a 3-layer target at a high learning rate, 800 steps: on 2 cores every step costs
+# its FLOPs (a compiled step is no faster there), so the preset spends them where the closing demos
+# need them (heads tau at k = 8 above 5.5, DBlast K = 4 above K = 1). The heads learn more from 512
+# distinct greedy continuations than from 200 more target steps (README, "Times").
 PRESETS = {
-    'cpu': dict(n_layer=3, n_head=4, n_embd=128, block_size=256, batch_size=16, max_iters=1000,
+    'cpu': dict(n_layer=3, n_head=4, n_embd=128, block_size=256, batch_size=16, max_iters=800,
                 lr=4e-3, warmup_iters=100, eval_interval=250, eval_iters=10,
-                heads_iters=400, heads_lr=3e-3, distill_samples=256, dblast_iters=1500, dblast_samples=1024,
+                heads_iters=400, heads_lr=3e-3, distill_samples=512, dblast_iters=1200, dblast_samples=1024,
                 dblast_eval_samples=32),
     # every checkpoint `python -m exercises try N` reads, from a smaller target, in about a minute
     # on the same machine (README)
