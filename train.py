@@ -7,7 +7,7 @@ Train the target GPT, then its drafters, in stages:
           target's own greedy continuations (sequence-level distillation, --no-distill for corpus text)
   dblast  DBlast dependent drafters (K = --branches and the K = 1 baseline) on the target's own samples
 
-    python train.py                         # everything (CPU preset: about 3.5 minutes on 2 cores, README)
+    python train.py                         # everything (CPU preset: about 3.5 minutes on a 2-core Xeon, README)
     python train.py --stages heads --k 4    # only the heads, on the existing out/ckpt.pt
     torchrun --nproc_per_node 2 train.py    # data parallel (NCCL on CUDA, gloo on CPU)
 
