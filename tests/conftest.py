@@ -139,16 +139,21 @@ def sigint_at_default(argv):
 def in_process(main, cwd=ROOT):
     """Run main() in this process, in the folder cwd, the way a script's `__main__` block runs it
     (data.run_script) -> (exit code, stdout, stderr). CUDA is hidden, so that '--device cuda' is
-    refused on any machine; the RNGs, the working directory and torchrun's variables are restored
-    afterwards. An exception that run_script lets through would be a traceback in a real run: it
-    comes back as one, with exit code 1."""
+    refused on any machine. Without --threads a script reads the machine's load (data.busy_cores,
+    0.2 s asleep at each call); here it reads what the suite knows instead: every core but this
+    test's is busy (the second pytest process keeps one), so the script trains on one thread, as
+    the tests do (tests/test_data.py checks the real reading). The RNGs, torch's threads, the
+    working directory and torchrun's variables are restored afterwards. An exception that
+    run_script lets through would be a traceback in a real run: it comes back as one, with exit
+    code 1."""
     out, err, code = io.StringIO(), io.StringIO(), 0
-    home, py_state = os.getcwd(), random.getstate()
+    home, py_state, threads = os.getcwd(), random.getstate(), torch.get_num_threads()
     ddp = {n: os.environ.pop(n) for n in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK') if n in os.environ}
     try:
         with redirect_stdout(out), redirect_stderr(err), torch.random.fork_rng(devices=[]), \
                 mock.patch('torch.cuda.is_available', return_value=False), \
-                mock.patch('torch.cuda.device_count', return_value=0):
+                mock.patch('torch.cuda.device_count', return_value=0), \
+                mock.patch('data.busy_cores', lambda cores, window=0.2: cores - 1):
             os.chdir(cwd)
             try:
                 run_script(main)
@@ -160,6 +165,7 @@ def in_process(main, cwd=ROOT):
     finally:
         os.chdir(home)
         random.setstate(py_state)
+        torch.set_num_threads(threads)
         os.environ.update(ddp)
     return code, out.getvalue(), err.getvalue()
 

@@ -7,14 +7,16 @@ import pickle
 import re
 import signal
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import Proc, cli, corpus_text
-from data import (DEMO_PROMPTS, PROMPT_LEN, BadInput, Vocab, check_replaceable, heldout_prompts, heldout_prompts_of,
-                  load_dataset, load_target, load_vocab, read_meta, regular_files, save_checkpoint, vocab_for)
+from data import (DEMO_PROMPTS, PROMPT_LEN, BadInput, Vocab, busy_cores, check_replaceable, heldout_prompts,
+                  heldout_prompts_of, intra_op_threads, load_dataset, load_target, load_vocab, read_meta, regular_files, save_checkpoint, vocab_for)
 from decode import generate, load_drafter
 from model import GPT, GPTConfig
 
@@ -79,6 +81,25 @@ def printed_text(stdout):
 
 
 # ----------------------------------------------------------------------------- vocabularies
+
+@pytest.mark.skipif(not os.path.exists('/proc/stat'), reason="Linux's /proc/stat: elsewhere the load average")
+def test_busy_cores_sees_a_process_that_keeps_a_core_busy():
+    """The scripts' thread count without --threads (the tests' in_process stands in for this
+    reading, conftest.py): a process spinning on one core is read as at least most of a busy core,
+    and the threads left for torch are the cores not busy, at least one."""
+    spinner = subprocess.Popen([sys.executable, '-c', 'print(flush=True)\nwhile True: pass'], stdout=subprocess.PIPE)
+    threads = torch.get_num_threads()
+    try:
+        spinner.stdout.readline()                      # it is spinning
+        busy = busy_cores(os.cpu_count())
+        assert 0.7 <= busy <= os.cpu_count(), busy
+        assert 1 <= intra_op_threads() <= max(1, os.cpu_count() - 1) and torch.get_num_threads() <= os.cpu_count()
+        assert intra_op_threads(3) == 3 == torch.get_num_threads() and intra_op_threads(small=True) == 1
+    finally:
+        spinner.kill()
+        spinner.wait()
+        torch.set_num_threads(threads)
+
 
 def test_byte_vocabulary_round_trips_any_command_line_text():
     v = Vocab('bytes')
