@@ -21,9 +21,11 @@ TINY = ['--device', 'cpu', '--n-layer', '1', '--n-head', '2', '--n-embd', '16', 
 
 
 @pytest.mark.slow
+@pytest.mark.second_process   # balances the two processes (conftest.py)
 def test_bench_quick_tiny(tmp_path, corpus_file):
     out = tmp_path / 'bench'
-    bench.main(['--quick', '--out', str(out), '--data', str(corpus_file)] + TINY)
+    code, _, stderr = cli('bench.py', ['--quick', '--out', out, '--data', corpus_file] + TINY)
+    assert code == 0, stderr[-3000:]
     res = json.loads((out / 'results.json').read_text())
     assert res['meta']['torch'] and res['meta']['device'] == 'cpu' and res['meta']['precision'] == 'float32'
     bpd = res['bpd']
