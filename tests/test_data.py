@@ -16,7 +16,8 @@ import torch
 
 from conftest import Proc, cli, corpus_text
 from data import (DEMO_PROMPTS, PROMPT_LEN, BadInput, Vocab, busy_cores, check_replaceable, heldout_prompts,
-                  heldout_prompts_of, intra_op_threads, load_dataset, load_target, load_vocab, read_meta, regular_files, save_checkpoint, vocab_for)
+                  heldout_prompts_of, intra_op_threads, load_dataset, load_target, load_vocab, read_meta,
+                  regular_files, save_checkpoint, vocab_for)
 from decode import generate, load_drafter
 from model import GPT, GPTConfig
 
