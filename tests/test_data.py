@@ -1,6 +1,7 @@
-"""data.py: vocabularies (bytes, nanoGPT characters, GPT-2 BPE), safe meta.pkl reading, corpora
-and nanoGPT datasets; and a nanoGPT user's whole path: a character-level checkpoint in nanoGPT's
-format decodes, trains BPD heads and DBlast drafters on its own dataset, and stays exact."""
+"""data.py: the scripts' thread count, vocabularies (bytes, nanoGPT characters, GPT-2 BPE), safe
+meta.pkl reading, corpora and nanoGPT datasets; and a nanoGPT user's whole path: a character-level
+checkpoint in nanoGPT's format decodes, trains BPD heads and DBlast drafters on its own dataset, and
+stays exact."""
 import importlib.util
 import os
 import pickle
@@ -81,7 +82,7 @@ def printed_text(stdout):
     return stdout.rsplit('\n\n--- ', 1)[0]
 
 
-# ----------------------------------------------------------------------------- vocabularies
+# ----------------------------------------------------------------------------- threads
 
 @pytest.mark.skipif(not os.path.exists('/proc/stat'), reason="Linux's /proc/stat: elsewhere the load average")
 def test_busy_cores_sees_a_process_that_keeps_a_core_busy():
@@ -94,13 +95,15 @@ def test_busy_cores_sees_a_process_that_keeps_a_core_busy():
         spinner.stdout.readline()                      # it is spinning
         busy = busy_cores(os.cpu_count())
         assert 0.7 <= busy <= os.cpu_count(), busy
-        assert 1 <= intra_op_threads() <= max(1, os.cpu_count() - 1) and torch.get_num_threads() <= os.cpu_count()
+        assert 1 <= intra_op_threads() == torch.get_num_threads() <= max(1, os.cpu_count() - 1)
         assert intra_op_threads(3) == 3 == torch.get_num_threads() and intra_op_threads(small=True) == 1
     finally:
         spinner.kill()
         spinner.wait()
         torch.set_num_threads(threads)
 
+
+# ----------------------------------------------------------------------------- vocabularies
 
 def test_byte_vocabulary_round_trips_any_command_line_text():
     v = Vocab('bytes')
