@@ -403,19 +403,35 @@ class HeadsObjective(nn.Module):
         for p in model.parameters():
             p.requires_grad_(joint)
 
-    def forward(self, tokens, labels, offset=None):
+    def forward(self, tokens, labels, offset=None, h=None):
         """tokens (B, S) and their labels (tokens, -1 where nothing is to be learnt). offset: the
         random-offset loss's head, a 0-dim tensor drawn with the batch (outside a compiled step:
-        as a Python int each value would compile a graph of its own)."""
-        T = tokens.size(1) - self.heads.k            # positions with a label for every head
-        with nullcontext() if self.joint else torch.no_grad():
-            h = self.model.hidden(tokens[:, :T])
+        as a Python int each value would compile a graph of its own). h: a frozen target's hidden
+        states over the first S - k tokens (B, S - k, C), when they were computed beforehand
+        (stage_heads: once, for the distilled sequences); tokens are then not read (None)."""
+        T = labels.size(1) - self.heads.k            # positions with a label for every head
+        if h is None:
+            with nullcontext() if self.joint else torch.no_grad():
+                h = self.model.hidden(tokens[:, :T])
         loss = self.heads.loss(h, self.model.lm_head, labels, offset)
         if self.joint:
             lm = self.model.lm_head(h).float()
             loss = loss + nn.functional.cross_entropy(lm.flatten(0, 1), labels[:, 1:T + 1].flatten(),
                                                       ignore_index=-1)
         return loss
+
+
+@torch.no_grad()
+def frozen_hidden(model, seqs, precision, rows=64):
+    """The target's final hidden states over seqs (B, S) -> (B, S, C), `rows` sequences at a time,
+    under `precision` (stage_heads: decoding's, as for DBlast's data, so that the heads learn from
+    the states decoding shows them). They take B * S * C floats: 65 MB at the CPU preset, 3.2 GB
+    at the GPU preset (as DBlast's samples do)."""
+    hs = []
+    for i in range(0, len(seqs), rows):
+        with precision:
+            hs.append(model.hidden(seqs[i:i + rows]))
+    return torch.cat(hs)
 
 
 def stage_heads(rt, args, model, train, vocab):
@@ -431,11 +447,14 @@ def stage_heads(rt, args, model, train, vocab):
     check_replaceable(path)
     if args.joint:
         check_replaceable(os.path.join(args.out_dir, f'ckpt_joint{args.tag}.pt'))
+    H = None
     if args.distill:
         seqs = self_generated(rt, model, train, args.distill_samples, args.block_size - PROMPT_LEN,
                               0.0, args.seed, 'distill (greedy continuations)', os.path.join(args.out_dir, 'data'))
         labels = seqs.clone()
         labels[:, :PROMPT_LEN] = -1      # only the target's own output is learnt
+        if not args.joint:   # a frozen target gives the same hidden states at every step: made once
+            H = frozen_hidden(model, seqs[:, :args.block_size - args.k], decoding_precision('float32', rt.device))
     heads = BlockHeads(model.config, args.k, args.d_hidden)
     if resume is not None:
         load_weights(heads, resume['drafter'], path)
@@ -451,7 +470,7 @@ def stage_heads(rt, args, model, train, vocab):
             offset = torch.randint(args.k - 1, (), generator=rt.dgen, device=rt.device)
         if args.distill:
             ix = torch.randint(len(seqs), (B,), generator=rt.dgen, device=rt.device)
-            return seqs[ix], labels[ix], offset
+            return (seqs[ix], labels[ix], offset) if H is None else (None, labels[ix], offset, H[ix])
         w = rt.to_device(windows(train, B, S, rt.gen))
         return w, w, offset
 

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from conftest import (ROOT, Proc, assert_clean_error, cli, corpus_text, env, nai
 import train
 from data import PROMPT_LEN, BadInput, load_checkpoint, load_target, save_checkpoint, windows
 from decode import generate
+from heads import BlockHeads
 from model import GPT, GPTConfig
 
 TINY = ['--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '32',
@@ -108,6 +110,32 @@ def test_distillation_data_is_target_greedy():
     out, _ = generate(model, rows[:, :P], gen_len)
     assert torch.equal(rows, out)
     assert torch.equal(rows[:5], naive_greedy(model, rows[:5, :P], gen_len))
+
+
+def test_frozen_heads_train_on_hidden_states_made_once(tmp_path, corpus_file, monkeypatch):
+    """With a frozen target, the heads stage makes the target's hidden states over the distilled
+    sequences once (train.frozen_hidden), not at every step, and the heads' loss on them is the
+    loss the objective computes from the tokens; trained jointly, the target runs at every step."""
+    model = tiny_model(seed=0, vocab_size=64, block_size=32, std=0.3)          # float64
+    heads = BlockHeads(model.config, 4).double()
+    torch.nn.init.normal_(heads.c_proj.weight, std=0.2)
+    tokens = torch.randint(64, (3, 32), generator=torch.Generator().manual_seed(0))
+    labels = tokens.clone()
+    labels[:, :5] = -1
+    objective = train.HeadsObjective(model, heads, joint=False)
+    h = train.frozen_hidden(model, tokens[:, :32 - 4], nullcontext(), rows=2)    # in two chunks
+    for offset in (None, torch.tensor(1)):
+        assert torch.allclose(objective(None, labels, offset, h), objective(tokens, labels, offset), rtol=1e-12)
+
+    out = ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--threads', '1']
+    train.main(TINY + out + ['--max-iters', '2', '--block-size', '48'])
+    real, calls = GPT.hidden, []
+    monkeypatch.setattr(GPT, 'hidden', lambda self, idx: calls.append(len(idx)) or real(self, idx))
+    for mode, want in (('--frozen', [4]), ('--joint', [2] * 5)):   # 4 sequences; 5 steps of 2 rows
+        calls.clear()
+        train.main(['--stages', 'heads', '--device', 'cpu', '--no-demo', '--k', '4', '--heads-iters', '5',
+                    '--distill-samples', '4', '--batch-size', '2', mode, '--tag', mode[2:]] + out)
+        assert calls == want, (mode, calls)
 
 
 # --------------------------------------------------------------------------- checkpoints
