@@ -232,14 +232,18 @@ SAVES_EVERY_STEP = ['--n-layer', '2', '--n-head', '2', '--n-embd', '128', '--blo
                     '100000', '--warmup-iters', '10', '--max-iters', '100000', '--ckpt-interval', '1']
 
 
-# A process that saves a 5 MB checkpoint over and over, and after each Ctrl-C says what it finds
+# A process that saves a 5 MB checkpoint over and over, and after each Ctrl-C says what it finds.
+# It starts saving once the file `go` exists: started beside train.py, it imports while train.py
+# does, and does not save for nothing while the test waits on train.py
 SAVER = """
-import os, sys
+import os, sys, time
 import torch
 sys.path.insert(0, {root!r})
 from data import load_checkpoint, save_checkpoint
-folder, n = sys.argv[1], int(sys.argv[2])
+folder, n, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 state = dict(model={{f'w{{i}}': torch.randn(256, 256) for i in range(20)}}, iter_num=0)
+while not os.path.exists(go):
+    time.sleep(0.01)
 done = 0
 while done < n:
     try:
@@ -263,7 +267,8 @@ def test_ctrl_c_at_random_moments_of_saving_leaves_nothing_half_written(tmp_path
     saves, out = tmp_path / 'saves', tmp_path / 'run'
     saves.mkdir()
     with open(tmp_path / 'saver.out', 'w') as said, open(tmp_path / 'train.err', 'w') as err:   # files, not pipes
-        saver = subprocess.Popen(sigint_at_default(['-c', SAVER.format(root=ROOT), str(saves), str(n)]), cwd=ROOT,
+        saver = subprocess.Popen(sigint_at_default(['-c', SAVER.format(root=ROOT), str(saves), str(n),
+                                                    str(tmp_path / 'go')]), cwd=ROOT,
                                  env=env(), stdout=said, stderr=subprocess.STDOUT)
         trainer = subprocess.Popen(sigint_at_default(['train.py', *SAVES_EVERY_STEP, '--data', str(corpus_file),
                                                       '--out-dir', str(out)]),
@@ -277,6 +282,7 @@ def test_ctrl_c_at_random_moments_of_saving_leaves_nothing_half_written(tmp_path
         delay = rng.uniform(0.0, 0.5)
         time.sleep(delay)
         trainer.send_signal(signal.SIGINT)
+        (tmp_path / 'go').touch()
         wait_for(lambda: (saves / 'ckpt.pt').exists(), saver)
         for i in range(n):            # the next Ctrl-C once the last one is answered
             time.sleep(rng.uniform(0.02, 0.2))
@@ -320,23 +326,49 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torchrun_base(corpus_file, out):
+# Two ranks under torchrun, started once for the module (three interpreters: the launcher and its
+# ranks). Each rank runs train.py's main as `torchrun train.py ...` does (data.run_script, its
+# process group and teardown); in that group, before training, it checks that a loss non-finite on
+# one rank stops every rank (an all-reduce that draws nothing: the training is as it would be).
+RANKS = """import sys
+import torch
+sys.path.insert(0, {root!r})
+import train
+from data import run_script
+
+def train_all(rt, args):
+    loss = torch.tensor(float('nan') if rt.rank == 1 else 1.0)
+    sys.stdout.write(f'rank {{rt.rank}} all finite {{rt.all_finite(loss)}}\\n')   # one write: lines stay whole
+    trains(rt, args)
+
+trains, train.train_all = train.train_all, train_all
+run_script(train.main)
+"""
+
+
+@pytest.fixture(scope='module')
+def ddp_run(tmp_path_factory):
+    """torchrun, 2 gloo ranks: the non-finite check, then train.py at tiny sizes for 2 steps ->
+    (the finished process, {rank: weights fingerprint}, train.py's out folder)."""
+    folder = tmp_path_factory.mktemp('ddp')
+    (folder / 'corpus.txt').write_text(corpus_text())
+    (folder / 'ranks.py').write_text(RANKS.format(root=ROOT))
+    out = folder / 'ddp'
     proc = run_py(['-m', 'torch.distributed.run', '--nproc_per_node', '2', '--nnodes', '1',
-                   '--master_addr', '127.0.0.1', '--master_port', str(free_port()), 'train.py',
-                   *TINY, '--max-iters', '2', '--data', str(corpus_file), '--out-dir', str(out)],
+                   '--master_addr', '127.0.0.1', '--master_port', str(free_port()), str(folder / 'ranks.py'),
+                   *TINY, '--max-iters', '2', '--data', str(folder / 'corpus.txt'), '--out-dir', str(out)],
                   timeout=180)
     fps = {}
     for line in proc.stdout.splitlines():
         parts = line.split()
         if len(parts) == 4 and parts[0] == 'rank' and parts[2] == 'weights':
             fps[int(parts[1])] = parts[3]
-    return proc, fps
+    return proc, fps, out
 
 
 @pytest.mark.slow
-def test_torchrun_two_gloo_ranks_end_identical(tmp_path, corpus_file):
-    out = tmp_path / 'ddp'
-    proc, fps = torchrun_base(corpus_file, out)
+def test_torchrun_two_gloo_ranks_end_identical(ddp_run):
+    proc, fps, out = ddp_run
     report = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(fps) == [0, 1], report
     assert fps[0] == fps[1], report
@@ -348,21 +380,11 @@ def test_torchrun_two_gloo_ranks_end_identical(tmp_path, corpus_file):
 
 
 @pytest.mark.slow
-def test_a_loss_non_finite_on_one_rank_stops_every_rank(tmp_path):
+def test_a_loss_non_finite_on_one_rank_stops_every_rank(ddp_run):
     """Finiteness is decided by all ranks together: had rank 1 raised alone, rank 0 would wait in
     its next all-reduce until the timeout."""
-    script = tmp_path / 'one_rank_nan.py'
-    script.write_text(f"""import sys, torch
-sys.path.insert(0, {ROOT!r})
-import train
-rt = train.Runtime('cpu')
-loss = torch.tensor(float('nan') if rt.rank == 1 else 1.0)
-sys.stdout.write(f'rank {{rt.rank}} all finite {{rt.all_finite(loss)}}\\n')   # one write: lines stay whole
-torch.distributed.destroy_process_group()
-""")
-    proc = run_py(['-m', 'torch.distributed.run', '--nproc_per_node', '2', '--nnodes', '1', '--master_addr',
-                   '127.0.0.1', '--master_port', str(free_port()), str(script)], timeout=60)
-    lines = sorted(x for x in proc.stdout.splitlines() if x.startswith('rank'))
+    proc = ddp_run[0]
+    lines = sorted(x for x in proc.stdout.splitlines() if x.startswith('rank') and 'all finite' in x)
     assert lines == ['rank 0 all finite False', 'rank 1 all finite False'], proc.stdout + proc.stderr[-2000:]
 
 
