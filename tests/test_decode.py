@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, Proc, assert_clean_error, cli, naive_greedy, randomise, run_py, tiny_model
+from conftest import ROOT, Proc, assert_clean_error, cli, naive_greedy, randomise, tiny_model
 from data import BadInput, save_checkpoint
 from data import Precision, pick_dtype
 import decode
@@ -622,8 +622,8 @@ def test_merged_step_inactive_rows_do_not_advance(model, prompts):
 
 
 # ----------------------------------------------------------------------------- 7. the CLI
-# Most cases run generate.py's main in this process (conftest.cli); one also runs as a real
-# process, to pin the exit code and stderr end to end.
+# Every case runs generate.py's main in this process (conftest.cli), through the run_script a real
+# run goes through; tests/test_cli.py pins the exit code and stderr of a real `python generate.py`.
 
 @pytest.fixture
 def decode_cli():
@@ -651,10 +651,8 @@ def test_decode_cli_works_on_a_good_checkpoint(good_ckpt, decode_cli):
     assert '4 calls' in proc.stdout                  # 4 tokens, the prefill's bonus the first
 
 
-@pytest.mark.slow
-def test_decode_missing_checkpoint_real_process(tmp_path):
-    proc = run_py(['generate.py', '--ckpt', str(tmp_path / 'nope.pt'), '--prompt', 'x',
-                   '--device', 'cpu'])
+def test_decode_missing_checkpoint(tmp_path, decode_cli):
+    proc = decode_cli(tmp_path / 'nope.pt', '--prompt', 'x')
     assert proc.returncode == 2
     assert_clean_error(proc, 'not found')
 

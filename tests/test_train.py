@@ -410,8 +410,8 @@ def test_target_data_is_made_at_decoding_precision():
 
 
 # --------------------------------------------------------------------------- bad inputs
-# Most cases run train.py's main in this process (conftest.cli); one also runs as a real
-# process, to pin the exit code and stderr end to end.
+# Every case runs train.py's main in this process (conftest.cli), through the run_script a real
+# run goes through; tests/test_cli.py pins the exit code and stderr of a real `python train.py`.
 
 @pytest.fixture
 def train_cli():
@@ -420,10 +420,8 @@ def train_cli():
     return run
 
 
-@pytest.mark.slow
-def test_train_data_missing_path_real_process(tmp_path):
-    proc = run_py(['train.py', *TINY, '--data', str(tmp_path / 'missing'), '--out-dir',
-                   str(tmp_path / 'out')])
+def test_train_data_missing_path(tmp_path, train_cli):
+    proc = train_cli('--data', tmp_path / 'missing', '--out-dir', tmp_path / 'out')
     assert proc.returncode == 2
     assert_clean_error(proc, '--data', 'missing')
 
