@@ -18,8 +18,6 @@ from heads import BlockHeads
 from model import GPT, GPTConfig
 from train import HeadsObjective
 
-pytestmark = pytest.mark.second_process   # inductor compiles: on the other core (conftest.py)
-
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 DEV = 'cuda' if torch.cuda.is_available() else 'cpu'
@@ -84,6 +82,7 @@ def run_steps(kind, temperature, accept, paths=1, context=nullcontext, step=merg
     return cache
 
 
+@pytest.mark.second_process
 @pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
 def test_merged_step_makes_no_host_sync(kind, temperature, accept, paths):
     detector = HostSyncs()
@@ -92,6 +91,7 @@ def test_merged_step_makes_no_host_sync(kind, temperature, accept, paths):
     assert cache.lengths.tolist()[2] == 8 and min(cache.lengths.tolist()[:2]) >= 8 + 5  # inactive row stays
 
 
+@pytest.mark.second_process
 def test_host_sync_detector_catches_syncs():
     x = torch.tensor([0.5, 0.0, 2.0])
     for bad in (lambda: x.sum().item(), lambda: bool((x > 1).any()), lambda: x[x > 0],
@@ -101,6 +101,7 @@ def test_host_sync_detector_catches_syncs():
         assert detector.seen, bad
 
 
+@pytest.mark.second_process
 @pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
 @pytest.mark.slow
 def test_merged_step_traces_as_one_graph(kind, temperature, accept, paths):
@@ -140,6 +141,7 @@ def traced_only(monkeypatch):
         monkeypatch.setitem(decode._COMPILED, DEV, torch.compile(merged_step, backend='aot_eager', dynamic=False))
 
 
+@pytest.mark.second_process
 @pytest.mark.slow
 def test_compiled_generate_matches_eager():
     """The step as generate(compile=True) compiles it (inductor: C++ on the CPU, CUDA graphs on GPU)
@@ -157,6 +159,7 @@ def test_compiled_generate_matches_eager():
     assert torch.equal(eager, compiled) and s1['accept_lengths'] == s2['accept_lengths']
 
 
+@pytest.mark.second_process
 @pytest.mark.slow
 def test_compiled_sampling_matches_eager(traced_only):
     """The same random numbers in the same order give the same tokens: the compiled graph draws
@@ -171,6 +174,7 @@ def test_compiled_sampling_matches_eager(traced_only):
     assert torch.equal(eager, compiled) and s1['accept_lengths'] == s2['accept_lengths']
 
 
+@pytest.mark.second_process
 @pytest.mark.slow
 def test_compiled_sampling_seeded_by_generator(traced_only):
     """compile=True with a generator: the same seed gives the same output, another seed another,
@@ -184,6 +188,7 @@ def test_compiled_sampling_seeded_by_generator(traced_only):
     assert torch.equal(torch.get_rng_state(), state)
 
 
+@pytest.mark.second_process
 @pytest.mark.slow
 def test_generate_keeps_the_generator_out_of_the_compiled_step(monkeypatch):
     """generate(compile=True, generator=g) must not hand g to the compiled step: every draw from
@@ -197,6 +202,7 @@ def test_generate_keeps_the_generator_out_of_the_compiled_step(monkeypatch):
              generator=torch.Generator(device=DEV).manual_seed(0))
 
 
+@pytest.mark.second_process
 @pytest.mark.slow
 def test_random_offset_loss_compiles_once():
     """train.py --compile: the heads' random-offset loss takes its head as a 0-dim tensor, so the
@@ -218,7 +224,7 @@ def test_random_offset_loss_compiles_once():
     assert len(graphs) == 1
 
 
-@pytest.mark.slow
+@pytest.mark.slow   # in this process: the other compiles run in the second one (conftest.py), this balances them
 def test_a_sweep_stays_compiled(monkeypatch):
     """bench.py's sweep needs more graphs than dynamo's default limit of 8; past the limit the step
     would quietly run eager. Traced with the eager backend (no code generation: fast), with the
@@ -241,6 +247,7 @@ def test_a_sweep_stays_compiled(monkeypatch):
     assert len(configs) > 8
 
 
+@pytest.mark.second_process
 @pytest.mark.slow
 def test_each_configuration_compiles_one_graph_and_writes_the_cache_in_place(traced_only):
     """One graph per way of decoding, compiled on the first call and reused by the next (a graph
