@@ -100,8 +100,8 @@ def part_train(c, compile=False):
     """a / b: every stage the speed table needs, one train.main call each, fresh (a check measures
     training, so nothing is resumed): its seconds and peak memory. b: with --compile, elsewhere."""
     if compile and c.args.quick and not c.cuda:
-        return dict(skipped="inductor's C++ compile of four training steps takes minutes on a CPU; run it on "
-                            "CUDA, or without --quick")
+        return dict(skipped="inductor's C++ compile of four training steps takes minutes on a CPU (24 s for "
+                            "one, cold, on the README's 2-core AMD EPYC); run it on CUDA, or without --quick")
     args = with_(c.args, ckpt_dir=compiled_dir(c.args)) if compile else c.args
     stages = []
     for name, argv in trainings(args, resume=False):

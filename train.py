@@ -7,7 +7,7 @@ Train the target GPT, then its drafters, in stages:
           target's own greedy continuations (sequence-level distillation, --no-distill for corpus text)
   dblast  DBlast dependent drafters (K = --branches and the K = 1 baseline) on the target's own samples
 
-    python train.py                         # everything (CPU preset: about 3.5 minutes on a 2-core Xeon, README)
+    python train.py                         # everything (CPU preset: about 5 minutes on a 2-core AMD EPYC, README)
     python train.py --stages heads --k 4    # only the heads, on the existing out/ckpt.pt
     torchrun --nproc_per_node 2 train.py    # data parallel (NCCL on CUDA, gloo on CPU)
 
@@ -47,8 +47,8 @@ from decode import agreement, generate, load_drafter, merged_stats, timed_genera
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
-# Presets, picked by device. CPU: the whole `python train.py` in about 3.5 minutes on a quiet 2-core
-# Xeon (README); a 3-layer target at a high learning rate, 800 steps: on 2 cores every step costs
+# Presets, picked by device. CPU: the whole `python train.py` in about 5 minutes on a 2-core AMD
+# EPYC (README); a 3-layer target at a high learning rate, 800 steps: on 2 cores every step costs
 # its FLOPs (a compiled step is no faster there), so the preset spends them where the closing demos
 # need them (heads tau at k = 8 above 5.5, DBlast K = 4 above K = 1). The heads learn more from 512
 # distinct greedy continuations than from 200 more target steps (README, "Times").

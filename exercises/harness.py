@@ -418,8 +418,9 @@ SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_
 
 class EagerMode(TorchDispatchMode):
     """A dispatch mode for eager code only: torch would otherwise wrap its __torch_dispatch__ so that
-    torch.compile skips it, importing torch._dynamo at the first op (1 s on a quiet machine, 3 s on
-    a busy one: a part of every exercise's checks, for a compiler no check runs)."""
+    torch.compile skips it, importing torch._dynamo at the first op (on the README's 2-core AMD EPYC
+    1.0 s quiet, 1.7 s beside two busy processes: a part of every exercise's checks, for a compiler
+    no check runs)."""
 
     @classmethod
     def _should_skip_dynamo(cls):
@@ -478,7 +479,7 @@ class Tryout:
         self.shown = set()                 # the rows of the target alone already made (a handout's pair)
         path = os.path.join(args.out_dir, 'ckpt.pt')
         if not os.path.isfile(path):
-            raise BadInput(f"{path} not found: run `python train.py` first (about 3.5 minutes on a 2-core Xeon, README; "
+            raise BadInput(f"{path} not found: run `python train.py` first (about 5 minutes on a 2-core AMD EPYC, README; "
                            f"`python train.py --preset quick`: a smaller target, sooner), or give --out-dir")
         ckpt = load_checkpoint(path)
         config = ckpt.get('config') or {}       # load_checkpoint checked every field it holds

@@ -109,10 +109,11 @@ def randomise(heads, seed, std=1.0):
 
 
 # ----------------------------------------------------------------------------- command lines
-# A real process per case costs a torch import (~2 s), so most command-line cases run a script's
-# main(argv) in this process (`in_process`, `cli`), wrapped in the same run_script that turns
-# BadInput into `error: ...` and exit code 2. A few cases also run as real processes (`run_py`), to
-# pin the exit code and stderr end to end.
+# A real process per case costs a Python start and a torch import (a refused `python train.py`: 1.9 s
+# on the README's 2-core AMD EPYC), so most command-line cases run a script's main(argv) in this
+# process (`in_process`, `cli`), wrapped in the same run_script that turns BadInput into
+# `error: ...` and exit code 2. A few cases also run as real processes (`run_py`), to pin the exit
+# code and stderr end to end.
 
 def env():
     e = dict(os.environ, OMP_NUM_THREADS='1', PYTHONUNBUFFERED='1', PYTHONFAULTHANDLER='1')
