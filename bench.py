@@ -15,6 +15,8 @@ Trains what it needs when checkpoints are missing (through train.py, under --ckp
   4. where a step's time goes (BPD §7.3 "Wall-Clock Speedup"), t(k-token forward) / t(1-token forward), ceiling speedup
   5. several drafted paths per call (paths): N = --paths-list, independent and DBlast
   6. threads (threads): 1 against the default, quiet and beside busy processes
+  7. what a call costs (calls): a target that computes next to nothing, each way of running its
+     steps (eager, compiled, several steps a host call; on CUDA by hand or torch.compile's graphs)
 Prints markdown tables and writes them to OUT/RESULTS.md under the commit, command, machine and
 torch that made them, with OUT/results.json and (with matplotlib) OUT/bench.png. Decoding runs at
 --dtype (default float32; bfloat16 by autocast) and, on CUDA, --tf32; training keeps train.py's own.
@@ -50,11 +52,13 @@ import torch
 import decode
 import train
 from data import (DTYPES, PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, check_number, decoding_precision,
-                  intra_op_threads, load_checkpoint, load_target, pick_device, run_script)
+                  intra_op_threads, load_checkpoint, load_target, num_threads, pick_device, run_script)
 from decode import generate, load_drafter
-from measure import (DRAFTING, Bench, Tee, command_line, common_flags, forward_ratio, identical, md_row, md_table,
-                     meta, output_nll, parse_list, prepare, results_md, time_split, timed, train_args, tree_ratio,
-                     write_json, write_text)
+from heads import BlockHeads
+from measure import (DRAFTING, TINY_TARGET, Bench, Tee, call_costs, command_line, common_flags, forward_ratio, identical,
+                     md_row, md_table, meta, output_nll, parse_list, prepare, results_md, runner_settings, time_split,
+                     timed, train_args, tree_ratio, ways_of_calling, write_json, write_text)
+from model import GPT
 
 BPD_KS = [2, 4, 6, 8, 10]
 TEMPS = [0.7, 1.0, 1.5]
@@ -68,7 +72,9 @@ PAPER_GAIN = {1.5: 12.1}    # DBlast vs independent drafting, % tau, Qwen3-8B (m
 
 def trainings(args, resume=True):
     """(checkpoint name, train.py argv) of the target and every drafter the chosen tables need, in
-    order; with resume, each is skipped once trained."""
+    order; with resume, each is skipped once trained. Table 'calls' needs none (TINY_TARGET)."""
+    if not set(args.tables) - {'calls'}:
+        return []
     runs = [('ckpt', train_args(args, 'base', resume=resume))]
     heads = [(False, True)] if 'bpd' not in args.tables else [(j, d) for j in (False, True) for d in (False, True)]
     heads = heads if set(args.tables) - {'paths', 'threads'} else []    # tables 5 and 6 draft with DBlast's
@@ -149,20 +155,23 @@ def dblast_tag(T, loss):
 # ----------------------------------------------------------------------------- tables
 
 
-def speed_table(b, base, args, results):
+def speed_table(b, base, args, results, drafters=None):
     """The figures at a glance, one row printed as soon as it is measured: tokens/s of plain and
     blockwise decoding, greedy with the frozen distilled heads at k = 2..10 (gpu_check.py: 8),
-    then sampling at T=1
-    with the independent K = 1 NLL drafter and DBlast K = 4 AL (sampled drafts, mixture verification).
-    Greedy rows also give the share of tokens identical to plain greedy decoding at the same
-    precision: the rule is exact, the arithmetic need not be (bf16 most of all; MATH.md §2).
-    With --compile, each row's eager runs are timed in the same rounds, and the table gives what
-    compiling gains, plain and blockwise, as ratios inside the run."""
-    heads = load_drafter(os.path.join(args.ckpt_dir, f"heads{heads_tag(False, True)}.pt"), base)
-    dblast = lambda K, loss: load_drafter(os.path.join(args.ckpt_dir, f"dblast_K{K}{dblast_tag(1.0, loss)}.pt"), base)
+    then sampling at T=1 with the independent K = 1 NLL drafter and DBlast K = 4 AL (sampled drafts,
+    mixture verification). drafters: (heads, K = 1, K = 4, T) to use instead of bench's own
+    checkpoints (gpu_check.py --trained: train.py's). Greedy rows also give the share of tokens
+    identical to plain greedy decoding at the same precision: the rule is exact, the arithmetic
+    need not be (bf16 most of all; MATH.md §2). With --compile, each row's eager runs are timed in
+    the same rounds, and the table gives what compiling gains, plain and blockwise, as ratios
+    inside the run."""
+    if drafters is None:
+        load = lambda K, loss: load_drafter(os.path.join(args.ckpt_dir, f"dblast_K{K}{dblast_tag(1.0, loss)}.pt"), base)
+        drafters = (load_drafter(os.path.join(args.ckpt_dir, f"heads{heads_tag(False, True)}.pt"), base),
+                    load(1, 'nll'), load(4, 'al'), 1.0)
+    heads, k1, k4, T = drafters
     configs = [('BPD heads', heads, k, 0.0) for k in args.speed_ks]
-    configs += [('independent K=1 NLL', dblast(1, 'nll'), args.dblast_k, 1.0),
-                ('DBlast K=4 AL', dblast(4, 'al'), args.dblast_k, 1.0)]
+    configs += [('independent K=1 NLL', k1, args.dblast_k, T), ('DBlast K=4 AL', k4, args.dblast_k, T)]
     n_tokens = args.n_prompts * args.max_new
     mode = 'compiled' if args.compile else 'eager'
     print(f"\n### 0. Speed ({mode}, {b.precision}, {args.n_prompts} prompts x {args.max_new} tokens, "
@@ -426,6 +435,36 @@ def time_table(b, base, args, results):
         print("\nshare of decode time at k=8: " + ', '.join(f'{n} {v:.0%}' for n, v in split.items()))
 
 
+def calls_table(b, base, args, results):
+    """Where a target call's time goes, on a target that computes next to nothing (TINY_TARGET, with
+    untrained heads at k = 8, one thread, one prompt of 256 new tokens): its time per call is the
+    host's cost of a call, for each way of running the steps (measure.ways_of_calling) and each
+    plain and blockwise. The best of max(5, --repeats) runs; on CUDA the GPU's busy time, kernels
+    and host launches per call too, from the profiler; on a CPU the operations per call."""
+    cuda = torch.device(b.device).type == 'cuda'
+    torch.manual_seed(args.seed)
+    tiny = GPT(TINY_TARGET).to(b.device).eval()
+    heads = BlockHeads(TINY_TARGET, 8).to(b.device).eval()
+    prompt = torch.randint(TINY_TARGET.vocab_size, (1, PROMPT_LEN), device=b.device)
+    extra = ['GPU busy (us)', 'kernels', 'launches'] if cuda else ['ops']
+    print(f"\n### 7. What a call costs: a target that computes next to nothing ({TINY_TARGET.n_layer} layer, width "
+          f"{TINY_TARGET.n_embd}), 1 prompt x 256 tokens, 1 thread, best of {max(5, args.repeats)}; per target call\n")
+    print(md_table(['way', 'k', 'us', 'tokens/s', 'tau'] + extra, []), flush=True)
+    rows = []
+    with num_threads(1):
+        for way, (compile, setting) in ways_of_calling(b.device).items():
+            for k, kw in ((1, {}), (8, dict(drafter=heads, k=8))):
+                with runner_settings(b.device, **setting), torch._inductor.config.patch({'cpp.enable_kernel_profile': True}):
+                    r = call_costs(lambda: generate(tiny, prompt, 256, compile=compile, threads=None, **kw), b.device,
+                                   max(5, args.repeats))
+                r.update(way=way, k=k)
+                rows.append(r)
+                print(md_row([way, k, f"{r['us_per_call']:.0f}", f"{r['tokens_per_s']:.0f}", f"{r['tau']:.2f}"]
+                             + ([f"{r['gpu_busy_us_per_call']:.0f}", f"{r['kernels_per_call']:.0f}",
+                                 f"{r['launches_per_call']:.1f}"] if cuda else [f"{r['ops_per_call']:.0f}"])), flush=True)
+    results['calls'] = dict(target=vars(TINY_TARGET), rows=rows)
+
+
 def plots(results, out_dir):
     try:
         import matplotlib
@@ -461,7 +500,7 @@ def plots(results, out_dir):
 
 # ----------------------------------------------------------------------------- main
 
-TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time', 'paths', 'threads']
+TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time', 'paths', 'threads', 'calls']
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=160, max_iters=300, heads_iters=150,
              dblast_iters=100, distill_samples=64, dblast_samples=64, dblast_eval_samples=8, n_prompts=4,
              max_new=64, repeats=1, eval_samples=8)
@@ -524,8 +563,8 @@ def main(argv=None):
     prompts, val = prepare(args, device)
     t_start = time.perf_counter()
     ensure_checkpoints(args)   # at train.py's own precision and threads
-    base = load_target(os.path.join(args.ckpt_dir, 'ckpt.pt'), device)
-    intra_op_threads(args.threads, small=base.get_num_params() < SMALL_MODEL)
+    base = load_target(os.path.join(args.ckpt_dir, 'ckpt.pt'), device) if trainings(args) else None
+    intra_op_threads(args.threads, small=base is None or base.get_num_params() < SMALL_MODEL)
     b = Bench(args, device, prompts, val, precision)
     torch.manual_seed(args.seed)
     results = dict(meta=meta(args, device, str(b.precision)), method=__doc__.split('Method: ')[1].strip())
@@ -533,7 +572,7 @@ def main(argv=None):
     with b.precision, redirect_stdout(printed):   # every decode, evaluation and timing of the tables
         for name, table in [('speed', speed_table), ('bpd', bpd_tables), ('lossy', lossy_table),
                             ('dblast', dblast_tables), ('time', time_table), ('paths', paths_table),
-                            ('threads', threads_table)]:
+                            ('threads', threads_table), ('calls', calls_table)]:
             if name in args.tables:
                 table(b, base, args, results)
     results['meta']['seconds'] = time.perf_counter() - t_start

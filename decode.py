@@ -6,19 +6,21 @@ drafted paths per target call.
 Read in this order (MATH.md has every equation):
   the acceptance rules and verifiers   one block (MATH.md §2, §4) and a tree of paths (§9)
   merged_step                          one target call: verify, commit, propose
-  generate                             the loop around it, and its argument checks
-  the compiled path                    what only `compile=True` needs: the compiled step, its
-                                       static cache and RNG; nothing above depends on it
+  the loop                             the prefill, advance (a step and what the loop keeps of
+                                       it), generate and its argument checks
   loading drafters, timing
+What only `compile=True` needs (static buffers, compiled steps, several steps a host call, CUDA
+graphs) is runner.py's: the loop reads the same without it.
 Drafters follow one contract (heads.Drafter). The command line is generate.py's; the model's own
 `GPT.generate` (no cache, full recompute) is the reference every path here is tested against.
 """
 import time
-from contextlib import contextmanager
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
+import runner
 from data import (BadInput, Vocab, check_finite, check_number, decoding_threads, describe, first_line, is_real,
                   is_whole, load_checkpoint, num_threads)
 from dblast import DBlastDrafter
@@ -342,6 +344,80 @@ def propose(drafter, h, bonus, target, k, paths, temperature, generator):
 
 # ------------------------------------------------------------------------- the loop
 
+class Decoding(NamedTuple):
+    """What generate's loop carries from step to step, in buffers written in place (so that several
+    steps can run as one graph: runner.py):
+
+        block (B, 1 + N(k-1))     the pending block: the bonus the last call chose, and drafts
+        Q (B, N(k-1), V) or None  the proposal's conditionals the drafts were drawn from
+        out (B, W)                the prompt, then each row's committed tokens (W: room past the end)
+        n_out (B,)                tokens committed per row, the prompt included
+        total ()                  T0 + max_new_tokens: where every row ends
+        taus (S, B)               tau of each step, row by row; 0 where the row took no part
+                                  (S: the steps that can run, runner.py's units past the end included)
+        t ()                      steps run"""
+    block: torch.Tensor
+    Q: Optional[torch.Tensor]
+    out: torch.Tensor
+    n_out: torch.Tensor
+    total: torch.Tensor
+    taus: torch.Tensor
+    t: torch.Tensor
+
+    @classmethod
+    def like(cls, block, Q, width, rows):
+        """Empty buffers for blocks and Q shaped as these, W = width, S = rows."""
+        B, long = block.size(0), dict(dtype=torch.long, device=block.device)
+        return cls(torch.empty_like(block), None if Q is None else torch.empty_like(Q, memory_format=torch.contiguous_format),
+                   torch.zeros(B, width, **long), torch.zeros(B, **long), torch.zeros((), **long),
+                   torch.zeros(rows, B, **long), torch.zeros((), **long))
+
+    def restart(self, block, Q, prompt):
+        """The state after the prefill: its first block, the prompt (B, T0) as the output so far."""
+        self.block.copy_(block)
+        if Q is not None:
+            self.Q.copy_(Q)
+        self.out[:, :prompt.size(1)] = prompt
+        self.n_out.fill_(prompt.size(1))
+        self.taus.zero_()
+        self.t.zero_()
+
+
+def first_block(model, drafter, cache, prompt, temperature, generator, paths, k):
+    """Call 1, the prefill: the prompt's keys and values into the cache, and from its last hidden
+    state the first bonus and drafts. Returns the first block (B, 1 + N(k-1)) and its Q."""
+    h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
+    cache.commit(prompt.size(1))
+    bonus = target_choice(upcast(model.lm_head(h)), temperature, generator)
+    if drafter is None:
+        return bonus[:, None], None
+    drafts, Q = propose(drafter, h, bonus, model, k, paths, temperature, generator)
+    return torch.cat([bonus[:, None], drafts], dim=1), Q
+
+
+def advance(model, drafter, cache, d, temperature, accept, generator, paths):
+    """One step of generate's loop, in place on its state d (Decoding): the merged step, then what
+    the loop keeps of it: the bonus and kept drafts written out, each row advanced, tau recorded.
+    A step that no row needs any more (each lacks at most its pending bonus) commits nothing and
+    leaves each row's pending block as it was, so that a unit of several steps (runner.py) may run
+    past the last one needed."""
+    needed = d.n_out.min() < d.total - 1
+    active = (d.n_out < d.total) & needed                       # (B,) the rows that take part
+    n_acc, kept, block, Q = merged_step(model, drafter, cache, d.block, d.Q, active, temperature, accept,
+                                        generator, paths)
+    # write the bonus and the kept path at each row's end; what was not accepted is overwritten next step
+    d.out.scatter_(1, d.n_out[:, None] + torch.arange(kept.size(1), device=kept.device), kept)
+    tau = (n_acc.long() + 1) * active                           # (B,); n_acc may come as int32 (exercise 1)
+    d.n_out.add_(tau)
+    d.taus.index_copy_(0, d.t[None], tau[None])
+    d.t.add_(1)
+    # a row that took no part keeps its pending block (its bonus is written at the end); its Q is
+    # read by no step that counts
+    d.block.copy_(torch.where(active[:, None], block, d.block))
+    if Q is not None:
+        d.Q.copy_(Q)
+
+
 @torch.no_grad()
 def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0,
              accept="exact", generator=None, compile=False, paths=1, threads='auto'):
@@ -360,7 +436,8 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     one-token step round differently, so a near-tie between two tokens can break the other way
     (MATH.md §2); bench.py and generate.py measure agreement with plain greedy instead of assuming it.
     paths=N verifies N drafted paths per call (MATH.md §9): drafter.draft_paths proposes them.
-    compile=True runs the step compiled (the first calls pay the compilation: warm up first).
+    compile=True runs the same steps compiled, several a host call, on CUDA as CUDA graphs
+    (runner.py; the first call of a configuration pays the compilation: warm up first).
     generator: the source of every random draw (where nothing is drawn, as in greedy decoding with
     BPD heads, it is not used).
     threads: torch's CPU threads for the length of the call, then as the caller had them: 'auto'
@@ -380,67 +457,77 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
 
 
 def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths):
-    """generate's loop, its arguments checked: prefill, then merged steps until every row is done."""
+    """generate's loop, its arguments checked: the prefill (call 1), then merged steps until every
+    row lacks at most its pending bonus. compile=True runs the same prefill and steps on static
+    buffers, several steps a host call (runner.Compiled), drawing from the device's global RNG
+    seeded from `generator` (runner.global_rng_from): a generator passed into a compiled step
+    would split its graph at every draw."""
     B, T0 = prompt.shape
-    prompt = prompt.long()
-    total = T0 + max_new_tokens
-    dev = prompt.device
-    # spare room past the end: a row may overshoot `total` by k-1 tokens, and a finished row still
-    # runs (and writes) one block of 1 + paths(k-1) slots per step until every row is done; none
-    # of it is kept
+    prompt, total = prompt.long(), T0 + max_new_tokens
+    # spare room past the end: a row may overshoot `total` by k-1 tokens, and a row that is done
+    # still runs (and writes) one block of 1 + paths(k-1) slots per step until every row is done;
+    # none of it is kept
     room = k + 1 + paths * (k - 1)
-    out = torch.zeros(B, total + 2 * k, dtype=torch.long, device=dev)
-    out[:, :T0] = prompt
-    if compile:  # the compiled step draws from the global RNG, seeded below (global_rng_from)
-        step, cache, step_generator = replayed(compiled_step(dev.type), dev), static_cache(model, B, room), None
-    else:
-        step, cache, step_generator = merged_step, model.new_cache(B, total + room), generator
+    g = None if compile else generator
 
-    # prefill (call 1): the prompt's last hidden state gives the first bonus and drafts
-    h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
-    cache.commit(T0)
-    bonus = target_choice(upcast(model.lm_head(h)), temperature, generator)
-    block, Q = bonus[:, None], None
-    if drafter is not None:
-        drafts, Q = propose(drafter, h, bonus, model, k, paths, temperature, generator)
-        block = torch.cat([block, drafts], dim=1)
-        if compile and Q is not None:   # the strides the compiled step returns (else step 2 recompiles)
-            Q = Q.clone(memory_format=torch.contiguous_format)
+    def prefill(cache, prompt):
+        return first_block(model, drafter, cache, prompt, temperature, g, paths, k)
 
-    n_out = torch.full((B,), T0, dtype=torch.long, device=dev)  # committed tokens per row
-    offs = torch.arange(k, device=dev)
-    taus, actives = [], []
-    calls, sure = 1, 0
-    with global_rng_from(generator if compile else None, dev):
-        while True:
-            if sure == 0:   # ask the device how far the slowest row is from the end: a host sync
-                behind = tokens_behind(n_out, total)
-                if behind <= 0:
-                    break
-                # a step commits at most k tokens a row, so the next `sure` steps are needed
-                # whatever they accept: run them without asking (the host can queue them)
-                sure = -(-behind // k)
-            sure -= 1
-            active = n_out < total
-            n_acc, kept, block, Q = step(model, drafter, cache, block, Q, active,
-                                         temperature, accept, step_generator, paths)
-            # write the bonus and the kept path; what was not accepted is overwritten next step
-            out.scatter_(1, n_out[:, None] + offs, kept)
-            calls += 1
-            n_out += (n_acc + 1) * active
-            taus.append(n_acc + 1)
-            actives.append(active)
+    def step(cache, d):
+        advance(model, drafter, cache, d, temperature, accept, g, paths)
+
+    with runner.global_rng_from(generator if compile else None, prompt.device):
+        if compile:
+            context = model.config.block_size
+            loop = runner.Compiled(model, drafter, B, room, (k, paths, temperature, accept, settings(drafter)),
+                                   prefill, step, lambda block, Q: Decoding.like(block, Q, context + 2 * k,
+                                                                                 context + runner.largest_unit()))
+            d, run = loop.start(prompt, total), loop.steps
+        else:
+            cache = model.new_cache(B, total + room)
+            block, Q = prefill(cache, prompt)
+            d = Decoding.like(block, Q, total + 2 * k, max_new_tokens)
+            d.restart(block, Q, prompt)
+            d.total.fill_(total)
+
+            def run(n):
+                for _ in range(n):
+                    step(cache, d)
+        while (behind := tokens_behind(d.n_out, total)) > 0:   # the loop's one read from the device
+            # a step commits at most k tokens a row, so the next ceil(behind / k) steps are needed
+            # whatever they accept: run them without asking (the host can queue them)
+            run(-(-behind // k))
+    return finished(d, B, max_new_tokens, k)
+
+
+def tokens_behind(n_out, total):
+    """How many tokens the slowest row still needs target calls for, the loop's one read from the
+    device: all it lacks but its pending bonus, which the last call already chose."""
+    return int(total - 1 - n_out.min())
+
+
+def finished(d, B, max_new_tokens, k):
+    """The output (B, T0 + max_new_tokens) and the stats of a loop whose state is d."""
     # every row lacks at most its pending bonus, which the last call chose: it takes no call (a
     # finished row's lands past its end, where nothing is kept)
-    out.scatter_(1, n_out[:, None], block[:, :1])
-
-    tau = torch.stack(taus).cpu()[torch.stack(actives).cpu()] if taus else torch.zeros(0, dtype=torch.long)
+    d.out.scatter_(1, d.n_out[:, None], d.block[:, :1])
+    total = int(d.total)
+    taus = d.taus[:int(d.t)].cpu()                             # (steps, B), 0: no part in the step
+    tau = taus[taus > 0]                                       # step by step, row by row
     accepted = tau[:, None] > torch.arange(1, k)                # (steps, k-1) draft j accepted
+    calls = 1 + int((taus > 0).any(1).sum())                   # the prefill, and each step a row took part in
     tokens = B * max_new_tokens
     stats = dict(calls=calls, tokens=tokens, tokens_per_call=tokens / calls,
                  mean_tau=float(tau.float().mean()) if len(tau) else float('nan'), accept_lengths=tau.tolist(),
                  accept_rate=accepted.float().mean(0).tolist() if k > 1 and len(tau) else [])
-    return out[:, :total], stats
+    return d.out[:, :total].clone(), stats
+
+
+def settings(drafter):
+    """A drafter's own settings (its plain attributes: sample_drafts, verify, Z_T ..): what a
+    compiled loop records with its graphs besides the weights."""
+    return tuple(sorted((n, v) for n, v in vars(drafter).items()
+                        if isinstance(v, (bool, int, float, str)))) if drafter is not None else ()
 
 
 def merged_stats(runs):
@@ -548,83 +635,6 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
 
 
 MAX_PATHS = 64   # drafted paths per call: the block is 1 + paths * (k-1) tokens
-
-
-# ------------------------------------------------------------------------- the compiled path
-# What generate(compile=True) adds, and nothing else needs: merged_step compiled with static
-# shapes (CUDA graphs on a GPU), a cache that outlives the call so the graphs' buffers stay put,
-# the global RNG seeded from the caller's generator, and the loop's rare reads from the device.
-
-_COMPILED = {}
-
-
-def compiled_step(device_type):
-    """merged_step under torch.compile with static shapes; on CUDA as CUDA graphs
-    ("reduce-overhead"), so the step is one graph replay with no host round trip (generate's loop
-    around it keeps a few small ops and reads the device only now and then).
-    Each k, temperature, acceptance rule and drafter class is its own graph; a sweep such as
-    bench.py's needs a few dozen, past dynamo's default limit of 8, after which it would run
-    eager with no more than a logged warning."""
-    if device_type not in _COMPILED:
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        mode = 'reduce-overhead' if device_type == 'cuda' else None
-        _COMPILED[device_type] = torch.compile(merged_step, mode=mode, dynamic=False)
-    return _COMPILED[device_type]
-
-
-def replayed(step, device):
-    """A compiled step as generate's loop calls it: each call starts a new CUDA-graph step, and on
-    CUDA its outputs are copied out (a CUDA graph's outputs are overwritten by its next replay)."""
-    def run(*args):
-        torch.compiler.cudagraph_mark_step_begin()
-        out = step(*args)
-        return out if device.type != 'cuda' else tuple(None if t is None else t.clone() for t in out)
-    return run
-
-
-def tokens_behind(n_out, total):
-    """How many tokens the slowest row still needs target calls for, the loop's one read from the
-    device: all it lacks but its pending bonus, which the last call already chose."""
-    return int(total - 1 - n_out.min())
-
-
-@contextmanager
-def global_rng_from(generator, device):
-    """The compiled step draws its random numbers from the global RNG: a torch.Generator passed
-    into a compiled function splits the graph at every draw. So for the length of one generate()
-    the global RNG of `device` is forked, seeded from `generator`, and restored afterwards: the
-    caller's global state is untouched and the same generator seed gives the same output."""
-    if generator is None:
-        yield
-        return
-    seed = int(torch.randint(2 ** 62, (), generator=generator, device=generator.device))
-    cuda = device.type == 'cuda'
-    with torch.random.fork_rng(devices=[device] if cuda else []):
-        if cuda:
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(seed)
-        else:
-            torch.default_generator.manual_seed(seed)
-        yield
-
-
-def static_cache(model, B, room):
-    """For the compiled step, as gpt-fast does: a cache sized by the context rather than the
-    request, kept on the model and reused across calls, so shapes and buffer addresses never
-    change and the compiled graphs (CUDA graphs on GPU) are recorded once. The spare room past the
-    context (`room`, see generate) is rounded up to a multiple of 64, so plain decoding and every
-    one-path block up to k = 32 share the same buffers, as bench.py's interleaved timing needs.
-    One cache per batch size and compute dtype."""
-    max_len = -(-(model.config.block_size + room) // 64) * 64
-    key = (B, max_len, model.compute_dtype(), model.lm_head.weight.device)
-    caches = model.__dict__.setdefault('_static_caches', {})   # a plain attribute, not a buffer
-    if key not in caches:
-        cache = caches[key] = model.new_cache(B, max_len)
-        for buf in (cache.k, cache.v, cache.lengths, cache.layers, cache.rows):   # fixed addresses for CUDA graphs
-            torch._dynamo.mark_static_address(buf)
-    cache = caches[key]
-    cache.lengths.zero_()
-    return cache
 
 
 # ------------------------------------------------------------------------- loading drafters

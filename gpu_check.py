@@ -1,10 +1,13 @@
 """
-What a first run on one GPU has to show, in parts a-i: every stage trains (eager, and compiled
-with --parts b), compiled decoding compiles once and skips no CUDA graph, its greedy tokens match
-eager ones, seeds reproduce, no host sync inside a step, the memory decoding adds, the speed tables
-(eager and compiled float32, eager bfloat16), and what the loop's few host syncs save.
+What a first run on one GPU has to show, in parts a-j: every stage trains (eager, and compiled
+with --parts b), compiled decoding compiles and captures once and skips no CUDA graph, its greedy
+tokens match eager ones, seeds reproduce, no host sync inside a step, the memory decoding adds, the
+speed tables (eager and compiled float32, eager bfloat16), what the loop's few host syncs save, and
+where a target call's time goes (each way of running the steps: wall time, GPU busy time, kernels
+and launches per call).
 
     python gpu_check.py --device cuda               # -> bench/gpu/parts.jsonl and gpu_check.json
+    python gpu_check.py --device cuda --trained out  # on train.py's checkpoints in out/ (no part a)
     python gpu_check.py --device cuda --parts a,h,b  # chosen parts, in this order (b only when asked)
     python gpu_check.py --quick                      # the same at tiny sizes, on any machine (a CPU)
 
@@ -35,15 +38,18 @@ from unittest import mock
 import torch
 
 import decode
+import model
+import runner
 import train
 from bench import dblast_tag, heads_tag, settle, speed_table, trainings
-from data import (ArgumentParser, Precision, check_out_dir, first_line, intra_op_threads, load_target, pick_dtype,
-                  run_script)
+from data import (ArgumentParser, BadInput, Precision, check_out_dir, first_line, intra_op_threads, load_checkpoint,
+                  load_target, pick_dtype, run_script)
 from decode import load_drafter
-from measure import (Bench, command_line, common_flags, device_name, identical, md_table, meta, parse_list, prepare,
-                     sync, timed, write_json)
+from measure import (Bench, call_costs, command_line, common_flags, device_name, identical, md_table, meta, parse_list,
+                     prepare, runner_settings, sync, timed, ways_of_calling, write_json)
 
-PLAIN, HEADS, SAMPLED = 'plain greedy', 'BPD heads greedy, k=8', 'DBlast K=4 sampling, T=1'
+PLAIN, HEADS, SAMPLED = 'plain greedy', 'BPD heads greedy, k=8', 'DBlast K=4 sampling'
+TRAINED = ('ckpt.pt', 'heads.pt', 'dblast_K4.pt', 'dblast_K1.pt')   # what --trained reads of train.py's folder
 NEAR_TIE = 1e-3   # logits: compiled kernels sum in another order, so a tie this close may break either way
 
 
@@ -73,8 +79,8 @@ def measured(device, fn):
 
 class Check:
     """What the parts share: the flags, device and prompts, one Bench per way of decoding, and the
-    target and drafters part a trains (loaded on first use, so a part after a failed part a fails
-    by itself, naming the missing checkpoint)."""
+    target and drafters (part a's, or with --trained train.py's; loaded on first use, so a part
+    after a failed part a fails by itself, naming the missing checkpoint)."""
 
     def __init__(self, args, device, prompts, val):
         self.args, self.device, self.cuda = args, device, torch.device(device).type == 'cuda'
@@ -83,22 +89,37 @@ class Check:
         self.compiled = Bench(with_(args, compile=True), device, prompts, val, self.f32)
         self.eager_bf16 = Bench(with_(args, compile=False), device, prompts, val, self.bf16)
 
+    def path(self, name):
+        return os.path.join(self.args.trained or self.args.ckpt_dir, name)
+
     @functools.cached_property
     def base(self):
-        return load_target(os.path.join(self.args.ckpt_dir, 'ckpt.pt'), self.device)
+        return load_target(self.path('ckpt.pt'), self.device)
+
+    @functools.cached_property
+    def drafters(self):
+        """(heads, K = 1, K = 4, the temperature the DBlast drafters were trained at, their k)."""
+        if self.args.trained:
+            heads, k4, k1 = (load_drafter(self.path(n), self.base) for n in TRAINED[1:])
+            T = load_checkpoint(self.path(TRAINED[2]))['temperature']
+        else:
+            T = 1.0
+            heads = load_drafter(self.path(f"heads{heads_tag(False, True)}.pt"), self.base)
+            k4, k1 = (load_drafter(self.path(f"dblast_K{K}{dblast_tag(T, loss)}.pt"), self.base)
+                      for K, loss in ((4, 'al'), (1, 'nll')))
+        return heads, k1, k4, T, k4.k
 
     @functools.cached_property
     def configs(self):   # name -> decode_all's arguments
-        ck = self.args.ckpt_dir
-        heads = load_drafter(os.path.join(ck, f"heads{heads_tag(False, True)}.pt"), self.base)
-        dblast = load_drafter(os.path.join(ck, f"dblast_K4{dblast_tag(1.0, 'al')}.pt"), self.base)
-        return {PLAIN: {}, HEADS: dict(drafter=heads, k=8),
-                SAMPLED: dict(drafter=dblast, k=self.args.dblast_k, temperature=1.0)}
+        heads, _, k4, T, k = self.drafters
+        return {PLAIN: {}, HEADS: dict(drafter=heads, k=8), SAMPLED: dict(drafter=k4, k=k, temperature=T)}
 
 
 def part_train(c, compile=False):
     """a / b: every stage the speed table needs, one train.main call each, fresh (a check measures
     training, so nothing is resumed): its seconds and peak memory. b: with --compile, elsewhere."""
+    if c.args.trained:
+        return dict(skipped=f"trained by train.py: its checkpoints in {c.args.trained} (--trained)")
     if compile and c.args.quick and not c.cuda:
         return dict(skipped="inductor's C++ compile of four training steps takes minutes on a CPU (24 s for "
                             "one, cold, on the README's 2-core AMD EPYC); run it on CUDA, or without --quick")
@@ -119,23 +140,29 @@ def compile_counts():
 
 def part_recompiles(c):
     """c: compiled decoding with dynamo's recompile and CUDA-graph logs on: after a warm-up call (it
-    compiles, unless part h did already), the same call again must compile no new graph and, on CUDA, no CUDA graph may be
-    skipped (a skipped one runs the step without graphs, silently slower)."""
-    rows = []
+    compiles and captures, unless part h did already), the same call again must compile no new
+    graph, capture no new CUDA graph and, on CUDA, skip none (a skipped one runs without graphs,
+    silently slower)."""
+    rows, captures, real_capture = [], [0], runner.capture
+
+    def counted(*a, **kw):
+        captures[0] += 1
+        return real_capture(*a, **kw)
     torch._logging.set_logs(recompiles=True, cudagraphs=True)
     try:
-        for name, kw in c.configs.items():
-            before = compile_counts()
-            c.compiled.decode_all(c.base, **kw)
-            warm = compile_counts()
-            c.compiled.decode_all(c.base, **kw)
-            after = compile_counts()
-            rows.append(dict(config=name, warmup_graphs=warm[0] - before[0], new_graphs=after[0] - warm[0],
-                             cudagraph_skips=after[1] - before[1]))
+        with mock.patch.object(runner, 'capture', counted):
+            for name, kw in c.configs.items():
+                before = compile_counts() + (captures[0],)
+                c.compiled.decode_all(c.base, **kw)
+                warm = compile_counts() + (captures[0],)
+                c.compiled.decode_all(c.base, **kw)
+                after = compile_counts() + (captures[0],)
+                rows.append(dict(config=name, warmup_graphs=warm[0] - before[0], new_graphs=after[0] - warm[0],
+                                 new_captures=after[2] - warm[2], cudagraph_skips=after[1] - before[1]))
     finally:   # the user's own settings again (TORCH_LOGS), not the defaults
         torch._logging.set_logs()
         torch._logging._init_logs()
-    return dict(ok=all(r['new_graphs'] == 0 and r['cudagraph_skips'] == 0 for r in rows), rows=rows)
+    return dict(ok=all(r['new_graphs'] == r['new_captures'] == r['cudagraph_skips'] == 0 for r in rows), rows=rows)
 
 
 def part_compiled_tokens(c):
@@ -150,13 +177,13 @@ def part_compiled_tokens(c):
 
 
 @torch.no_grad()
-def divergence_gaps(model, a, b, T0):
+def divergence_gaps(target, a, b, T0):
     """For each row where a and b differ after the prompt: the gap between the target's logits of
     their two tokens at the first position they differ."""
     gaps = []
     for row in (a[:, T0:] != b[:, T0:]).any(-1).nonzero().flatten().tolist():
         j = T0 + int((a[row, T0:] != b[row, T0:]).nonzero()[0])
-        logits = model(a[row:row + 1, :j])[0][0, -1].float()
+        logits = target(a[row:row + 1, :j])[0][0, -1].float()
         gaps.append(abs(float(logits[a[row, j]] - logits[b[row, j]])))
     return gaps
 
@@ -174,10 +201,10 @@ def part_seeds(c):
 
 @contextmanager
 def steps_in_sync_debug():
-    """While inside, every decode.merged_step runs under torch.cuda.set_sync_debug_mode('error'):
-    only the step, since generate's loop syncs now and then by design (how far is the slowest row?).
-    Yields a list holding the number of steps run."""
-    step, calls = decode.merged_step, [0]
+    """While inside, every decode.advance (a merged step and the loop's bookkeeping) runs under
+    torch.cuda.set_sync_debug_mode('error'): only the step, since generate's loop syncs now and then
+    by design (how far is the slowest row?). Yields a list holding the number of steps run."""
+    step, calls = decode.advance, [0]
 
     def guarded(*a, **kw):
         before = torch.cuda.get_sync_debug_mode()
@@ -187,7 +214,7 @@ def steps_in_sync_debug():
             return step(*a, **kw)
         finally:
             torch.cuda.set_sync_debug_mode(before)
-    with mock.patch.object(decode, 'merged_step', guarded):
+    with mock.patch.object(decode, 'advance', guarded):
         yield calls
 
 
@@ -230,7 +257,7 @@ def part_speed(c):
     for b in (c.eager, c.compiled, c.eager_bf16):
         res = {}
         with b.precision:
-            speed_table(b, c.base, b.args, res)
+            speed_table(b, c.base, b.args, res, drafters=c.drafters[:4])
         tables[f"{res['speed']['mode']}, {res['speed']['precision']}"] = res['speed']
     return dict(ok=True, tables=tables)
 
@@ -253,6 +280,67 @@ def part_host_syncs(c):
     return dict(ok=True, rows=rows)
 
 
+def part_calls(c):
+    """j: what a target call costs, on the check's target: for each way of running the steps
+    (measure.ways_of_calling: eager, compiled one step a host call, compiled in units, and on CUDA
+    the eager step captured by hand and torch.compile's CUDA graphs), plain greedy and BPD heads at
+    k = 8, the prompts one at a time: wall time per call (CUDA-synchronised; the best of --repeats
+    runs), the first call's seconds (compiling and capturing), and on CUDA the GPU's busy time,
+    kernels and launches per call (the profiler), and the GPU time of a step of the captured
+    unit replayed back to back (CUDA events; graph_us)."""
+    rows = []
+    for way, (compile, setting) in ways_of_calling(c.device).items():
+        for name in (PLAIN, HEADS):
+            kw = c.configs[name]
+            with runner_settings(c.device, **setting):
+                t0 = time.perf_counter()
+                c.eager.decode_all(c.base, compile=compile, **kw)
+                sync(c.device)
+                first = time.perf_counter() - t0
+                r = call_costs(lambda: c.eager.decode_all(c.base, compile=compile, **kw), c.device,
+                               max(2, c.args.repeats))
+                if c.cuda and compile and setting.get('mode') is None:
+                    r['graph_us'] = replayed_step_us(c.base, kw.get('k') or 1, runner.UNIT['cuda'])
+            rows.append(dict(way=way, config=name, first_call_s=first, **r))
+    return dict(ok=True, rows=rows, attention=attention_kernels(c) if c.cuda else None)
+
+
+def attention_kernels(c):
+    """The cached attention's kernels, plain greedy and BPD k = 8 (the eager step captured by hand:
+    no compile, the GPU's time alone): the project's manual attention (model.cached_attention)
+    against torch's fused F.scaled_dot_product_attention over the same mask."""
+    def fused(q, K, V, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+    rows = []
+    for name, attend in (('manual (model.cached_attention)', model.cached_attention),
+                         ('fused (F.scaled_dot_product_attention)', fused)):
+        for config in (PLAIN, HEADS):
+            c.base.__dict__.pop('_static_loops', None)     # recapture: a graph holds the kernels it recorded
+            with runner_settings(c.device, mode='captured-eager'), mock.patch.object(model, 'cached_attention', attend):
+                r = call_costs(lambda: c.eager.decode_all(c.base, compile=True, **c.configs[config]), c.device, 2)
+            rows.append(dict(attention=name, config=config, **r))
+    c.base.__dict__.pop('_static_loops', None)
+    return rows
+
+
+def replayed_step_us(target, k, unit, replays=20):
+    """The GPU's own time for one step: the last captured unit of `unit` steps of the loop at block
+    size k, replayed back to back (CUDA events; nothing of the host between the replays). Its
+    decode has ended, so every step it runs is one no row needs: it commits nothing."""
+    graphs = [kept[('steps', unit)] for key, kept in target.__dict__.get('_static_loops', {}).items()
+              if key[0][0] == k and ('steps', unit) in kept]
+    if not graphs:
+        return None
+    graph, start, end = graphs[-1], torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (replays * unit)
+
+
 # key -> (title, part, time limit in seconds). The limits are about twice the README's estimate
 # of each part on one H200, cold: a part past its limit fails, and the next one runs.
 PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 150),
@@ -263,26 +351,26 @@ PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 1
          'f': ('no host sync inside an eager step, float32 and bfloat16 (CUDA)', part_sync_debug, 60),
          'g': ('memory decoding adds (CUDA)', part_decode_memory, 60),
          'h': ('speed tables: eager and compiled float32, eager bfloat16', part_speed, 200),
-         'i': ("the loop's host syncs: as they are against one every step", part_host_syncs, 60)}
-PART_ORDER = 'a,h,c,d,e,f,g,i'   # the speed figures early; b (compiled training, the slowest) when asked
+         'i': ("the loop's host syncs: as they are against one every step", part_host_syncs, 60),
+         'j': ("what a target call costs, each way of running the steps", part_calls, 240)}
+PART_ORDER = 'a,h,j,c,d,e,f,g,i'   # the speed figures early; b (compiled training, the slowest) when asked
 
 
 def gpu_check(args, device, prompts, val):
     intra_op_threads(args.threads, small=True)   # the GPU preset's model (10.75M) decodes small on a CPU
     c = Check(args, device, prompts, val)
-    saved = dict(decode._COMPILED)
-    backend = 'inductor' + (', CUDA graphs' if c.cuda else '')
+    saved = runner.BACKEND
+    backend = ('inductor, the compiled step captured by hand as CUDA graphs of up to '
+               f"{runner.UNIT['cuda']} steps" if c.cuda else f"inductor, units of {runner.UNIT['cpu']} steps")
     if args.quick and not c.cuda:   # inductor's C++ codegen would cost seconds per graph on a small CPU
-        decode.compiled_step('cpu')   # dynamo's cache limit raised, as for the real one
-        decode._COMPILED['cpu'] = torch.compile(decode.merged_step, backend='aot_eager', dynamic=False)
+        runner.BACKEND = 'aot_eager'
         backend = "aot_eager (CPU under --quick: dynamo's graphs, guards and recompiles, no codegen)"
     report = dict(meta=meta(args, device, 'float32; bfloat16 autocast where a part says so'),
-                  compiled_decoding=backend)
+                  compiled_decoding=backend, trained=args.trained)
     try:
         run_parts(c, [(key, *PARTS[key]) for key in args.parts], report, os.path.join(args.out, 'gpu_check.json'))
     finally:   # this process may decode compiled again (the tests do)
-        decode._COMPILED.clear()
-        decode._COMPILED.update(saved)
+        runner.BACKEND = saved
 
 
 class PartTimeout(Exception):
@@ -372,6 +460,8 @@ def main(argv=None):
     ap.add_argument('--quick', action='store_true', help='tiny sizes, seconds on a CPU')
     ap.add_argument('--parts', default=PART_ORDER, help=f"which parts, in which order, from {','.join(PARTS)} "
                                                         f"(default {PART_ORDER}; b, compiled training, when asked)")
+    ap.add_argument('--trained', default=None, metavar='DIR',
+                    help=f"check train.py's checkpoints in DIR ({', '.join(TRAINED)}) instead of training in part a")
     common_flags(ap, 'bench/gpu')
     args = ap.parse_args(argv)
     args.command = command_line('gpu_check.py', argv)
@@ -381,6 +471,11 @@ def main(argv=None):
     pick_dtype('bfloat16', device)               # part h decodes in bfloat16 too
     for _, argv in trainings(args):              # part b's flags
         train.parse_args(argv + ['--compile'])
+    if args.trained:
+        missing = [n for n in TRAINED if not os.path.isfile(os.path.join(args.trained, n))]
+        if missing:
+            raise BadInput(f"--trained {args.trained}: no {missing[0]} there; want the folder of a finished "
+                           f"`python train.py` ({', '.join(TRAINED)})")
     prompts, val = prepare(args, device)
     check_out_dir(compiled_dir(args), '--ckpt-dir (+ _compiled)')
     gpu_check(args, device, prompts, val)

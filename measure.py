@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import decode
+import runner
 import train
 from data import PROMPT_LEN, BadInput, check_out_dir, heldout_prompts, load_dataset, newline_id, write_atomically
 from dblast import expected_tau
 from decode import generate, merged_stats
-from model import GPT, KVCache
+from model import GPT, GPTConfig, KVCache
 
 
 # ----------------------------------------------------------------------------- flags and folders
@@ -273,6 +274,80 @@ def step_times(events, cuda):
         if ev.key.startswith('step.') and ev.device_type == torch.autograd.DeviceType.CPU:
             split[ev.key[5:]] = ev.device_time_total if cuda and ev.key != 'step.host_sync' else ev.cpu_time_total
     return split
+
+
+# ----------------------------------------------------------------------------- what a target call costs
+
+# A target that computes next to nothing (1 layer, width 16, bytes): its time per call is the host's
+# cost of a call, which the GPU preset's target pays on a GPU too (README, "One GPU")
+TINY_TARGET = GPTConfig(block_size=512, vocab_size=256, n_layer=1, n_head=2, n_embd=16)
+# what the profiler names a host's launch of work on the GPU: a kernel, a copy or fill, a graph's replay
+LAUNCHES = ('cudaLaunchKernel', 'cudaLaunchKernelExC', 'cuLaunchKernel', 'cuLaunchKernelEx', 'cudaGraphLaunch',
+            'cudaMemcpyAsync', 'cudaMemsetAsync')
+
+
+def ways_of_calling(device):
+    """The ways a decoding step can be run, for the 'calls' table: name -> (compile, the runner's
+    settings for runner_settings). Eager; compiled with one step a host call; compiled in units of
+    runner.UNIT steps (generate(compile=True)); on CUDA also the unit as the eager step captured by
+    hand, and as torch.compile's own CUDA graphs."""
+    unit = runner.UNIT[torch.device(device).type]
+    ways = {'eager': (False, {}), 'compiled, 1 step a host call': (True, dict(unit=1)),
+            f'compiled, {unit} steps a host call': (True, {})}
+    if torch.device(device).type == 'cuda':
+        ways[f'eager step captured by hand, {unit} steps a host call'] = (True, dict(mode='captured-eager'))
+        # its unit is unrolled into one graph: compiling 16 steps takes 16 times one step's
+        ways["torch.compile's CUDA graphs, 4 steps a host call"] = (True, dict(mode='reduce-overhead', unit=4))
+    return ways
+
+
+@contextmanager
+def runner_settings(device, unit=None, mode=None):
+    """While inside, runner.py runs `unit` steps a host call on `device`'s kind, and CUDA units
+    as `mode` (runner.CUDA_MODE)."""
+    with ExitStack() as stack:
+        if unit is not None:
+            stack.enter_context(mock.patch.dict(runner.UNIT, {torch.device(device).type: unit}))
+        if mode is not None:
+            stack.enter_context(mock.patch.object(runner, 'CUDA_MODE', mode))
+        yield
+
+
+def call_costs(decode_once, device, repeats):
+    """What one target call costs while decode_once() (-> generate's output and stats) decodes: the
+    wall time per call, the best of `repeats` runs after a warm-up (the host's cost, where the
+    device computes next to nothing), and from one profiled run: on CUDA the GPU's busy time per
+    call (its kernels' durations, summed), kernels and host launches per call (a CUDA graph's replay
+    is one launch) and the kernels that take the most of it (top_kernels: name, us per call); on a CPU the operations per call (top-level aten operators, and inductor's
+    kernels where it compiled with their profiling on)."""
+    cuda = torch.device(device).type == 'cuda'
+    decode_once()
+    best = float('inf')
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        _, stats = decode_once()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    calls = stats['calls']
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        decode_once()
+        sync(device)
+    events = prof.events()
+    r = dict(us_per_call=best / calls * 1e6, tokens_per_s=stats['tokens'] / best, calls=calls, tau=stats['mean_tau'])
+    if cuda:
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        by_name = {}
+        for e in kernels:
+            by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us() / calls
+        r.update(gpu_busy_us_per_call=sum(by_name.values()), kernels_per_call=len(kernels) / calls,
+                 launches_per_call=sum(e.name in LAUNCHES for e in events) / calls,
+                 top_kernels=[(n[:90], us) for n, us in sorted(by_name.items(), key=lambda x: -x[1])[:8]])
+    else:
+        top = [e for e in events if e.name.startswith('graph_') or (
+            e.name.startswith('aten::') and not (e.cpu_parent and e.cpu_parent.name.startswith('aten::')))]
+        r['ops_per_call'] = len(top) / calls
+    return r
 
 
 # ----------------------------------------------------------------------------- what a run writes

@@ -38,6 +38,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
+import runner
 from data import (DEMO_PROMPTS, DTYPES, PROMPT_LEN, ArgumentParser, BadInput, Precision, Vocab, check_finite,
                   check_fits, check_number, check_out_dir, check_replaceable, decoding_precision, first_line,
                   heldout_prompts, intra_op_threads, is_whole, load_checkpoint, load_dataset, newline_id, pick_device,
@@ -63,9 +64,13 @@ PRESETS = {
                   lr=3e-3, warmup_iters=40, eval_interval=200, eval_iters=10,
                   heads_iters=150, heads_lr=1e-3, distill_samples=64, dblast_iters=400, dblast_samples=128,
                   dblast_eval_samples=16),
+    # one H100/H200-class GPU: the whole run in under 5 minutes. On one H200 a heads step (frozen
+    # target, its states made once) took 3.6 ms and a DBlast step 6.4 ms (K = 4) and 4.3 ms (K = 1),
+    # so the drafters get minutes: the heads 12,000 steps at the CPU preset's better learning rate
+    # (1,500 at 1e-3 reached tau 3.13 at k = 8)
     'gpu': dict(n_layer=6, n_head=6, n_embd=384, block_size=512, batch_size=64, max_iters=3000,
                 lr=1e-3, warmup_iters=200, eval_interval=500, eval_iters=50,
-                heads_iters=1500, heads_lr=1e-3, distill_samples=4096, dblast_iters=3000, dblast_samples=4096,
+                heads_iters=12000, heads_lr=3e-3, distill_samples=4096, dblast_iters=4000, dblast_samples=4096,
                 dblast_eval_samples=64),
 }
 
@@ -136,16 +141,34 @@ class Runtime:
 
 # A bar redraws itself with '\r' at every update: on a terminal that is one line, in a file or a
 # pipe every update stays (hundreds a stage). Away from a terminal a bar is drawn at its start, at
-# most once a minute after that, and at its end.
-FILE_BAR_SECONDS = 60
+# most every FILE_BAR_SECONDS after that, and at its end, each time on a line of its own.
+FILE_BAR_SECONDS = 15
+
+
+class Lines:
+    """A bar's stream away from a terminal. tqdm redraws with '\r' and ends the line only when the
+    bar closes: in a log file a whole stage is one line, which `tail` and log viewers show only at
+    its end (its first draw, 0%, until then). Here each redraw is a line of its own, and the blank
+    redraws tqdm makes to clear a bar before a message are left out."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        for line in text.replace('\r', '\n').split('\n'):
+            if line.strip():
+                self.stream.write(line.rstrip() + '\n')
+
+    def flush(self):
+        self.stream.flush()
 
 
 def progress(iterable, **kw):
-    """tqdm, readable in a log file too: as it is on a terminal; elsewhere (stderr not a tty) an
-    update at most every FILE_BAR_SECONDS seconds, without resizing to a terminal's width."""
-    tty = sys.stderr.isatty()
-    return tqdm(iterable, dynamic_ncols=tty, **({} if tty else dict(mininterval=FILE_BAR_SECONDS,
-                                                                      maxinterval=FILE_BAR_SECONDS)), **kw)
+    """tqdm, readable in a log file too: as it is on a terminal; elsewhere (stderr not a tty) a line
+    at most every FILE_BAR_SECONDS seconds (Lines), without resizing to a terminal's width."""
+    if sys.stderr.isatty():
+        return tqdm(iterable, dynamic_ncols=True, **kw)
+    return tqdm(iterable, file=Lines(sys.stderr), mininterval=FILE_BAR_SECONDS, maxinterval=FILE_BAR_SECONDS, **kw)
 
 
 def lr_at(it, lr, warmup, total):
@@ -578,15 +601,16 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
 
 # ----------------------------------------------------------------------------- demos
 
-def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print, paths=1, threads='auto'):
+def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print, paths=1, threads='auto',
+         compile=False):
     """tau and wall-clock speedup over plain decoding of the same model and prompts, one request
-    at a time (latency, as the papers measure it), timed in the same run; under greedy decoding,
-    how many tokens equal plain greedy's. threads: generate()'s (default: the scripts' choice for
-    decoding). Returns the outputs."""
+    at a time (latency, as the papers measure it), timed in the same run after a warm-up of both
+    (it compiles, with compile=True); under greedy decoding, how many tokens equal plain greedy's.
+    threads: generate()'s (default: the scripts' choice for decoding). Returns the outputs."""
     def run(**extra):  # -> outputs, stats of every prompt, seconds in all
         g = torch.Generator(device=prompts.device).manual_seed(0)
-        runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, threads=threads, **extra)
-                for p in prompts]
+        runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, threads=threads,
+                               compile=compile, **extra) for p in prompts]
         return torch.cat([r[0] for r in runs]), [r[1] for r in runs], sum(r[2] for r in runs)
     run(drafter=drafter, k=k, paths=paths)  # warm-up, both ways
     run()
@@ -603,31 +627,38 @@ def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print,
 DEMO_PATHS = 4   # paths per call in train.py's closing demo of several paths (bench.py's paths table)
 
 
-def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print, threads='auto'):
+def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print, threads='auto',
+                  compile=False):
     """train.py's closing demos on held-out prompts: BPD heads against plain greedy, then each
     (label, drafter) of `dblast` against plain sampling at `temperature`, then the first of them
-    with DEMO_PATHS i.i.d. paths per call (MATH.md §9). threads: generate()'s."""
+    with DEMO_PATHS i.i.d. paths per call (MATH.md §9). threads, compile: generate()'s."""
     max_new = min(128, model.config.block_size - prompts.size(1) - max(k, dblast_k))
+    if compile:
+        log("\n(decoding compiled, plain decoding too: the step compiled, several steps a host call"
+            + (f", replayed as CUDA graphs of up to {runner.UNIT['cuda']} steps: the fastest way here"
+               if prompts.is_cuda else "") + ")")
     if heads is not None:
         log("\n=== blockwise parallel decoding, held-out prompts, greedy")
-        out = demo(model, prompts, heads, k, 0.0, "BPD heads", max_new, log, threads=threads)
+        out = demo(model, prompts, heads, k, 0.0, "BPD heads", max_new, log, threads=threads, compile=compile)
         log(f"--- sample ---\n{vocab.decode(out[0].tolist())}\n--------------")
     if dblast:
         log(f"\n=== speculative sampling at T={temperature}, held-out prompts: the dependent drafter "
             f"against the independent one (sampled drafts, mixture verification)")
     for label, drafter in dblast:
-        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, threads=threads)
+        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, threads=threads, compile=compile)
     for label, drafter in dblast[:1]:
         try:
             demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, paths=DEMO_PATHS,
-                 threads=threads)
+                 threads=threads, compile=compile)
         except NotImplementedError as e:   # a handout leaves several paths per call out (exercise 8's answer)
             log(f"{label}, {DEMO_PATHS} paths: skipped, {e}")
 
 
 def run_demos(rt, args, model, heads, ds, vocab):
     """closing_demos on DEMO_PROMPTS held-out prompts, with the drafters this run trained, decoding in
-    --threads if given, else the scripts' choice for decoding (generate's threads='auto')."""
+    --threads if given, else the scripts' choice for decoding (generate's threads='auto'). On CUDA
+    compiled (runner.py: CUDA graphs of several steps, the fastest way the project has there, what
+    a GPU user runs); elsewhere eager, the default (compiling costs more than the demo decodes)."""
     prompts = heldout_prompts(ds.val, DEMO_PROMPTS, PROMPT_LEN, newline_id(vocab)).to(rt.device)   # as heldout_prompts_of
     drafters = dblast_drafters(args)
     dblast = []
@@ -636,7 +667,7 @@ def run_demos(rt, args, model, heads, ds, vocab):
                    load_drafter(dblast_path(args, K), model)) for K, loss in drafters]
     with decoding_precision('float32', rt.device):
         closing_demos(model, prompts, vocab, heads, args.k, dblast, args.dblast_k, args.temperature, rt.print,
-                      threads=args.threads or 'auto')
+                      threads=args.threads or 'auto', compile=rt.kind == 'cuda')
 
 
 # ----------------------------------------------------------------------------- arguments

@@ -1,5 +1,6 @@
-"""The merged step is fit for CUDA graphs: it makes no host sync, traces as one graph, and the
-compiled step gives the eager step's output (greedy and sampled).
+"""A step of the loop (decode.advance: the merged step and the loop's bookkeeping) is fit for CUDA
+graphs: it makes no host sync, traces as one graph, and the compiled loop gives the eager loop's
+output (greedy and sampled). How the runner groups steps into units is tests/test_runner.py's.
 
 What needs no GPU runs on the CPU: a dispatch-level detector of host syncs, a full-graph trace, and
 compiled-vs-eager equality. On CUDA the sync test also runs under
@@ -11,8 +12,9 @@ import pytest
 import torch
 
 import decode
+import runner
 from dblast import DBlastDrafter
-from decode import generate, merged_step, parse_accept, sample
+from decode import Decoding, advance, generate, parse_accept, sample
 from exercises.harness import HostSyncs   # the host-sync detector the exercises' checks use too
 from heads import BlockHeads
 from model import GPT, GPTConfig
@@ -43,17 +45,16 @@ def setup(kind, temperature):
 
 
 @torch.no_grad()
-def first_block(model, drafter, B, k, temperature, g, paths=1):
-    """A prefilled cache and the first pending block, as generate() leaves them before step 1."""
+def first_state(model, drafter, B, k, temperature, g, paths=1):
+    """A prefilled cache and the loop's state, as generate() leaves them before step 1, with room
+    for 40 more tokens a row."""
     prompt = torch.randint(64, (B, 8), device=DEV, generator=g)
-    cache = model.new_cache(B, 64)
-    h = model.forward_cached(prompt, cache)[:, -1]
-    cache.commit(8)
-    bonus = sample(torch.softmax(model.lm_head(h), -1), g)
-    if drafter is None:
-        return cache, bonus[:, None], None
-    drafts, q = decode.propose(drafter, h, bonus, model, k, paths, temperature, g)
-    return cache, torch.cat([bonus[:, None], drafts], 1), q
+    cache = model.new_cache(B, 64 + paths * k)
+    block, q = decode.first_block(model, drafter, cache, prompt, temperature, g, paths, k)
+    d = Decoding.like(block, q, 64, 40)
+    d.restart(block, q, prompt)
+    d.total.fill_(48)
+    return cache, d
 
 
 STEP_CASES = [(None, 0.0, 'exact'), ('heads', 0.0, 'exact'), ('heads', 0.0, 'topk:2'), ('heads', 0.0, 'minblock:2'),
@@ -67,24 +68,23 @@ STEP_CASES += [('heads', 0.0, 'topk:2', 3), ('heads-sampled', 1.0, 'exact', 2), 
 
 
 @torch.no_grad()
-def run_steps(kind, temperature, accept, paths=1, context=nullcontext, step=merged_step, n_steps=5, generator=True):
-    """n_steps merged steps on 3 rows (the last one inactive), inside `context`."""
+def run_steps(kind, temperature, accept, paths=1, context=nullcontext, step=advance, n_steps=5, generator=True):
+    """n_steps steps of the loop on 3 rows, the last one done (it takes no part), inside `context`."""
     model, drafter = setup(kind, temperature)
     g = torch.Generator(device=DEV).manual_seed(0)
     k = 1 if drafter is None else 4
-    cache, block, q = first_block(model, drafter, 3, k, temperature, g, paths)
-    active = torch.tensor([True, True, False], device=DEV)
+    cache, d = first_state(model, drafter, 3, k, temperature, g, paths)
+    d.n_out[2] = 48
     rule = parse_accept(accept, model.config.vocab_size)
     with context():
         for _ in range(n_steps):
-            n_acc, kept, block, q = step(model, drafter, cache, block, q, active, temperature, rule,
-                                         g if generator else None, paths)
+            step(model, drafter, cache, d, temperature, rule, g if generator else None, paths)
     return cache
 
 
 @pytest.mark.second_process
 @pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
-def test_merged_step_makes_no_host_sync(kind, temperature, accept, paths):
+def test_a_step_makes_no_host_sync(kind, temperature, accept, paths):
     detector = HostSyncs()
     cache = run_steps(kind, temperature, accept, paths, context=lambda: detector)
     assert detector.seen == []
@@ -104,11 +104,12 @@ def test_host_sync_detector_catches_syncs():
 @pytest.mark.second_process
 @pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
 @pytest.mark.slow
-def test_merged_step_traces_as_one_graph(kind, temperature, accept, paths):
-    """fullgraph=True raises at any graph break: a .item(), a data-dependent branch or shape, or
-    a torch.Generator argument (why the compiled step draws from the global RNG)."""
+def test_a_step_traces_as_one_graph(kind, temperature, accept, paths):
+    """fullgraph=True raises at any graph break: a .item(), a data-dependent branch or shape (a
+    step indexed by a 0-dim tensor reads it), or a torch.Generator argument (why the compiled loop
+    draws from the global RNG)."""
     torch._dynamo.reset()
-    step = torch.compile(merged_step, fullgraph=True, backend='eager', dynamic=False)
+    step = torch.compile(advance, fullgraph=True, backend='eager', dynamic=False)
     run_steps(kind, temperature, accept, paths, n_steps=2, step=step, generator=False)
 
 
@@ -125,7 +126,7 @@ class SyncDebug:
 
 @cuda
 @pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
-def test_merged_step_does_not_sync_on_cuda(kind, temperature, accept, paths):
+def test_a_step_does_not_sync_on_cuda(kind, temperature, accept, paths):
     cache = run_steps(kind, temperature, accept, paths, context=SyncDebug)
     assert min(cache.lengths.tolist()[:2]) >= 8 + 5
 
@@ -134,12 +135,12 @@ def test_merged_step_does_not_sync_on_cuda(kind, temperature, accept, paths):
 def traced_only(monkeypatch):
     """On the CPU, generate(compile=True) through dynamo's tracing and AOT autograd's
     functionalization (what turns the writes into the static cache into graph mutations) without
-    code generation: a second or two instead of inductor's C++ compile per graph (14 to 21 s cold for
-    this step on the README's 2-core AMD EPYC). On CUDA the real step, CUDA graphs and all.
+    code generation: seconds instead of inductor's C++ compile per graph (20 s cold for a unit of 4
+    steps on the README's 2-core Xeon). On CUDA the real step, CUDA graphs and all.
     test_compiled_generate_matches_eager runs inductor on the CPU."""
     if DEV == 'cpu':
         torch._dynamo.reset()
-        monkeypatch.setitem(decode._COMPILED, DEV, torch.compile(merged_step, backend='aot_eager', dynamic=False))
+        monkeypatch.setattr(runner, 'BACKEND', 'aot_eager')
 
 
 @pytest.mark.second_process
@@ -192,11 +193,11 @@ def test_compiled_sampling_seeded_by_generator(traced_only):
 @pytest.mark.second_process
 @pytest.mark.slow
 def test_generate_keeps_the_generator_out_of_the_compiled_step(monkeypatch):
-    """generate(compile=True, generator=g) must not hand g to the compiled step: every draw from
+    """generate(compile=True, generator=g) must not hand g to the compiled steps: every draw from
     it would split the graph (a full-graph compile raises)."""
     torch._dynamo.reset()
-    strict = torch.compile(merged_step, fullgraph=True, backend='eager', dynamic=False)
-    monkeypatch.setitem(decode._COMPILED, torch.device(DEV).type, strict)
+    monkeypatch.setattr(runner, 'compiled', lambda fn, mode=None: torch.compile(fn, fullgraph=True, backend='eager',
+                                                                                   dynamic=False))
     model, drafter = setup('dblast', 1.0)
     prompt = torch.randint(64, (2, 8), device=DEV)
     generate(model, prompt, 20, drafter=drafter, k=4, temperature=1.0, compile=True,
@@ -230,9 +231,8 @@ def test_a_sweep_stays_compiled(monkeypatch):
     """bench.py's sweep needs more graphs than dynamo's default limit of 8; past the limit the step
     would quietly run eager. Traced with the eager backend (no code generation: fast), with the
     limit made a hard failure."""
-    real_compile = torch.compile
-    monkeypatch.setattr(torch, 'compile', lambda fn, **kw: real_compile(fn, backend='eager', dynamic=False))
-    monkeypatch.setattr(decode, '_COMPILED', {})
+    monkeypatch.setattr(runner, 'BACKEND', 'eager')
+    monkeypatch.setitem(runner.UNIT, 'cpu', 2)   # the graphs counted, not the unit: 2 steps trace in half the time
     monkeypatch.setattr(torch._dynamo.config, 'fail_on_recompile_limit_hit', True)
     torch._dynamo.reset()
     model, _ = setup(None, 0.0)
@@ -268,7 +268,7 @@ def test_each_configuration_compiles_one_graph_and_writes_the_cache_in_place(tra
         assert graphs == [1, 0], (kind, paths, graphs)
     graphs = []
     torch._dynamo.reset()
-    cache = decode.static_cache(model, 1, 4)
+    cache = runner.static_cache(model, 1, 4)
     write = torch.compile(lambda c, k, v, pos: c.write(0, k, v, pos), fullgraph=True,
                           backend=lambda gm, inputs: graphs.append(gm) or gm.forward)
     kv = torch.randn(1, 2, 3, 16, dtype=torch.float64, device=DEV)

@@ -23,7 +23,8 @@ from data import BadInput, save_checkpoint
 from data import Precision, pick_dtype
 import decode
 from dblast import DBlastDrafter
-from decode import generate, load_drafter, merged_step, static_cache
+from decode import generate, load_drafter, merged_step
+from runner import static_cache
 from heads import BlockHeads
 from model import GPT, GPTConfig
 

@@ -11,6 +11,7 @@ import torch
 
 import dblast
 import decode
+import runner
 from conftest import ROOT, V8, V8_PROMPT, naive_greedy, peaky, tiny_model
 from decode import generate, tree_layout, tree_nodes, tree_walk, verify_tree_greedy
 from exercises.harness import GreedyOracle
@@ -105,16 +106,16 @@ def test_greedy_paths_decode_exactly_greedy_and_commit_the_longest(N, monkeypatc
 N_ROWS = 5000
 
 
-def counts_of(model, drafter, temperature, paths, n_rows=N_ROWS, seed=0, m=3):
+def counts_of(model, drafter, temperature, paths, n_rows=N_ROWS, seed=0, m=3, compile=False):
     g = torch.Generator().manual_seed(seed)
     out, stats = generate(model, V8_PROMPT.expand(n_rows, -1), m, drafter=drafter, k=4, temperature=temperature,
-                          generator=g, paths=paths)
+                          generator=g, paths=paths, compile=compile)
     codes = (out[:, V8_PROMPT.size(1):] * torch.tensor([V ** (m - 1 - i) for i in range(m)])).sum(-1)
     return torch.bincount(codes, minlength=V ** m).double(), stats
 
 
-def chi2_paths(model, drafter, temperature, paths):
-    counts, stats = counts_of(model, drafter, temperature, paths)
+def chi2_paths(model, drafter, temperature, paths, compile=False):
+    counts, stats = counts_of(model, drafter, temperature, paths, compile=compile)
     return chi_square(counts, continuation_probs(temperature), N_ROWS) + (stats,)
 
 
@@ -145,6 +146,13 @@ def test_several_paths_are_lossless(target8, spec, temperature, paths, paths_fro
     assert stat < crit, f"{spec} x{paths} {paths_from} T={temperature}: chi2 {stat:.1f} >= {crit:.1f}"
     taus = torch.tensor(stats['accept_lengths'])
     assert (taus > 1).any() and (taus < 4).any()
+
+
+def test_several_paths_are_lossless_in_units_of_steps(target8, monkeypatch):
+    """i.i.d. DBlast paths through the compiled loop's units (runner.py, run as Python): lossless."""
+    monkeypatch.setattr(runner, 'compiled', lambda fn, mode=None: fn)
+    stat, crit, stats = chi2_paths(target8, make_drafter('K4-sampled-mixture-zt1'), 1.5, 4, compile=True)
+    assert stat < crit, f"paths in units: chi2 {stat:.1f} >= {crit:.1f}"
 
 
 def test_chi_square_catches_r_not_updated_after_a_rejected_candidate(target8, monkeypatch):

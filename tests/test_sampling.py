@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import dblast
 import decode
+import runner
 from conftest import V8, V8_PROMPT, peaky
 from dblast import DBlastDrafter
 from decode import generate
@@ -84,10 +85,10 @@ def chi_square(counts, probs, n):
     return stat, crit
 
 
-def spec_counts(model, drafter, temperature, n_rows, seed, m=3):
+def spec_counts(model, drafter, temperature, n_rows, seed, m=3, compile=False):
     g = torch.Generator().manual_seed(seed)
     out, stats = generate(model, PROMPT.expand(n_rows, -1), m, drafter=drafter, k=4,
-                          temperature=temperature, generator=g)
+                          temperature=temperature, generator=g, compile=compile)
     codes = (out[:, PROMPT.size(1):] * torch.tensor([V ** (m - 1 - i) for i in range(m)])).sum(-1)
     return torch.bincount(codes, minlength=V ** m).double(), stats
 
@@ -95,8 +96,8 @@ def spec_counts(model, drafter, temperature, n_rows, seed, m=3):
 N_ROWS = 20000   # the controls below show the test's power at this size
 
 
-def chi2_of(model, drafter, temperature, n_rows=N_ROWS, seed=0):
-    counts, stats = spec_counts(model, drafter, temperature, n_rows, seed)
+def chi2_of(model, drafter, temperature, n_rows=N_ROWS, seed=0, compile=False):
+    counts, stats = spec_counts(model, drafter, temperature, n_rows, seed, compile=compile)
     return chi_square(counts, continuation_probs(temperature), n_rows) + (stats,)
 
 
@@ -123,6 +124,30 @@ def test_speculative_sampling_is_lossless(target, spec, temperature):
     # and the drafts were really exercised: some accepted, some rejected
     taus = torch.tensor(stats['accept_lengths'])
     assert (taus > 1).any() and (taus < 4).any()
+
+
+@pytest.fixture
+def units_as_python(monkeypatch):
+    """generate(compile=True) through runner.py's units of steps, its static buffers and its global
+    RNG seeded from the generator, with the units run as Python (no tracing, no compile)."""
+    monkeypatch.setattr(runner, 'compiled', lambda fn, mode=None: fn)
+
+
+@pytest.mark.parametrize('spec,temperature', [('heads-sampled', 1.5), ('K4-sampled-mixture-zt1', 1.5)])
+def test_units_of_several_steps_are_lossless(target, spec, temperature, units_as_python):
+    """The compiled loop's units (4 steps a host call on a CPU: for 3 tokens at k = 4 every unit
+    runs past the last step a row needs) give the target's exact distribution, and the same broken
+    verifier as below is caught through them."""
+    stat, crit, stats = chi2_of(target, make_drafter(spec), temperature, compile=True)
+    assert stat < crit, f"{spec} T={temperature} in units: chi2 {stat:.1f} >= {crit:.1f}"
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus > 1).any() and (taus < 4).any()
+
+
+def test_chi_square_catches_a_broken_verifier_in_units(target, units_as_python, monkeypatch):
+    monkeypatch.setattr(decode, 'residual', lambda p, q, drafts: p)
+    stat, crit, _ = chi2_of(target, make_drafter('heads-sampled'), 1.5, n_rows=N_ROWS // 4, compile=True)
+    assert stat > crit, f"broken verifier passed in units: chi2 {stat:.1f} < {crit:.1f}"
 
 
 @pytest.mark.parametrize('spec', ['heads-sampled', pytest.param('K4-sampled-mixture-zt1', marks=pytest.mark.slow)])

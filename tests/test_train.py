@@ -7,6 +7,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from contextlib import nullcontext
 
@@ -308,14 +309,31 @@ def test_ctrl_c_at_random_moments_of_saving_leaves_nothing_half_written(tmp_path
 
 @pytest.mark.slow
 def test_a_run_into_a_file_writes_few_progress_updates(tmp_path, corpus_file):
-    """stderr not a terminal (a log file): each bar is drawn at its start, at most once a minute,
-    and at its end, not at every update. A 300-step stage writes six carriage returns at most (its
-    start, its end, and three around the line its evaluation prints; drawn at every tenth step, as
-    on a terminal, it wrote 31 or more), and its last state is its last line."""
+    """stderr not a terminal (a log file): each bar is drawn at its start, at most every
+    FILE_BAR_SECONDS, and at its end, not at every update, each draw a line of its own (no '\r'). A
+    300-step stage of a few seconds writes four bar lines at most (drawn at every tenth step, as on
+    a terminal, it wrote 31 or more), and its last state is its last line."""
     code, _, err = cli('train.py', [*TINY, '--data', corpus_file, '--out-dir', tmp_path, '--max-iters', '300'])
     assert code == 0, err[-2000:]
-    assert err.count('\r') <= 6, err
-    assert '300/300' in err.replace('\r', '\n').strip().splitlines()[-1], err
+    bars = [line for line in err.splitlines() if '/300 [' in line]
+    assert '\r' not in err and 2 <= len(bars) <= 4, err
+    assert '300/300' in bars[-1], err
+
+
+def test_a_bar_in_a_file_shows_each_step_it_reached_on_a_line(monkeypatch, capsys):
+    """In a log file the bar's step advances line by line while a stage runs (tqdm alone redraws
+    with '\r' on one line, which a log shows only at the stage's end), and a message printed
+    between two draws leaves no blank line."""
+    monkeypatch.setattr(train, 'FILE_BAR_SECONDS', 0.05)
+    monkeypatch.setattr(sys.stderr, 'isatty', lambda: False)
+    for i in train.progress(range(12), desc='base', total=12):
+        time.sleep(0.02)
+        if i == 6:
+            train.tqdm.write('base step 6: a message')
+    err = capsys.readouterr().err
+    steps = [int(line.split('|')[2].split('/')[0]) for line in err.splitlines() if '/12 [' in line]
+    assert '\r' not in err and all(line.strip() for line in err.splitlines()), err
+    assert len(steps) >= 4 and steps == sorted(steps) and steps[0] == 0 and steps[-1] == 12, err
 
 
 # --------------------------------------------------------------------------- DDP

@@ -1,0 +1,216 @@
+"""
+The runner: what generate(compile=True) adds so that the host does not hold the device back.
+decode.py's loop is the algorithm and reads the same either way; this file is machinery.
+
+A decoding step of this project's targets is a few dozen kernels. On a GPU each runs for a few
+microseconds, and launching it from Python costs more, so a step run op by op leaves the GPU idle
+most of the time (gpu_check's table "where a call's time goes" measures it). Three things take the
+host out of the step:
+
+  static buffers      the KV cache and the loop's state (decode.Decoding) are allocated once per
+                      shape and kept on the model, so every step reads and writes the same
+                      addresses and a graph recorded once stays valid
+  a compiled step     torch.compile (inductor) makes the step one graph of fused kernels
+  several steps a     the loop knows how many steps it needs whatever they accept (decode_loop),
+  host call           so it runs them in units: on CUDA a unit is n calls of the compiled step
+                      captured by hand as one CUDA graph (capture) and replayed with one launch; a
+                      CPU has no graphs to replay, so there UNIT steps are compiled as one graph
+
+The host reads the device once per batch of needed steps (how far the slowest row is) and once at
+the end (the stats). Random draws inside a graph come from the device's global RNG, forked and
+seeded from the caller's generator for the length of one generate() (global_rng_from): a
+torch.Generator handed to a compiled function splits its graph at every draw.
+"""
+import math
+from contextlib import contextmanager
+
+import torch
+
+# Steps per host call: on CUDA, graphs of 1, 2, 4 .. UNIT['cuda'] steps (capture is cheap, so the
+# steps needed are run exactly); on a CPU one compiled unit of UNIT['cpu'] steps (its compile time
+# grows with the unit: on the README's 2-core Xeon 4 steps compiled in 20 s and ran at 65 us a plain
+# step of a tiny target, 8 steps took 98 s for 62 us).
+UNIT = {'cuda': 16, 'cpu': 4}
+# How CUDA runs a unit: 'captured' (the compiled step, captured by hand), 'captured-eager' (the eager
+# step, captured by hand: no compile), or 'reduce-overhead' (torch.compile's own CUDA graphs of the
+# unit). gpu_check.py measures all three; 'captured' was the fastest there (README, "One GPU").
+CUDA_MODE = 'captured'
+
+# torch.compile's backend: None is inductor; the tests trace with 'aot_eager' (dynamo's graphs and
+# AOT autograd's functionalization without code generation: seconds instead of a C++ compile)
+BACKEND = None
+
+
+# ----------------------------------------------------------------------------- compiling
+
+def compiled(fn, mode=None):
+    """fn under torch.compile with static shapes. Each k, temperature, acceptance rule and drafter
+    class is a graph of its own; a sweep such as bench.py's needs a few dozen, past dynamo's default
+    limit of 8, after which it would run eager with no more than a logged warning."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(fn, mode=mode, dynamic=False, **({} if BACKEND is None else dict(backend=BACKEND)))
+
+
+def repeated(step, n):
+    """The unit of n steps: step(*args) n times, unrolled when compiled."""
+    def unit(*args):
+        for _ in range(n):
+            step(*args)
+    return unit
+
+
+# ----------------------------------------------------------------------------- CUDA graphs by hand
+
+@torch.no_grad()
+def capture(fn, n, state, device):
+    """A CUDA graph of n calls of fn(), captured by hand: one replay() launches every kernel of
+    the n calls, with no Python between them. fn reads and writes only tensors whose addresses
+    stay put (the graph replays the same addresses); what it allocates lives in the graph's own
+    memory pool.
+
+    Capture records kernels without running them. Before it fn runs once on a side stream (the
+    first call compiles, autotunes and allocates, none of which a graph can hold); that call
+    changes `state` (the tensors fn mutates), so they are saved first and put back after, and the
+    RNG is forked around it, so the warm-up uses none of the caller's random draws."""
+    saved = [t.clone() for t in state]
+    with torch.random.fork_rng(devices=[device]):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+    for t, s in zip(state, saved):
+        t.copy_(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):     # random draws: the global CUDA generator, registered with it
+        for _ in range(n):
+            fn()
+    return graph
+
+
+def largest_unit():
+    """The most steps one host call runs, on any device: how far past the last needed step a loop
+    can go."""
+    return max(UNIT.values())
+
+
+def units(n, largest):
+    """n steps as units of 1, 2, 4 .. largest steps, largest first (n = 13, largest 8: 8, 4, 1)."""
+    sizes = []
+    for s in (2 ** i for i in range(int(math.log2(largest)), -1, -1)):
+        sizes += [s] * (n // s)
+        n %= s
+    return sizes
+
+
+# ----------------------------------------------------------------------------- the loop, compiled
+
+class Compiled:
+    """generate's loop (decode.decode_loop) on static buffers, compiled, several steps a host call.
+
+    start(prompt, total) runs the prefill and returns the loop's state (decode.Decoding), kept on
+    the model for this configuration; steps(n) runs n more steps: exactly n on CUDA, whole units
+    of UNIT['cpu'] on a CPU (a step that no row needs any more commits nothing: decode.advance).
+
+    prefill(cache, prompt) -> (block, Q) and step(cache, state) are decode's, this call's settings
+    bound; new_state(block, Q) allocates the state. `key` names every setting they bind: the first
+    call with a key keeps them, its compiled functions and its graphs, and later calls with that key
+    reuse them (a graph replays what it recorded). The runner adds to the key the batch, the cache
+    and the addresses of the model's and the drafter's weights (a model moved or reloaded records
+    anew)."""
+
+    def __init__(self, model, drafter, B, room, key, prefill, step, new_state):
+        self.device = model.lm_head.weight.device
+        self.cuda = self.device.type == 'cuda'
+        self.mode = CUDA_MODE if self.cuda else 'cpu'
+        self.unit = UNIT[self.device.type]
+        self.cache = static_cache(model, B, room)
+        weights = tuple(t.data_ptr() for m in (model, drafter) if isinstance(m, torch.nn.Module)
+                        for t in list(m.parameters()) + list(m.buffers()))
+        full = (key, id(drafter), B, self.cache.max_len, weights, self.mode, self.unit, BACKEND)
+        self.kept = kept = model.__dict__.setdefault('_static_loops', {}).setdefault(full, {})
+        if not kept:   # the first call of this configuration: learn its shapes from a prefill
+            with torch.random.fork_rng(devices=[self.device] if self.cuda else []):
+                self.cache.lengths.zero_()
+                state = new_state(*prefill(self.cache, torch.zeros(B, 1, dtype=torch.long, device=self.device)))
+            for t in state:   # fixed addresses, for torch.compile's CUDA graphs ('reduce-overhead')
+                if t is not None:
+                    torch._dynamo.mark_static_address(t)
+            kept.update(state=state, prefill=prefill, step=step)
+            if not self.cuda or self.mode == 'reduce-overhead':
+                kept['unit'] = compiled(repeated(step, self.unit), 'reduce-overhead' if self.cuda else None)
+            elif self.mode == 'captured':
+                kept['step'] = compiled(step)
+        self.state = kept['state']
+        self.tensors = [t for t in self.state if t is not None] + [self.cache.lengths]   # what a step changes
+
+    def start(self, prompt, total):
+        d, cache, prefill = self.state, self.cache, self.kept['prefill']
+        d.total.fill_(total)
+        if 'unit' in self.kept:   # a CPU, or torch.compile's CUDA graphs: the prefill runs as it is
+            cache.lengths.zero_()
+            d.restart(*prefill(cache, prompt), prompt)
+            return d
+        buf = self.kept.setdefault(('prompt', tuple(prompt.shape)), torch.empty_like(prompt))
+        buf.copy_(prompt)
+
+        def prefill_into_state():
+            cache.lengths.zero_()
+            d.restart(*prefill(cache, buf), buf)
+        self.replay(('prefill', tuple(prompt.shape)), prefill_into_state, 1)
+        return d
+
+    def steps(self, n):
+        args = (self.cache, self.state)
+        if 'unit' in self.kept:
+            for _ in range(-(-n // self.unit)):
+                if self.cuda:   # a new step for torch.compile's CUDA graphs: the last one's outputs may go
+                    torch.compiler.cudagraph_mark_step_begin()
+                self.kept['unit'](*args)
+            return
+        step = self.kept['step']
+        for size in units(n, self.unit):
+            self.replay(('steps', size), lambda: step(*args), size)
+
+    def replay(self, key, fn, n):
+        if key not in self.kept:
+            self.kept[key] = capture(fn, n, self.tensors, self.device)
+        self.kept[key].replay()
+
+
+def static_cache(model, B, room):
+    """As gpt-fast does: a KV cache sized by the context rather than the request, kept on the model
+    and reused across calls, so shapes and buffer addresses never change and the graphs are
+    recorded once. The spare room past the context (`room`, decode_loop's) is rounded up to a
+    multiple of 64, so plain decoding and every one-path block up to k = 32 share the same buffers,
+    as bench.py's interleaved timing needs. One cache per batch size and compute dtype."""
+    max_len = -(-(model.config.block_size + room) // 64) * 64
+    key = (B, max_len, model.compute_dtype(), model.lm_head.weight.device)
+    caches = model.__dict__.setdefault('_static_caches', {})   # a plain attribute, not a buffer
+    if key not in caches:
+        cache = caches[key] = model.new_cache(B, max_len)
+        for buf in (cache.k, cache.v, cache.lengths, cache.layers, cache.rows):   # fixed addresses for CUDA graphs
+            torch._dynamo.mark_static_address(buf)
+    cache = caches[key]
+    cache.lengths.zero_()
+    return cache
+
+
+@contextmanager
+def global_rng_from(generator, device):
+    """The compiled step draws its random numbers from the global RNG of `device`: for the length
+    of one generate() it is forked, seeded from `generator`, and restored afterwards, so the
+    caller's global state is untouched and the same generator seed gives the same output. Inside
+    a CUDA graph the draws follow the generator's seed and offset at each replay."""
+    if generator is None:
+        yield
+        return
+    seed = int(torch.randint(2 ** 62, (), generator=generator, device=generator.device))
+    cuda = device.type == 'cuda'
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+        yield
