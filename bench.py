@@ -542,7 +542,8 @@ def main(argv=None):
     ap.add_argument('--tables', default='bpd,lossy,dblast,time',
                     help=f"comma-separated, from {','.join(TABLES)} (default: bpd,lossy,dblast,time)")
     ap.add_argument('--compile', action='store_true',
-                    help='decode with the compiled step (CUDA graphs on GPU); compiling happens in the warm-up round')
+                    help='decode with the compiled steps, several a host call (CUDA graphs on GPU); compiling happens '
+                         'in the warm-up round')
     ap.add_argument('--dtype', default=None, choices=DTYPES,
                     help='decoding precision (default auto: float32; bfloat16: autocast, on a CPU too)')
     ap.add_argument('--tf32', action='store_true', help='CUDA, float32: let matmuls use TF32 (default off)')

@@ -72,7 +72,8 @@ def main(argv=None):
     ap.add_argument('--no-color', action='store_true', help='plain text even on a terminal')
     ap.add_argument('--device', default=None, help='cpu | cuda | mps (default: best available)')
     ap.add_argument('--compile', action='store_true',
-                    help='torch.compile the step (CUDA graphs on GPU); warm-up excluded from timing')
+                    help='the steps compiled, several a host call (on a GPU: CUDA graphs captured once); '
+                         'warm-up excluded from timing')
     ap.add_argument('--dtype', default='auto', choices=DTYPES,
                     help='compute precision (default auto: float32; bfloat16: autocast, on a CPU too)')
     ap.add_argument('--tf32', action='store_true', help='CUDA: let float32 matmuls use TF32 (default off)')

@@ -130,10 +130,18 @@ class KVCache:
 
 def cached_attention(q, K, V, mask):
     """Attention of a block's few queries q (B, nh, L, hs) over the whole static cache K, V
-    (B, nh, max_len, hs), where mask (B, 1, L, max_len) is True: nanoGPT's manual attention. Fused
-    kernels are built for long blocks of queries: on one H200 torch's memory-efficient kernel took
-    65 us a layer for one float32 query over 576 keys, three quarters of a compiled decoding step,
-    while these two small products and a softmax take a few (README, "One GPU")."""
+    (B, nh, max_len, hs), where mask (B, 1, L, max_len) is True. Run op by op, torch's fused
+    kernel (one launch instead of five); compiled, nanoGPT's manual attention (manual_attention),
+    whose mask and softmax inductor fuses into one kernel: the fused kernels are built for long
+    blocks of queries, and on one H200 the memory-efficient one took 65 us a layer for one float32
+    query over 576 keys, three quarters of a compiled decoding step (README, "One GPU")."""
+    if torch.compiler.is_compiling():
+        return manual_attention(q, K, V, mask)
+    return F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+
+
+def manual_attention(q, K, V, mask):
+    """softmax(q K^T / sqrt(hs), where mask) V: nanoGPT's attention without its fused kernel."""
     att = (q @ K.transpose(-2, -1)) * (1.0 / math.sqrt(K.size(-1)))       # (B, nh, L, max_len)
     att = att.masked_fill(~mask, float('-inf'))                            # each row sees itself: never all -inf
     return F.softmax(att, dim=-1) @ V                                       # (B, nh, L, hs)

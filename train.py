@@ -64,13 +64,14 @@ PRESETS = {
                   lr=3e-3, warmup_iters=40, eval_interval=200, eval_iters=10,
                   heads_iters=150, heads_lr=1e-3, distill_samples=64, dblast_iters=400, dblast_samples=128,
                   dblast_eval_samples=16),
-    # one H100/H200-class GPU: the whole run in under 5 minutes. On one H200 a heads step (frozen
-    # target, its states made once) took 3.6 ms and a DBlast step 6.4 ms (K = 4) and 4.3 ms (K = 1),
-    # so the drafters get minutes: the heads 12,000 steps at the CPU preset's better learning rate
-    # (1,500 at 1e-3 reached tau 3.13 at k = 8)
+    # one H100/H200-class GPU (README, "One GPU"). On one H200 at 22d3d40: the target 52 s; a heads step
+    # 3.9 ms (frozen target, its states made once), 12,000 of them at 3e-3 reached tau 3.07 at k = 8,
+    # no more than 1,500 at 1e-3 had (3.13): the target's continuations, not the heads' steps, limit
+    # them; a DBlast step 8.3 ms at K = 4 and 5.8 ms at K = 1 (held-out expected tau 2.18 and 2.09
+    # after 3,000 steps, 2.21 and 2.12 after 4,000); the greedy and the sampled data 29 s and 42 s
     'gpu': dict(n_layer=6, n_head=6, n_embd=384, block_size=512, batch_size=64, max_iters=3000,
                 lr=1e-3, warmup_iters=200, eval_interval=500, eval_iters=50,
-                heads_iters=12000, heads_lr=3e-3, distill_samples=4096, dblast_iters=4000, dblast_samples=4096,
+                heads_iters=3000, heads_lr=3e-3, distill_samples=4096, dblast_iters=3000, dblast_samples=4096,
                 dblast_eval_samples=64),
 }
 

@@ -2,6 +2,7 @@
 parts.jsonl; a failed, crashed or hung part is recorded and the next one runs; a killed check keeps
 the parts it finished; flags it cannot take are one error line."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -18,20 +19,20 @@ from conftest import ROOT, Proc, assert_clean_error, cli, env
 def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
     """gpu_check.py --quick: every part runs (those that need CUDA, and compiled training, are
     skipped with the reason), passes, is printed and lands in gpu_check.json."""
-    out, compiled_before = tmp_path / 'gc', dict(gpu_check.decode._COMPILED)
+    out, backend_before = tmp_path / 'gc', gpu_check.runner.BACKEND
     code, stdout, stderr = cli('gpu_check.py', ['--quick', '--device', 'cpu', '--out', out,
-                                            '--data', corpus_file, '--parts', 'a,h,c,d,e,f,g,i,b'])
+                                            '--data', corpus_file, '--parts', 'a,h,j,c,d,e,f,g,i,b'])
     assert code == 0, stderr[-3000:]
     res = json.loads((out / 'gpu_check.json').read_text())
     parts = res['parts']
-    assert {k: p['status'] for k, p in parts.items()} == dict(a='pass', h='pass', c='pass', d='pass', e='pass',
-                                                              f='skipped', g='skipped', i='pass', b='skipped')
-    assert list(parts) == list('ahcdefgib')   # the speed figures early, as --parts orders them
+    assert {k: p['status'] for k, p in parts.items()} == dict(a='pass', h='pass', j='pass', c='pass', d='pass',
+                                                              e='pass', f='skipped', g='skipped', i='pass', b='skipped')
+    assert list(parts) == list('ahjcdefgib')   # the speed figures early, as --parts orders them
     assert res['failed'] == [] and 'aot_eager' in res['compiled_decoding']
     assert res['meta']['command'].startswith('python gpu_check.py --quick --device cpu')   # the command that ran
     # every part's record, a line of parts.jsonl the moment it ended, names what it ran on
     lines = [json.loads(x) for x in (out / 'parts.jsonl').read_text().splitlines()]
-    assert [r['part'] for r in lines] == list('ahcdefgib') and lines == list(parts.values())
+    assert [r['part'] for r in lines] == list('ahjcdefgib') and lines == list(parts.values())
     assert [(r['config'], r['mode']) for r in parts['i']['rows']] == [(gpu_check.PLAIN, 'eager'), (gpu_check.HEADS, 'eager'),
                                                                        (gpu_check.PLAIN, 'compiled'), (gpu_check.HEADS, 'compiled')]
     for r in lines:
@@ -47,7 +48,13 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
     # c: nothing compiled in the identical second call (the warm-up compiles nothing either: part h,
     # run before it, compiled the same configurations)
     assert [r['config'] for r in parts['c']['rows']] == [gpu_check.PLAIN, gpu_check.HEADS, gpu_check.SAMPLED]
-    assert all(r['warmup_graphs'] == 0 and r['new_graphs'] == 0 for r in parts['c']['rows'])
+    assert all(r['warmup_graphs'] == r['new_graphs'] == r['new_captures'] == 0 for r in parts['c']['rows'])
+    # j: every way of running the steps on a CPU, plain and k = 8, each with its time and operations per call
+    ways = ['eager', 'compiled, 1 step a host call', f"compiled, {gpu_check.runner.UNIT['cpu']} steps a host call"]
+    assert [(r['way'], r['config']) for r in parts['j']['rows']] == [(w, c) for w in ways
+                                                                     for c in (gpu_check.PLAIN, gpu_check.HEADS)]
+    assert all(r['us_per_call'] > 0 and r['ops_per_call'] > 0 and r['first_call_s'] > 0 for r in parts['j']['rows'])
+    assert parts['j']['attention'] is None   # the attention kernels are compared on CUDA
     assert all(0 <= r['identical_tokens'] <= 1 for r in parts['d']['rows'])
     assert [r['mode'] for r in parts['e']['rows']] == ['eager', 'compiled']
     # h: three speed tables, the greedy rows with their identical-token share, the sampled without
@@ -61,7 +68,35 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
         assert all((r.get('compile_gain', 0) > 0 and r['plain_compile_gain'] > 0) == (t['mode'] == 'compiled')
                    for r in t['rows'])
     assert '### 0. Speed (compiled, float32, ' in stdout
-    assert gpu_check.decode._COMPILED == compiled_before   # the aot_eager step was this run's only
+    assert gpu_check.runner.BACKEND == backend_before   # aot_eager for this run only
+
+
+@pytest.fixture
+def quick_run(tmp_path, corpus_file):
+    """A folder of a finished train.py run, every stage at gpu_check --quick's sizes."""
+    out = tmp_path / 'run'
+    code, _, stderr = cli('train.py', ['--device', 'cpu', '--data', corpus_file, '--out-dir', out, '--no-demo',
+                                       '--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64',
+                                       '--batch-size', '4', '--max-iters', '20', '--heads-iters', '4',
+                                       '--dblast-iters', '4', '--distill-samples', '4', '--dblast-samples', '4',
+                                       '--dblast-eval-samples', '4'])
+    assert code == 0, stderr[-2000:]
+    return out
+
+
+@pytest.mark.slow
+def test_gpu_check_on_the_checkpoints_train_py_made(tmp_path, corpus_file, quick_run):
+    """--trained DIR: the parts run on train.py's target and drafters in DIR (its DBlast drafters at
+    their own temperature), part a is skipped saying so, and nothing is trained or written there."""
+    before = sorted(os.listdir(quick_run))
+    out = tmp_path / 'gc'
+    code, stdout, stderr = cli('gpu_check.py', ['--quick', '--device', 'cpu', '--out', out, '--data', corpus_file,
+                                            '--trained', quick_run, '--parts', 'a,c,e'])
+    assert code == 0, stderr[-3000:]
+    parts = json.loads((out / 'gpu_check.json').read_text())['parts']
+    assert parts['a']['status'] == 'skipped' and str(quick_run) in parts['a']['skipped']
+    assert parts['c']['status'] == parts['e']['status'] == 'pass'
+    assert sorted(os.listdir(quick_run)) == before
 
 
 def test_gpu_check_names_the_failed_parts(tmp_path, capsys):
@@ -115,7 +150,8 @@ def test_a_killed_gpu_check_keeps_the_parts_it_finished(tmp_path, corpus_file):
     (['--compile'], ['--compile']),
     (['--parts', 'a,z'], ['--parts']),
     (['--parts', 'a,a'], ['--parts']),
-    (['--speed-ks', '1,8'], ['--speed-ks'])])
+    (['--speed-ks', '1,8'], ['--speed-ks']),
+    (['--trained', 'no/such/folder'], ['--trained no/such/folder: no ckpt.pt there'])])
 def test_bad_flags_are_one_error_line(tmp_path, flags, needles):
     """Refused before any work: nothing is written."""
     out = tmp_path / 'out'

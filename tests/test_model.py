@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from data import BadInput, load_target, save_checkpoint
 from decode import generate
-from model import GPT, GPTConfig, KVCache
+from model import GPT, GPTConfig, KVCache, cached_attention, manual_attention
 
 TOL = 1e-10
 
@@ -54,6 +54,36 @@ def test_cached_block_matches_full_forward_rows_of_different_lengths():
         # would be at row 0's offset (guards against a mask/position bug that ignores lengths)
         wrong = full_logits(model, torch.cat([prefix[1], block[1]]))[-L:]
         assert (got[1] - wrong).abs().max().item() > 1e-3
+
+
+def test_manual_attention_is_the_fused_kernels_attention():
+    """The attention a compiled step runs (manual_attention) equals torch's fused kernel, the one an
+    eager step runs, over the same mask (float64): queries that see only themselves, the whole
+    cache, or a ragged prefix per row."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 4, 8, generator=g, dtype=torch.float64)            # 4 queries, 10 keys
+    K, V = (torch.randn(2, 3, 10, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    keys = torch.arange(10)
+    mask = (keys[None, None, :] <= torch.tensor([[3, 4, 5, 6], [0, 1, 8, 9]])[:, :, None])[:, None]   # (2, 1, 4, 10)
+    fused = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
+    assert torch.allclose(manual_attention(q, K, V, mask), fused, atol=1e-12, rtol=0)
+    assert torch.equal(cached_attention(q, K, V, mask), fused)       # op by op: the fused kernel
+
+
+def test_a_compiled_step_attends_without_the_fused_kernel():
+    """Compiled, the cached forward traces the manual attention (no scaled_dot_product_attention in
+    its graph: that kernel took three quarters of a compiled step on one H200); op by op it runs the
+    fused one."""
+    model = tiny_model(seed=0, std=0.1, dtype=torch.float64)
+    cache = model.new_cache(1, 16)
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == 'call_function')
+        return gm.forward
+    torch._dynamo.reset()
+    torch.compile(model.forward_cached, backend=backend, fullgraph=True)(torch.zeros(1, 3, dtype=torch.long), cache)
+    assert ops and not any('scaled_dot_product' in op for op in ops) and any('softmax' in op for op in ops)
 
 
 def test_cached_token_by_token_matches_full_forward():
