@@ -368,8 +368,8 @@ class Decoding(NamedTuple):
     def like(cls, block, Q, width, rows):
         """Empty buffers for blocks and Q shaped as these, W = width, S = rows."""
         B, long = block.size(0), dict(dtype=torch.long, device=block.device)
-        return cls(torch.empty_like(block), None if Q is None else torch.empty_like(Q, memory_format=torch.contiguous_format),
-                   torch.zeros(B, width, **long), torch.zeros(B, **long), torch.zeros((), **long),
+        Q = None if Q is None else torch.empty_like(Q, memory_format=torch.contiguous_format)
+        return cls(torch.empty_like(block), Q, torch.zeros(B, width, **long), torch.zeros(B, **long), torch.zeros((), **long),
                    torch.zeros(rows, B, **long), torch.zeros((), **long))
 
     def restart(self, block, Q, prompt):

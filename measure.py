@@ -319,8 +319,9 @@ def call_costs(decode_once, device, repeats):
     wall time per call, the best of `repeats` runs after a warm-up (the host's cost, where the
     device computes next to nothing), and from one profiled run: on CUDA the GPU's busy time per
     call (its kernels' durations, summed), kernels and host launches per call (a CUDA graph's replay
-    is one launch) and the kernels that take the most of it (top_kernels: name, us per call); on a CPU the operations per call (top-level aten operators, and inductor's
-    kernels where it compiled with their profiling on)."""
+    is one launch) and the kernels that take the most of it (top_kernels: name, us per call); on a
+    CPU the operations per call (top-level aten operators, and inductor's kernels where it compiled
+    with their profiling on)."""
     cuda = torch.device(device).type == 'cuda'
     decode_once()
     best = float('inf')

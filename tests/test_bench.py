@@ -54,6 +54,23 @@ def test_bench_quick_tiny(tmp_path, corpus_file):
     assert split['target_forward'] > 0
 
 
+@pytest.mark.slow
+def test_calls_table_times_every_way_of_running_the_steps(monkeypatch, capsys):
+    """Table 7 on the CPU (traced by aot_eager: the ways, not inductor's code, are what is tested):
+    plain and k = 8 for eager, one step and a unit of steps a host call, each with its time,
+    operations and tau per call; the unit's calls are the eager loop's."""
+    monkeypatch.setattr(bench.runner, 'BACKEND', 'aot_eager')
+    monkeypatch.setattr(bench, 'CALLS_TOKENS', 40)
+    monkeypatch.setattr(bench, 'CALLS_BEST_OF', 1)
+    results = {}
+    bench.calls_table(types.SimpleNamespace(device='cpu'), None, types.SimpleNamespace(seed=0, repeats=1), results)
+    rows = results['calls']['rows']
+    assert [(r['way'], r['k']) for r in rows] == [(w, k) for w in measure.ways_of_calling('cpu') for k in (1, 8)]
+    assert all(r['us_per_call'] > 0 and r['ops_per_call'] > 0 and 1 <= r['tau'] <= r['k'] for r in rows)
+    assert len({(r['k'], r['calls']) for r in rows}) == 2     # every way makes the same calls
+    assert '### 7. What a call costs' in capsys.readouterr().out
+
+
 def test_step_times_reads_the_cpu_side_rows():
     """On CUDA key_averages() holds a 'step.*' region twice (the CPU-side range, a GPU-side
     annotation); whichever comes last, the CPU-side row is read: its device time on CUDA (the

@@ -59,7 +59,8 @@ def counted(monkeypatch):
     real_advance, real_behind = decode.advance, decode.tokens_behind
     monkeypatch.setattr(runner, 'compiled', fake_compiled)
     monkeypatch.setattr(decode, 'advance', lambda *a: seen['steps'].append(1) or real_advance(*a))
-    monkeypatch.setattr(decode, 'tokens_behind', lambda *a: seen['behind'].append(real_behind(*a)) or seen['behind'][-1])
+    monkeypatch.setattr(decode, 'tokens_behind',
+                        lambda *a: seen['behind'].append(real_behind(*a)) or seen['behind'][-1])
     return seen
 
 
