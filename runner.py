@@ -4,8 +4,7 @@ decode.py's loop is the algorithm and reads the same either way; this file is ma
 
 A decoding step of this project's targets is a few dozen kernels. On a GPU each runs for a few
 microseconds, and launching it from Python costs more, so a step run op by op leaves the GPU idle
-most of the time (gpu_check's table "where a call's time goes" measures it). Three things take the
-host out of the step:
+most of the time (gpu_check.py's part j measures it). Three things take the host out of the step:
 
   static buffers      the KV cache and the loop's state (decode.Decoding) are allocated once per
                       shape and kept on the model, so every step reads and writes the same
@@ -33,7 +32,8 @@ import torch
 UNIT = {'cuda': 16, 'cpu': 4}
 # How CUDA runs a unit: 'captured' (the compiled step, captured by hand), 'captured-eager' (the eager
 # step, captured by hand: no compile), or 'reduce-overhead' (torch.compile's own CUDA graphs of the
-# unit). gpu_check.py measures all three; 'captured' was the fastest there (README, "One GPU").
+# unit). On one H200 'captured' took 536 us a plain call of the GPU preset's target, 'captured-eager'
+# 671 (README, "One GPU"); gpu_check.py's part j measures all three.
 CUDA_MODE = 'captured'
 
 # torch.compile's backend: None is inductor; the tests trace with 'aot_eager' (dynamo's graphs and
@@ -115,9 +115,9 @@ class Compiled:
     prefill(cache, prompt) -> (block, Q) and step(cache, state) are decode's, this call's settings
     bound; new_state(block, Q) allocates the state. `key` names every setting they bind: the first
     call with a key keeps them, its compiled functions and its graphs, and later calls with that key
-    reuse them (a graph replays what it recorded). The runner adds to the key the batch, the cache
-    and the addresses of the model's and the drafter's weights (a model moved or reloaded records
-    anew)."""
+    reuse them (a graph replays what it recorded). The runner adds to the key the static cache (one
+    per batch size and compute dtype) and the addresses of the model's and the drafter's weights (a
+    model moved or reloaded records anew)."""
 
     def __init__(self, model, drafter, B, room, key, prefill, step, new_state):
         self.device = model.lm_head.weight.device
@@ -127,7 +127,7 @@ class Compiled:
         self.cache = static_cache(model, B, room)
         weights = tuple(t.data_ptr() for m in (model, drafter) if isinstance(m, torch.nn.Module)
                         for t in list(m.parameters()) + list(m.buffers()))
-        full = (key, id(drafter), B, self.cache.max_len, weights, self.mode, self.unit, BACKEND)
+        full = (key, id(drafter), id(self.cache), weights, self.mode, self.unit, BACKEND)   # the cache: B, dtype
         self.kept = kept = model.__dict__.setdefault('_static_loops', {}).setdefault(full, {})
         if not kept:   # the first call of this configuration: learn its shapes from a prefill
             with torch.random.fork_rng(devices=[self.device] if self.cuda else []):

@@ -109,8 +109,9 @@ def test_buffers_are_reused_and_hold_nothing_of_the_last_call(counted):
 
 
 def test_a_model_moved_or_drafter_changed_records_anew(counted):
-    """Graphs replay the addresses they recorded: a model moved to another dtype (new weights) or a
-    drafter given another setting is a configuration of its own, not the old one's buffers."""
+    """Graphs replay the addresses they recorded: a model moved to another dtype (new weights), a
+    drafter given another setting, or decoding under autocast (another cache) is a configuration of
+    its own, not the old one's buffers."""
     model, dblast = target(dtype=torch.float32), drafter_of('dblast', dtype=torch.float32)
     prompt = torch.randint(64, (2, 6), generator=torch.Generator().manual_seed(4))
     generate(model, prompt, 20, drafter=dblast, k=4, compile=True)
@@ -121,6 +122,9 @@ def test_a_model_moved_or_drafter_changed_records_anew(counted):
     dblast.zt = 0.0
     generate(model, prompt, 20, drafter=dblast, k=4, temperature=1.0, compile=True)
     assert len(model._static_loops) == 3
+    with torch.autocast('cpu', dtype=torch.bfloat16):   # another compute dtype: another cache, its own loop
+        generate(model, prompt, 20, drafter=dblast, k=4, temperature=1.0, compile=True)
+    assert len(model._static_loops) == 4
 
 
 def test_the_state_a_graph_mutates_has_static_addresses(counted):
