@@ -17,6 +17,7 @@ Trains what it needs when checkpoints are missing (through train.py, under --ckp
   6. threads (threads): 1 against the default, quiet and beside busy processes
   7. what a call costs (calls): a target that computes next to nothing, each way of running its
      steps (eager, compiled, several steps a host call; on CUDA by hand or torch.compile's graphs)
+  8. token trees (trees): trees grown from the drafters' distributions against one path and N paths
 Prints markdown tables and writes them to OUT/RESULTS.md under the commit, command, machine and
 torch that made them, with OUT/results.json and (with matplotlib) OUT/bench.png. Decoding runs at
 --dtype (default float32; bfloat16 by autocast) and, on CUDA, --tf32; training keeps train.py's own.
@@ -58,7 +59,7 @@ from decode import generate, load_drafter
 from heads import BlockHeads
 from measure import (DRAFTING, TINY_TARGET, Bench, Tee, call_costs, command_line, common_flags, forward_ratio, identical,
                      md_row, md_table, meta, output_nll, parse_list, prepare, results_md, runner_settings, time_split,
-                     timed, train_args, tree_ratio, ways_of_calling, write_json, write_text)
+                     timed, token_tree_ratio, train_args, tree_ratio, ways_of_calling, write_json, write_text)
 from model import GPT
 
 BPD_KS = [2, 4, 6, 8, 10]
@@ -78,7 +79,7 @@ def trainings(args, resume=True):
         return []
     runs = [('ckpt', train_args(args, 'base', resume=resume))]
     heads = [(False, True)] if 'bpd' not in args.tables else [(j, d) for j in (False, True) for d in (False, True)]
-    heads = heads if set(args.tables) - {'paths', 'threads'} else []    # tables 5 and 6 draft with DBlast's
+    heads = heads if set(args.tables) - {'paths', 'threads', 'calls'} else []    # tables 5, 6 and 7 need none
     for joint, distill in heads:
         runs.append((f'heads{heads_tag(joint, distill)}', train_args(
             args, 'heads', '--k', str(max(BPD_KS)), '--joint' if joint else '--frozen',
@@ -140,7 +141,7 @@ def dblast_trainings(args):
         jobs += [job(T_ABLATION, 'al', 4, 'none', '_long', '--dblast-iters', str(2 * iters))]
     elif 'speed' in args.tables:
         jobs += [job(1.0, 'al', 4, 'none'), job(1.0, 'nll', 1, 'none')]
-    if {'paths', 'threads'} & set(args.tables) and 'dblast' not in args.tables:   # else table 3's at T_ABLATION
+    if {'paths', 'threads', 'trees'} & set(args.tables) and 'dblast' not in args.tables:   # else table 3's at T_ABLATION
         jobs += [job(T_ABLATION, 'al', 4, 'none'), job(T_ABLATION, 'nll', 1, 'none')]
     return jobs
 
@@ -377,6 +378,48 @@ def paths_table(b, base, args, results):
               f"{best['speedup']:.2f}x over plain sampling (t(k)/t(1) = {t1:.2f})")
 
 
+TREE_NODES = [8, 16, 24, 32, 64]   # table 8's node budgets (24: as many drafted tokens as 8 paths at k = 4)
+
+
+def trees_table(b, base, args, results):
+    """Table 8: token trees grown from the drafters' own distributions (MATH.md §10) beside one path
+    and several (MATH.md §9): BPD heads greedy at k = 8 (frozen, distilled), and the independent
+    K = 1 and DBlast K = 4 drafters sampling at each T of --paths-temps, k = --dblast-k (train.py's
+    drafters at T = 1.5): tau, calls, tokens per call and speedup over plain decoding (with
+    --compile: compiled), t(block) / t(one path's block) measured in this run, and tau over one
+    path's tau, the speedup the tree would give where a wider call costs nothing more."""
+    kd = args.dblast_k
+    heads = load_drafter(os.path.join(args.ckpt_dir, f"heads{heads_tag(False, True)}.pt"), base)
+    load = lambda K, loss: load_drafter(os.path.join(args.ckpt_dir, f'dblast_K{K}{dblast_tag(T_ABLATION, loss)}.pt'), base)  # noqa: E731
+    configs = [('BPD heads', heads, 8, 0.0)] + [(name, d, kd, T) for T in args.paths_temps
+                                                for name, d in (('independent K=1', load(1, 'nll')),
+                                                                ('DBlast K=4', load(4, 'al')))]
+    mode = 'compiled' if args.compile else 'eager'
+    print(f"\n### 8. Token trees against paths ({mode}, {b.precision}, {args.n_prompts} prompts x {args.max_new} "
+          f"tokens)\n")
+    print(md_table(['drafter', 'T', 'k', 'block', 'tau', 'calls', 'tokens/call', 'speedup', 't(block)/t(path)',
+                    'tau / one path\'s'], []), flush=True)
+    rows, ratios = [], {}
+    for name, d, k, T in configs:
+        shapes = [('1 path', 1, None)] + ([(f'{N} paths', N, None) for N in (2, 4, 8)] if T > 0 else [])
+        shapes += [(f'tree of {N}', 1, N) for N in TREE_NODES]
+        one = None
+        for shape, paths, nodes in shapes:
+            size = 1 + (nodes if nodes else paths * (k - 1))
+            key = (size, k)
+            if key not in ratios:
+                ratios[key] = token_tree_ratio(base, size - 1, k, b.device, args.batch) if size > k else \
+                    (tree_ratio(base, paths, k, b.device, args.batch) if paths > 1 else 1.0)
+            r, _, _ = b.row(base, d, k, temperature=T, paths=paths, nodes=nodes)
+            one = one or r['tau']
+            r.update(drafter=name, T=T, block=shape, tokens_per_call=b.args.n_prompts * b.args.max_new / r['calls'],
+                     t_block_over_t_path=ratios[key], tau_over_one_path=r['tau'] / one)
+            rows.append(r)
+            print(md_row([name, T, k, shape, f"{r['tau']:.2f}", r['calls'], f"{r['tokens_per_call']:.2f}",
+                          f"{r['speedup']:.2f}x", f"{ratios[key]:.2f}", f"{r['tau_over_one_path']:.2f}"]), flush=True)
+    results['trees'] = dict(mode=mode, precision=str(b.precision), rows=rows)
+
+
 def threads_table(b, base, args, results):
     """Table 6: one thread against torch's default, quiet and beside one and two busy processes: a
     training step of a copy of the target (batch 16 x its context) and 128-token decodes, plain
@@ -508,7 +551,7 @@ def plots(results, out_dir):
 
 # ----------------------------------------------------------------------------- main
 
-TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time', 'paths', 'threads', 'calls']
+TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time', 'paths', 'threads', 'calls', 'trees']
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=160, max_iters=300, heads_iters=150,
              dblast_iters=100, distill_samples=64, dblast_samples=64, dblast_eval_samples=8, n_prompts=4,
              max_new=64, repeats=1, eval_samples=8)
@@ -581,7 +624,7 @@ def main(argv=None):
     with b.precision, redirect_stdout(printed):   # every decode, evaluation and timing of the tables
         for name, table in [('speed', speed_table), ('bpd', bpd_tables), ('lossy', lossy_table),
                             ('dblast', dblast_tables), ('time', time_table), ('paths', paths_table),
-                            ('threads', threads_table), ('calls', calls_table)]:
+                            ('threads', threads_table), ('calls', calls_table), ('trees', trees_table)]:
             if name in args.tables:
                 table(b, base, args, results)
     results['meta']['seconds'] = time.perf_counter() - t_start

@@ -312,6 +312,26 @@ class DBlastDrafter(Drafter):
         return found
 
     @torch.no_grad()
+    def next_log_q(self, h, bonus, target, k, temperature=0.0):
+        """heads.Drafter.next_log_q for the mixture: a node's children are scored by the mixture's
+        conditional Q_d given the node's prefix, whose posterior over the branches follows the prefix
+        (MATH.md §5), so sibling subtrees get different distributions. From the branches' own
+        distributions at the temperature (sample_drafts, how one path is drafted, plays no part),
+        the prior at Z_T."""
+        log_pi, logits = self.mixture_logits(h, bonus, target, k)
+        log_prior = prior(log_pi, self.zt)                                  # (B, K) log pi'
+        log_q = F.log_softmax(tempered(upcast(logits), temperature or 1.0), dim=-1)   # (B, K, n, V)
+        B, K, _, V = log_q.shape
+
+        def conditional(d, prefix):          # prefix (B, M, d) -> log Q_d(. | prefix) (B, M, V)
+            M = prefix.size(1)
+            seen = log_q[:, None, :, :d].expand(B, M, K, d, V).gather(
+                -1, prefix[:, :, None, :, None].expand(B, M, K, d, 1)).squeeze(-1).sum(-1)   # (B, M, K)
+            log_w = F.log_softmax(log_prior[:, None] + seen, dim=-1)                   # posterior of z
+            return torch.logsumexp(log_w[..., None] + log_q[:, None, :, d], dim=2)
+        return conditional
+
+    @torch.no_grad()
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
         """The drafter contract (heads.Drafter). z ~ pi', then branch z drafts the k-1 tokens from
         q~(. | z): sampled from it, or its argmax path. All K branches come out of the one pass."""

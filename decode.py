@@ -24,7 +24,7 @@ import runner
 from data import (BadInput, Vocab, check_finite, check_number, decoding_threads, describe, first_line, is_real,
                   is_whole, load_checkpoint, num_threads)
 from dblast import DBlastDrafter
-from heads import BlockHeads, Drafter
+from heads import BlockHeads, Drafter, grow_tree
 from model import GPT, sample, tempered, upcast
 
 
@@ -289,6 +289,72 @@ def target_choice(logits, temperature, generator=None):
     return sample(F.softmax(tempered(logits, temperature), dim=-1), generator)
 
 
+# ------------------------------------------------------------------------- a token tree, one call
+# With nodes=N the block is a tree chosen from the drafter's distributions (heads.grow_tree,
+# MATH.md §10): slot 0 the bonus, then up to N drafted tokens, each row its own tree, each slot
+# seeing the committed prefix and its ancestors. The target's own choice at every node (its
+# argmax, or its sample at the temperature) says which child the walk follows: every committed
+# token is the target's own, so the walk is exact greedy decoding, or lossless, by construction.
+
+def tree_attend(tree, n):
+    """A token tree (B, 2, L) of parent slots and depths (heads.grow_tree) -> (depth (B, L),
+    attend (B, L, L) bool): each slot sees itself and its ancestors (padding: itself alone), the
+    tree argument of GPT.forward_cached. n: the greatest depth (k-1)."""
+    parent, depth = tree[:, 0], tree[:, 1]
+    B, L = parent.shape
+    up = torch.where(parent < 0, torch.arange(L, device=parent.device), parent)          # (B, L)
+    eye = torch.eye(L, dtype=torch.bool, device=parent.device).expand(B, L, L)
+    attend = eye
+    for _ in range(n):   # a generation of ancestors more each time
+        attend = eye | attend.gather(1, up[:, :, None].expand(B, L, L))
+    return depth, attend
+
+
+def walk_down(choice, block, tree, attend, n):
+    """The walk from the bonus down a token tree (MATH.md §10): from each node it follows the child
+    whose token is the target's choice there (choice (B, L): its argmax, or its sample, at every
+    slot), and stops at the node where none is. Children of a node hold distinct tokens, so the walk
+    is one path. Returns n_acc (B,) its drafted tokens, last (B,) the slot where it stops, and
+    slots (B, n) the path's slot at each depth 1..n (past n_acc: any slot, none of it committed)."""
+    parent, depth = tree[:, 0], tree[:, 1]
+    up = parent.clamp(min=0)                                                # the bonus is its own parent
+    follows = (parent >= 0) & (block == choice.gather(1, up))               # (B, L) what its parent chose
+    follows = follows | (torch.arange(block.size(1), device=block.device) == 0)
+    on = follows
+    for _ in range(n):                                                      # ... and so did every ancestor
+        on = follows & on.gather(1, up)
+    last = torch.where(on, depth, -1).argmax(-1)                            # (B,) the deepest node walked to
+    n_acc = depth.gather(1, last[:, None]).squeeze(1)
+    above = attend.gather(1, last[:, None, None].expand(-1, 1, attend.size(-1))).squeeze(1)   # (B, L) its ancestors
+    at = depth[:, None, :] == torch.arange(1, n + 1, device=block.device)[None, :, None]       # (B, n, L)
+    return n_acc, last, (above[:, None, :] & at).long().argmax(-1)
+
+
+def tree_step(model, drafter, cache, block, tree, active, temperature, generator, k, nodes):
+    """merged_step for a token tree: one target call verifies the tree `block` (B, 1 + m) whose
+    shape is `tree` (B, 2, 1 + m), commits the walk's path, and grows the next tree from the state
+    after its last token. Returns n_acc (B,), kept (B, k): the bonus and the path's tokens, of which
+    the first n_acc + 1 are committed, the next block and its tree. Static shapes, no host sync."""
+    B = block.size(0)
+    depth, attend = tree_attend(tree, k - 1)
+    h = model.forward_cached(block, cache, (depth, attend))                 # (B, 1 + m, C): the one call
+    choice = target_choice(upcast(model.lm_head(h)), temperature, generator)   # (B, 1 + m) at every node
+    n_acc, last, slots = walk_down(choice, block, tree, attend, k - 1)
+    cache.keep_path(slots)                                                  # the path's keys and values
+    cache.commit((n_acc + 1) * active)                                      # b, then the path's n_acc
+    kept = torch.cat([block[:, :1], block.gather(1, slots)], dim=1)
+    bonus = choice.gather(1, last[:, None]).squeeze(1)                      # the target's own, at the end
+    h_last = h.gather(1, last[:, None, None].expand(B, 1, h.size(-1))).squeeze(1)
+    drafts, next_tree = propose_tree(drafter, h_last, bonus, model, k, nodes, temperature)
+    return n_acc, kept, torch.cat([bonus[:, None], drafts], dim=1), next_tree
+
+
+def propose_tree(drafter, h, bonus, target, k, nodes, temperature):
+    """The next tree: tokens (B, m) and its shape (B, 2, 1 + m), grown from the drafter's
+    distributions after the state h and the bonus (heads.grow_tree)."""
+    return grow_tree(drafter.next_log_q(h, bonus, target, k, temperature), h.size(0), k - 1, nodes, h.device)
+
+
 # ------------------------------------------------------------------------- the merged step
 
 def merged_step(model, drafter, cache, block, Q_block, active, temperature=0.0,
@@ -349,7 +415,9 @@ class Decoding(NamedTuple):
     steps can run as one graph: runner.py):
 
         block (B, 1 + N(k-1))     the pending block: the bonus the last call chose, and drafts
+                                  (nodes=m: (B, 1 + m), a token tree)
         Q (B, N(k-1), V) or None  the proposal's conditionals the drafts were drawn from
+        tree (B, 2, 1 + m) or None  a token tree's parent slots and depths (heads.grow_tree)
         out (B, W)                the prompt, then each row's committed tokens (W: room past the end)
         n_out (B,)                tokens committed per row, the prompt included
         total ()                  T0 + max_new_tokens: where every row ends
@@ -358,6 +426,7 @@ class Decoding(NamedTuple):
         t ()                      steps run"""
     block: torch.Tensor
     Q: Optional[torch.Tensor]
+    tree: Optional[torch.Tensor]
     out: torch.Tensor
     n_out: torch.Tensor
     total: torch.Tensor
@@ -365,46 +434,56 @@ class Decoding(NamedTuple):
     t: torch.Tensor
 
     @classmethod
-    def like(cls, block, Q, width, rows):
-        """Empty buffers for blocks and Q shaped as these, W = width, S = rows."""
+    def like(cls, block, Q, tree, width, rows):
+        """Empty buffers for blocks, Q and trees shaped as these, W = width, S = rows."""
         B, long = block.size(0), dict(dtype=torch.long, device=block.device)
-        Q = None if Q is None else torch.empty_like(Q, memory_format=torch.contiguous_format)
-        return cls(torch.empty_like(block), Q, torch.zeros(B, width, **long), torch.zeros(B, **long), torch.zeros((), **long),
-                   torch.zeros(rows, B, **long), torch.zeros((), **long))
+        Q, tree = (None if t is None else torch.empty_like(t, memory_format=torch.contiguous_format) for t in (Q, tree))
+        return cls(torch.empty_like(block), Q, tree, torch.zeros(B, width, **long), torch.zeros(B, **long),
+                   torch.zeros((), **long), torch.zeros(rows, B, **long), torch.zeros((), **long))
 
-    def restart(self, block, Q, prompt):
+    def restart(self, block, Q, tree, prompt):
         """The state after the prefill: its first block, the prompt (B, T0) as the output so far."""
         self.block.copy_(block)
-        if Q is not None:
-            self.Q.copy_(Q)
+        for buf, t in ((self.Q, Q), (self.tree, tree)):
+            if t is not None:
+                buf.copy_(t)
         self.out[:, :prompt.size(1)] = prompt
         self.n_out.fill_(prompt.size(1))
         self.taus.zero_()
         self.t.zero_()
 
 
-def first_block(model, drafter, cache, prompt, temperature, generator, paths, k):
+def first_block(model, drafter, cache, prompt, temperature, generator, paths, k, nodes=None):
     """Call 1, the prefill: the prompt's keys and values into the cache, and from its last hidden
-    state the first bonus and drafts. Returns the first block (B, 1 + N(k-1)) and its Q."""
+    state the first bonus and drafts. Returns the first block (B, 1 + N(k-1)), its Q, and with
+    nodes the first token tree instead (its block (B, 1 + m), Q None, its tree)."""
     h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
     cache.commit(prompt.size(1))
     bonus = target_choice(upcast(model.lm_head(h)), temperature, generator)
     if drafter is None:
-        return bonus[:, None], None
+        return bonus[:, None], None, None
+    if nodes:
+        drafts, tree = propose_tree(drafter, h, bonus, model, k, nodes, temperature)
+        return torch.cat([bonus[:, None], drafts], dim=1), None, tree
     drafts, Q = propose(drafter, h, bonus, model, k, paths, temperature, generator)
-    return torch.cat([bonus[:, None], drafts], dim=1), Q
+    return torch.cat([bonus[:, None], drafts], dim=1), Q, None
 
 
-def advance(model, drafter, cache, d, temperature, accept, generator, paths):
+def advance(model, drafter, cache, d, temperature, accept, generator, paths, k=None, nodes=None):
     """One step of generate's loop, in place on its state d (Decoding): the merged step, then what
     the loop keeps of it: the bonus and kept drafts written out, each row advanced, tau recorded.
     A step that no row needs any more (each lacks at most its pending bonus) commits nothing and
     leaves each row's pending block as it was, so that a unit of several steps (runner.py) may run
-    past the last one needed."""
+    past the last one needed. With a token tree (d.tree; k and nodes given) the step is tree_step."""
     needed = d.n_out.min() < d.total - 1
     active = (d.n_out < d.total) & needed                       # (B,) the rows that take part
-    n_acc, kept, block, Q = merged_step(model, drafter, cache, d.block, d.Q, active, temperature, accept,
-                                        generator, paths)
+    if d.tree is None:
+        n_acc, kept, block, Q = merged_step(model, drafter, cache, d.block, d.Q, active, temperature, accept,
+                                            generator, paths)
+    else:
+        n_acc, kept, block, tree = tree_step(model, drafter, cache, d.block, d.tree, active, temperature, generator,
+                                             k, nodes)
+        d.tree.copy_(torch.where(active[:, None, None], tree, d.tree))    # each row's tree, with its block
     # write the bonus and the kept path at each row's end; what was not accepted is overwritten next step
     d.out.scatter_(1, d.n_out[:, None] + torch.arange(kept.size(1), device=kept.device), kept)
     tau = (n_acc.long() + 1) * active                           # (B,); n_acc may come as int32 (exercise 1)
@@ -414,13 +493,13 @@ def advance(model, drafter, cache, d, temperature, accept, generator, paths):
     # a row that took no part keeps its pending block (its bonus is written at the end); its Q is
     # read by no step that counts
     d.block.copy_(torch.where(active[:, None], block, d.block))
-    if Q is not None:
+    if d.Q is not None:
         d.Q.copy_(Q)
 
 
 @torch.no_grad()
 def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0,
-             accept="exact", generator=None, compile=False, paths=1, threads='auto'):
+             accept="exact", generator=None, compile=False, paths=1, threads='auto', nodes=None):
     """Generate max_new_tokens after prompt (B, T0) -> (out (B, T0 + max_new_tokens), stats).
 
     prompt: token ids (B, T0), an integer tensor on the model's device, every id in the model's
@@ -436,6 +515,9 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     one-token step round differently, so a near-tie between two tokens can break the other way
     (MATH.md §2); bench.py and generate.py measure agreement with plain greedy instead of assuming it.
     paths=N verifies N drafted paths per call (MATH.md §9): drafter.draft_paths proposes them.
+    nodes=N verifies a tree of at most N drafted tokens per call, chosen best-first from the
+    drafter's distributions (drafter.next_log_q, heads.grow_tree) and walked with the target's own
+    choices (MATH.md §10): greedy, plain greedy decoding's output; sampling, the target's samples.
     compile=True runs the same steps compiled, several a host call, on CUDA as CUDA graphs
     (runner.py; the first call of a configuration pays the compilation: warm up first).
     generator: the source of every random draw (where nothing is drawn, as in greedy decoding with
@@ -450,13 +532,14 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     every step of every row), accept_lengths (that tau, step by step, row by row), accept_rate
     (per draft position, the share of steps it was accepted). merged_stats adds up several calls'.
     """
-    k, accept = check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, paths=paths,
+    k, accept = check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, paths=paths, nodes=nodes,
                            generator=generator, compile=compile, threads=threads)
     with num_threads(decoding_threads(model, prompt.device) if threads == 'auto' else threads):
-        return decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths)
+        return decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths,
+                           nodes)
 
 
-def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths):
+def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths, nodes=None):
     """generate's loop, its arguments checked: the prefill (call 1), then merged steps until every
     row lacks at most its pending bonus. compile=True runs the same prefill and steps on static
     buffers, several steps a host call (runner.Compiled), drawing from the device's global RNG
@@ -465,29 +548,29 @@ def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, 
     B, T0 = prompt.shape
     prompt, total = prompt.long(), T0 + max_new_tokens
     # spare room past the end: a row may overshoot `total` by k-1 tokens, and a row that is done
-    # still runs (and writes) one block of 1 + paths(k-1) slots per step until every row is done;
-    # none of it is kept
-    room = k + 1 + paths * (k - 1)
+    # still runs (and writes) one block of 1 + paths(k-1) (or 1 + nodes) slots per step until every
+    # row is done; none of it is kept
+    room = k + 1 + max(paths * (k - 1), nodes or 0)
     g = None if compile else generator
 
     def prefill(cache, prompt):
-        return first_block(model, drafter, cache, prompt, temperature, g, paths, k)
+        return first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes)
 
     def step(cache, d):
-        advance(model, drafter, cache, d, temperature, accept, g, paths)
+        advance(model, drafter, cache, d, temperature, accept, g, paths, k, nodes)
 
     with runner.global_rng_from(generator if compile else None, prompt.device):
         if compile:
             context = model.config.block_size
-            loop = runner.Compiled(model, drafter, B, room, (k, paths, temperature, accept, settings(drafter)),
-                                   prefill, step, lambda block, Q: Decoding.like(block, Q, context + 2 * k,
-                                                                                 context + runner.largest_unit()))
+            loop = runner.Compiled(model, drafter, B, room, (k, paths, nodes, temperature, accept, settings(drafter)),
+                                   prefill, step, lambda block, Q, tree: Decoding.like(
+                                       block, Q, tree, context + 2 * k, context + runner.largest_unit()))
             d, run = loop.start(prompt, total), loop.steps
         else:
             cache = model.new_cache(B, total + room)
-            block, Q = prefill(cache, prompt)
-            d = Decoding.like(block, Q, total + 2 * k, max_new_tokens)
-            d.restart(block, Q, prompt)
+            block, Q, tree = prefill(cache, prompt)
+            d = Decoding.like(block, Q, tree, total + 2 * k, max_new_tokens)
+            d.restart(block, Q, tree, prompt)
             d.total.fill_(total)
 
             def run(n):
@@ -543,7 +626,7 @@ def merged_stats(runs):
 
 
 def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0, accept='exact', cli=False,
-               paths=1, generator=None, compile=False, threads=None):
+               paths=1, generator=None, compile=False, threads=None, nodes=None):
     """Every user error generate() can meet, before any work, as a one-line BadInput naming the
     argument (the command-line flag when cli=True), what was given and what is allowed; a setting
     that means nothing here is one too (a drafter says which of its own mean nothing:
@@ -589,14 +672,24 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
                        f"use exact acceptance")
     if not is_whole(paths, 1, MAX_PATHS):
         raise BadInput(f"{say('paths', paths)}: drafted paths per call, a whole number from 1 to {MAX_PATHS}")
+    if nodes is not None and not is_whole(nodes, 1, MAX_NODES):
+        raise BadInput(f"{say('nodes', nodes)}: drafted tokens of a tree per call, a whole number from 1 to "
+                       f"{MAX_NODES}")
+    if nodes is not None and paths != 1:
+        raise BadInput(f"{say('nodes', nodes)} and {say('paths', paths)}: a call verifies one tree or several paths, "
+                       f"not both")
+    if nodes is not None and accept.partition(':')[0] != 'exact':
+        raise BadInput(f"{say('accept', accept)} with {say('nodes', nodes)}: a tree is walked with the target's own "
+                       f"choices, exactly; the lossy rules judge one block")
     if drafter is None:
         for name, value, default in (('k', k, None), ('accept', accept, 'exact')):
             if value != default:
                 raise BadInput(f"{say(name, value)} means nothing without a drafter: plain decoding takes the "
                                f"target's own token, one a call")
-        if paths != 1:
-            raise BadInput(f"{say('paths', paths)}: several paths need a drafter "
-                           + ("(--heads or --drafter)" if cli else "(drafter=...)"))
+        for name, value, default in (('paths', paths, 1), ('nodes', nodes, None)):
+            if value != default:
+                raise BadInput(f"{say(name, value)}: a tree or several paths need a drafter "
+                               + ("(--heads or --drafter)" if cli else "(drafter=...)"))
         k = 1
     else:
         if not (callable(getattr(drafter, 'draft', None)) and is_whole(getattr(drafter, 'k', None), 2)):
@@ -618,6 +711,9 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
                            f"unverified)")
     if paths > 1 and not callable(getattr(drafter, 'draft_paths', None)):
         raise BadInput(f"{say('paths', paths)}: this drafter drafts one path a call (no draft_paths: heads.Drafter's)")
+    if nodes is not None and getattr(type(drafter), 'next_log_q', Drafter.next_log_q) is Drafter.next_log_q:
+        raise BadInput(f"{say('nodes', nodes)}: this drafter grows no token trees (no next_log_q of its own: "
+                       f"heads.Drafter's)")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise BadInput(f"generator is {describe(generator)}; want a torch.Generator or None")
     if generator is not None and generator.device.type != prompt.device.type:
@@ -635,6 +731,7 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
 
 
 MAX_PATHS = 64   # drafted paths per call: the block is 1 + paths * (k-1) tokens
+MAX_NODES = 1024   # drafted tokens of a tree per call: the block is 1 + nodes tokens
 
 
 # ------------------------------------------------------------------------- loading drafters

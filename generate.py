@@ -7,6 +7,7 @@ decode.py's (`generate`); this script loads the checkpoints, checks the flags an
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --paths 4
+    python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8 --nodes 32      # a token tree a call
 """
 import os
 import signal
@@ -24,7 +25,7 @@ import torch
 from data import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_number, decoding_precision, intra_op_threads,
                   load_checkpoint, pick_device, run_script, target_from, vocab_for)
 from dblast import PATHS_FROM, VERIFY
-from decode import MAX_PATHS, agreement, check_args, load_drafter, parse_accept, timed_generate
+from decode import MAX_NODES, MAX_PATHS, agreement, check_args, load_drafter, parse_accept, timed_generate
 
 
 def colour_blocks(vocab, tokens, taus, colour):
@@ -65,7 +66,10 @@ def main(argv=None):
                     help="DBlast: verify against the mixture's conditionals (default), or the drawn branch's "
                          "alone (ablation)")
     ap.add_argument('--paths', type=int, default=1,
-                    help=f'drafted paths verified per call as one tree (default 1; up to {MAX_PATHS})')
+                    help=f'drafted paths verified per call (default 1; up to {MAX_PATHS})')
+    ap.add_argument('--nodes', type=int, default=None,
+                    help=f'a token tree of at most N drafted tokens verified per call, grown from the drafter\'s '
+                         f'distributions and walked with the target\'s own choices (up to {MAX_NODES})')
     ap.add_argument('--paths-from', default=None, choices=PATHS_FROM,
                     help="DBlast, --paths > 1: i.i.d. samples of the mixture (default), or one path per branch, "
                          "the branches drawn without replacement from the prior")
@@ -98,6 +102,8 @@ def check_cli(args):
     if args.k is not None:
         check_number('--k', args.k, lo=2)
     check_number('--paths', args.paths, lo=1, hi=MAX_PATHS)
+    if args.nodes is not None:
+        check_number('--nodes', args.nodes, lo=1, hi=MAX_NODES)
     if args.threads is not None:
         check_number('--threads', args.threads, lo=1, hi=1024)
     parse_accept(args.accept, cli=True)
@@ -107,6 +113,7 @@ def check_cli(args):
         (args.zt is not None and not args.drafter, '--zt', 'a DBlast --drafter'),
         (args.verify is not None and not args.drafter, '--verify', 'a DBlast --drafter'),
         (args.paths > 1 and not drafter, '--paths', '--heads or --drafter'),
+        (args.nodes is not None and not drafter, '--nodes', '--heads or --drafter'),
         (args.paths_from is not None and (not args.drafter or args.paths == 1), '--paths-from',
          'a DBlast --drafter with --paths > 1'),
         (args.verify is not None and args.paths_from == 'branches', '--verify',
@@ -162,7 +169,8 @@ def decode_cli(args, device, precision):
             if drafter.paths_from == 'branches':   # what one path per branch is verified against
                 drafter.verify = 'branch'
     # the drafter's own word on what means nothing here (heads.Drafter.meaningless), named as flags
-    check_args(model, prompt, max_new, drafter, args.k, args.temperature, args.accept, cli=True, paths=args.paths)
+    check_args(model, prompt, max_new, drafter, args.k, args.temperature, args.accept, cli=True, paths=args.paths,
+               nodes=args.nodes)
     kw = dict(temperature=args.temperature, compile=args.compile, threads=None)   # intra_op_threads' above
 
     def gen(**extra):
@@ -175,7 +183,7 @@ def decode_cli(args, device, precision):
         print(vocab.decode(out[0].tolist()))
         print(f"\n--- {max_new} tokens in {dt:.3f}s: {max_new / dt:.1f} tokens/s, {stats['calls']} calls ({precision})")
         return
-    spec = dict(drafter=drafter, k=args.k, accept=args.accept, paths=args.paths)
+    spec = dict(drafter=drafter, k=args.k, accept=args.accept, paths=args.paths, nodes=args.nodes)
     gen(**spec)  # warm-up both paths so neither pays first-call costs in the timing
     gen()
     out, stats, dt = gen(**spec)
@@ -184,7 +192,8 @@ def decode_cli(args, device, precision):
     T0 = prompt.size(1)
     print(vocab.decode(out[0, :T0].tolist()) + colour_blocks(vocab, out[0, T0:].tolist(), stats['accept_lengths'], colour))
     plain = 'greedy' if args.temperature == 0 else 'sampling'
-    print(f"\n--- k={args.k or drafter.k} paths={args.paths} accept={args.accept}: mean tau {stats['mean_tau']:.2f}, "
+    shape = f"nodes={args.nodes}" if args.nodes else f"paths={args.paths}"
+    print(f"\n--- k={args.k or drafter.k} {shape} accept={args.accept}: mean tau {stats['mean_tau']:.2f}, "
           f"{stats['calls']} calls (plain: {base_stats['calls']}), "
           f"{max_new / dt:.1f} tokens/s vs {max_new / dt_base:.1f} plain {plain}: speedup {dt_base / dt:.2f}x "
           f"({precision})")

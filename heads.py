@@ -17,6 +17,7 @@ over k-1 heads): MATH.md §8. The layer's output weights start at zero, so every
 copy of the next-token head (up to that LayerNorm, which re-normalises h): training only has to
 learn the offsets.
 """
+import math
 from functools import partial
 
 import torch
@@ -42,6 +43,7 @@ class Drafter(nn.Module):
                                 argmax (a point mass); at temperature 0 drafts are always argmax
         drafts, Q = drafter.draft(h, bonus, target, k, temperature=0.0, generator=None)
         drafter.meaningless(temperature, paths)   what a call would ask of it in vain (checked first)
+        drafter.next_log_q(h, bonus, target, k, temperature)   for token trees (optional, below)
 
     h (B, C): the target's final hidden state after the last committed token (the state the bonus
     was predicted from); bonus (B,): the token the target chose there, about to be committed;
@@ -75,6 +77,14 @@ class Drafter(nn.Module):
                                      "same; use one path, or sample the drafts")]
         return []
 
+    def next_log_q(self, h, bonus, target, k, temperature=0.0):
+        """For a token tree (generate's nodes=N, MATH.md §10): how this drafter scores a node's
+        children. Returns a function log_q(d, prefix) -> (B, M, V): the log-probability it gives each
+        token at drafted position d (0-based) after the drafted prefix (B, M, d) of each of M nodes,
+        at `temperature` (greedy decoding: at 1). grow_tree scores a node by the sum along its prefix.
+        A drafter that grows no trees leaves this as it is (generate refuses nodes= for it)."""
+        raise NotImplementedError(f"{type(self).__name__} grows no token trees (Drafter.next_log_q)")
+
     def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
         """Several paths for one call (decode's tree verification, MATH.md §9): drafts
         (B, paths, k-1) and Q (B, paths, k-1, V), row [:, i] as `draft` returns it for path i (the
@@ -88,6 +98,46 @@ class Drafter(nn.Module):
         drafts, Q = self.draft(h.repeat_interleave(paths, 0), bonus.repeat_interleave(paths, 0), target, k,
                                temperature, generator)
         return drafts.view(B, paths, k - 1), None if Q is None else Q.view(B, paths, k - 1, -1)
+
+
+def grow_tree(log_q, B, n, nodes, device):
+    """A best-first token tree of at most `nodes` drafted tokens below the bonus, grown depth by
+    depth from a drafter's next_log_q (MATH.md §10): a node's score is the drafter's probability of
+    its whole prefix (the sum of log_q along it). At each depth the `nodes` best children of the
+    previous depth's best are candidates; of all of them the `nodes` best are taken, ties to the
+    shallower, so that a node is never taken without its parent (a child scores no more than its
+    parent). n: the depths (k-1). Static shapes, no host sync.
+
+    Returns tokens (B, m) for the block's slots 1..m (parents before children; m = nodes, or fewer
+    where fewer candidates exist) and tree (B, 2, 1 + m): each slot's parent slot (the bonus, slot
+    0, is its own; -1: padding, a node the drafter gives no probability, which no walk follows) and
+    its depth (the bonus: 0)."""
+    score = torch.zeros(B, 1, device=device)                    # (B, M) the best nodes of this depth
+    prefix = torch.zeros(B, 1, 0, dtype=torch.long, device=device)   # (B, M, d) their drafted prefixes
+    ids = torch.zeros(B, 1, dtype=torch.long, device=device)    # their candidate ids (the bonus: 0)
+    scores, tokens, parents, depths, count = [], [], [], [], 1
+    for d in range(n):   # k-1 depths: k is fixed per graph, so a compiled step unrolls this
+        child = score[:, :, None] + log_q(d, prefix)                                # (B, M, V)
+        V = child.size(-1)
+        score, flat = child.flatten(1).topk(min(nodes, child.size(1) * V), dim=-1)   # (B, N) best first
+        up, token = flat.div(V, rounding_mode='floor'), flat % V                    # parent (of M), token
+        prefix = torch.cat([prefix.gather(1, up[:, :, None].expand(-1, -1, d)), token[:, :, None]], dim=2)
+        parents.append(ids.gather(1, up))
+        ids = count + torch.arange(score.size(1), device=device).expand(B, -1)
+        count += score.size(1)
+        scores.append(score)
+        tokens.append(token)
+        depths.append(torch.full_like(token, d + 1))
+    score, token, parent, depth = (torch.cat(t, dim=1) for t in (scores, tokens, parents, depths))   # depth-major
+    # the best of all depths: a stable sort keeps the shallower of equal scores first
+    keep = score.sort(dim=-1, descending=True, stable=True).indices[:, :nodes].sort(dim=-1).values   # (B, m)
+    m = keep.size(1)
+    slot = torch.zeros(B, count, dtype=torch.long, device=device)    # candidate id -> its slot (the bonus: 0)
+    slot.scatter_(1, 1 + keep, torch.arange(1, m + 1, device=device).expand(B, -1))
+    parent = torch.where(score.gather(1, keep) > -math.inf, slot.gather(1, parent.gather(1, keep)), -1)
+    root = torch.zeros(B, 1, dtype=torch.long, device=device)
+    tree = torch.stack([torch.cat([root, parent], 1), torch.cat([root, depth.gather(1, keep)], 1)], dim=1)
+    return token.gather(1, keep), tree
 
 
 class BlockHeads(Drafter):
@@ -178,6 +228,16 @@ class BlockHeads(Drafter):
         (B, 1) and the logits of the k-1 drafts (B, 1, k-1, V). The bonus is not an input of BPD
         heads."""
         return h.new_zeros(h.size(0), 1), self(h, target.lm_head, k - 1).unsqueeze(1)
+
+    @torch.no_grad()
+    def next_log_q(self, h, bonus, target, k, temperature=0.0):
+        """Drafter.next_log_q: the heads propose each position independently of the drafts before
+        it, so a node's children are scored by head d's log q_d, whatever the node's prefix. A tree
+        is chosen from the heads' distributions (sample_drafts, how one path is drafted, plays no
+        part)."""
+        logits = upcast(self(h, target.lm_head, k - 1))                    # (B, k-1, V)
+        log_q = F.log_softmax(tempered(logits, temperature or 1.0), dim=-1)
+        return lambda d, prefix: log_q[:, d, None].expand(-1, prefix.size(1), -1)
 
     @torch.no_grad()
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):

@@ -128,14 +128,15 @@ class Bench:
         self.plain_runs = {}   # (target id, temperature) -> plain decoding's (out, stats)
         self.heldout = {}      # temperature -> held-out target samples for the evaluator
 
-    def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact', seed=0, compile=None, paths=1):
+    def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact', seed=0, compile=None, paths=1,
+                   nodes=None):
         """Every prompt, --batch rows per generate() call (default 1: per-request latency, as the
         papers measure), compiled as --compile says unless `compile` is given. Returns outputs and
         the calls' stats merged."""
         compile = self.args.compile if compile is None else compile
         g = torch.Generator(device=self.device).manual_seed(seed)
         runs = [generate(model, chunk, self.args.max_new, drafter=drafter, k=k, temperature=temperature, accept=accept,
-                         generator=g, compile=compile, paths=paths, threads=None)    # the threads bench set
+                         generator=g, compile=compile, paths=paths, nodes=nodes, threads=None)   # bench's threads
                 for chunk in self.prompts.split(self.args.batch)]
         return torch.cat([out for out, _ in runs]), merged_stats([s for _, s in runs])
 
@@ -157,14 +158,15 @@ class Bench:
             self.plain_runs[key] = self.decode_all(model, temperature=temperature)
         return self.plain_runs[key]
 
-    def row(self, model, drafter, k, temperature=0.0, accept='exact', against_eager=False, paths=1):
+    def row(self, model, drafter, k, temperature=0.0, accept='exact', against_eager=False, paths=1, nodes=None):
         """tau, acceptance per position, calls and speedup over plain decoding, timed together.
         against_eager (with --compile): the eager runs of both are timed in the same rounds too, so
         that what compiling gains is a ratio inside one run (eager_seconds, plain_eager_seconds)."""
-        fns = [lambda: self.decode_all(model, drafter, k, temperature, accept, paths=paths),
+        fns = [lambda: self.decode_all(model, drafter, k, temperature, accept, paths=paths, nodes=nodes),
                lambda: self.decode_all(model, temperature=temperature)]
         if against_eager and self.args.compile:
-            fns += [lambda: self.decode_all(model, drafter, k, temperature, accept, compile=False, paths=paths),
+            fns += [lambda: self.decode_all(model, drafter, k, temperature, accept, compile=False, paths=paths,
+                                            nodes=nodes),
                     lambda: self.decode_all(model, temperature=temperature, compile=False)]
         times, results = timed(fns, self.args.repeats, self.device, warmup=self.args.compile or str(self.device) != 'cpu')
         (dt, dt0), ((out, stats), (base_out, base_stats)) = times[:2], results[:2]
@@ -212,6 +214,22 @@ def tree_ratio(model, paths, k, device, B, ctx=96, repeats=200):
     blocks = [torch.zeros(B, n, dtype=torch.long, device=device) for n in (k, 1 + paths * (k - 1))]
     (tk, tn), _ = timed([lambda: model.forward_cached(blocks[0], cache),
                          lambda: model.forward_cached(blocks[1], cache, tree)], repeats, device)
+    return tn / tk
+
+
+@torch.no_grad()
+def token_tree_ratio(model, nodes, k, device, B, ctx=96, repeats=200):
+    """t(token-tree block of 1 + nodes tokens) / t(k-token block), cached forwards of B rows at a
+    context of ctx tokens: what verifying a tree costs over one path (the tree's shape does not
+    change the work: every node below the bonus here)."""
+    cache = model.new_cache(B, ctx + 1 + nodes)
+    cache.lengths.fill_(ctx)
+    tree = torch.zeros(B, 2, 1 + nodes, dtype=torch.long, device=device)
+    tree[:, 1, 1:] = 1
+    attend = decode.tree_attend(tree, k - 1)
+    blocks = [torch.zeros(B, n, dtype=torch.long, device=device) for n in (k, 1 + nodes)]
+    (tk, tn), _ = timed([lambda: model.forward_cached(blocks[0], cache),
+                         lambda: model.forward_cached(blocks[1], cache, attend)], repeats, device)
     return tn / tk
 
 

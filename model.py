@@ -299,9 +299,10 @@ class GPT(nn.Module):
         cache.lengths is NOT advanced: the caller decides how many of the block it keeps with
         `cache.commit` (all of it for a prefill, tau tokens after a verification).
         tree: None for a sequence (slot j at position lengths + j, seeing the slots before it), or
-        (depth (L,), attend (L, L) bool) for a tree of drafted paths (decode.tree_layout): slot j
-        sits at position lengths + depth[j] and sees the committed prefix and the slots i with
-        attend[j, i].
+        (depth, attend) for a tree of drafted tokens, one for every row (depth (L,), attend (L, L)
+        bool: decode.tree_layout's paths) or one per row (depth (B, L), attend (B, L, L): a token
+        tree, decode.tree_attend): slot j sits at position lengths + depth[j] and sees the committed
+        prefix and the slots i with attend[j, i].
         Returns h (B, L, C), the final hidden states after ln_f; logits are `self.lm_head(h)`.
         """
         B, L = idx.shape
@@ -317,8 +318,8 @@ class GPT(nn.Module):
             depth, attend = tree
             rel = keys[None, :] - cache.lengths[:, None]                       # (B, max_len) slot in the block
             in_block = (rel >= 0) & (rel < L)
-            mask = (rel < 0)[:, None, :] | (in_block[:, None, :] &
-                                            attend[:, rel.clamp(0, L - 1)].transpose(0, 1))   # (B, L, max_len)
+            sees = attend.expand(B, L, L).gather(2, rel.clamp(0, L - 1)[:, None, :].expand(B, L, -1))   # attend[b, j, rel]
+            mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & sees)       # (B, L, max_len)
         # Positions past block_size only occur for the tail of a draft block that overruns the
         # requested length; no committed token attends to them, so clamping them is harmless.
         pos = (cache.lengths[:, None] + depth).clamp(max=self.config.block_size - 1)

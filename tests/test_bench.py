@@ -71,6 +71,25 @@ def test_calls_table_times_every_way_of_running_the_steps(monkeypatch, capsys):
     assert '### 7. What a call costs' in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_trees_table_at_tiny_sizes(tmp_path, corpus_file):
+    """Table 8 end to end at tiny sizes: for the heads greedy and each drafter at each T, one path,
+    several paths (sampling only) and every tree size, each row with its tau, calls, tokens per
+    call and the block's cost over one path's; greedy trees are exact (their output is checked by
+    tests/test_trees.py), and a tree's tau is measured against its own drafter's one path."""
+    out = tmp_path / 'trees'
+    code, _, stderr = cli('bench.py', ['--tables', 'trees', '--repeats', '1', '--paths-temps', '1.5', '--out', out,
+                                       '--data', corpus_file] + TINY)
+    assert code == 0, stderr[-3000:]
+    rows = json.loads((out / 'results.json').read_text())['trees']['rows']
+    trees = [f'tree of {n}' for n in bench.TREE_NODES]
+    assert [r['block'] for r in rows if r['T'] == 0] == ['1 path'] + trees
+    assert [r['block'] for r in rows if r['drafter'] == 'DBlast K=4'] == ['1 path', '2 paths', '4 paths', '8 paths'] + trees
+    for r in rows:
+        assert 1 <= r['tau'] <= r['k'] and r['calls'] > 0 and r['t_block_over_t_path'] > 0 and r['speedup'] > 0
+        assert r['tokens_per_call'] == pytest.approx(2 * 16 / r['calls'])
+
+
 def test_step_times_reads_the_cpu_side_rows():
     """On CUDA key_averages() holds a 'step.*' region twice (the CPU-side range, a GPU-side
     annotation); whichever comes last, the CPU-side row is read: its device time on CUDA (the

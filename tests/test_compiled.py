@@ -45,14 +45,14 @@ def setup(kind, temperature):
 
 
 @torch.no_grad()
-def first_state(model, drafter, B, k, temperature, g, paths=1):
+def first_state(model, drafter, B, k, temperature, g, paths=1, nodes=None):
     """A prefilled cache and the loop's state, as generate() leaves them before step 1, with room
     for 40 more tokens a row."""
     prompt = torch.randint(64, (B, 8), device=DEV, generator=g)
-    cache = model.new_cache(B, 64 + paths * k)
-    block, q = decode.first_block(model, drafter, cache, prompt, temperature, g, paths, k)
-    d = Decoding.like(block, q, 64, 40)
-    d.restart(block, q, prompt)
+    cache = model.new_cache(B, 64 + paths * k + (nodes or 0))
+    block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes)
+    d = Decoding.like(block, q, tree, 64, 40)
+    d.restart(block, q, tree, prompt)
     d.total.fill_(48)
     return cache, d
 
@@ -65,28 +65,31 @@ STEP_CASES = [c + (1,) for c in STEP_CASES]   # one path per call
 # branch, greedy and sampled
 STEP_CASES += [('heads', 0.0, 'topk:2', 3), ('heads-sampled', 1.0, 'exact', 2), ('dblast', 0.0, 'exact', 4),
                ('dblast-sampled-mixture', 1.0, 'exact', 4), ('dblast-greedy-branch-branches', 1.0, 'exact', 4)]
+# and a token tree (nodes), greedy and sampled
+STEP_CASES = [c + (None,) for c in STEP_CASES] + [('heads', 0.0, 'exact', 1, 10), ('dblast', 1.0, 'exact', 1, 10)]
 
 
 @torch.no_grad()
-def run_steps(kind, temperature, accept, paths=1, context=nullcontext, step=advance, n_steps=5, generator=True):
+def run_steps(kind, temperature, accept, paths=1, nodes=None, context=nullcontext, step=advance, n_steps=5,
+              generator=True):
     """n_steps steps of the loop on 3 rows, the last one done (it takes no part), inside `context`."""
     model, drafter = setup(kind, temperature)
     g = torch.Generator(device=DEV).manual_seed(0)
     k = 1 if drafter is None else 4
-    cache, d = first_state(model, drafter, 3, k, temperature, g, paths)
+    cache, d = first_state(model, drafter, 3, k, temperature, g, paths, nodes)
     d.n_out[2] = 48
     rule = parse_accept(accept, model.config.vocab_size)
     with context():
         for _ in range(n_steps):
-            step(model, drafter, cache, d, temperature, rule, g if generator else None, paths)
+            step(model, drafter, cache, d, temperature, rule, g if generator else None, paths, k, nodes)
     return cache
 
 
 @pytest.mark.second_process
-@pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
-def test_a_step_makes_no_host_sync(kind, temperature, accept, paths):
+@pytest.mark.parametrize('kind,temperature,accept,paths,nodes', STEP_CASES)
+def test_a_step_makes_no_host_sync(kind, temperature, accept, paths, nodes):
     detector = HostSyncs()
-    cache = run_steps(kind, temperature, accept, paths, context=lambda: detector)
+    cache = run_steps(kind, temperature, accept, paths, nodes, context=lambda: detector)
     assert detector.seen == []
     assert cache.lengths.tolist()[2] == 8 and min(cache.lengths.tolist()[:2]) >= 8 + 5  # inactive row stays
 
@@ -102,15 +105,15 @@ def test_host_sync_detector_catches_syncs():
 
 
 @pytest.mark.second_process
-@pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
+@pytest.mark.parametrize('kind,temperature,accept,paths,nodes', STEP_CASES)
 @pytest.mark.slow
-def test_a_step_traces_as_one_graph(kind, temperature, accept, paths):
+def test_a_step_traces_as_one_graph(kind, temperature, accept, paths, nodes):
     """fullgraph=True raises at any graph break: a .item(), a data-dependent branch or shape (a
     step indexed by a 0-dim tensor reads it), or a torch.Generator argument (why the compiled loop
     draws from the global RNG)."""
     torch._dynamo.reset()
     step = torch.compile(advance, fullgraph=True, backend='eager', dynamic=False)
-    run_steps(kind, temperature, accept, paths, n_steps=2, step=step, generator=False)
+    run_steps(kind, temperature, accept, paths, nodes, n_steps=2, step=step, generator=False)
 
 
 class SyncDebug:
@@ -125,9 +128,9 @@ class SyncDebug:
 
 
 @cuda
-@pytest.mark.parametrize('kind,temperature,accept,paths', STEP_CASES)
-def test_a_step_does_not_sync_on_cuda(kind, temperature, accept, paths):
-    cache = run_steps(kind, temperature, accept, paths, context=SyncDebug)
+@pytest.mark.parametrize('kind,temperature,accept,paths,nodes', STEP_CASES)
+def test_a_step_does_not_sync_on_cuda(kind, temperature, accept, paths, nodes):
+    cache = run_steps(kind, temperature, accept, paths, nodes, context=SyncDebug)
     assert min(cache.lengths.tolist()[:2]) >= 8 + 5
 
 

@@ -36,12 +36,13 @@ def drafter_of(kind, device='cpu', dtype=torch.float64):
     return d.to(device, dtype).eval()
 
 
-# (drafter, temperature, accept, paths): plain decoding, every greedy rule, sampled and argmax
-# drafts, the mixture, several paths of each kind
+# (drafter, temperature, accept, paths, nodes): plain decoding, every greedy rule, sampled and
+# argmax drafts, the mixture, several paths of each kind, token trees greedy and sampled
 CONFIGS = [(None, 0.0, 'exact', 1), (None, 1.0, 'exact', 1), ('heads', 0.0, 'exact', 1), ('heads', 0.0, 'topk:3', 1),
            ('heads', 0.0, 'minblock:2', 1), ('heads', 1.0, 'exact', 1), ('heads-sampled', 1.0, 'exact', 1),
            ('dblast', 0.0, 'exact', 1), ('dblast', 1.5, 'exact', 1), ('dblast', 0.0, 'topk:2', 3),
            ('heads-sampled', 1.0, 'exact', 2), ('dblast', 1.5, 'exact', 4), ('dblast-branches', 1.0, 'exact', 4)]
+CONFIGS = [c + (None,) for c in CONFIGS] + [('heads', 0.0, 'exact', 1, 12), ('dblast', 1.5, 'exact', 1, 20)]
 
 
 @pytest.fixture
@@ -71,8 +72,8 @@ def test_units_are_powers_of_two_largest_first():
         assert sum(sizes) == n and sizes == sorted(sizes, reverse=True) and all(s in (1, 2, 4, 8, 16) for s in sizes)
 
 
-@pytest.mark.parametrize('kind,temperature,accept,paths', CONFIGS)
-def test_every_configuration_runs_in_units_of_steps(kind, temperature, accept, paths, counted):
+@pytest.mark.parametrize('kind,temperature,accept,paths,nodes', CONFIGS)
+def test_every_configuration_runs_in_units_of_steps(kind, temperature, accept, paths, nodes, counted):
     """The host launches a unit of UNIT steps, never a lone step: for each read of the device, the
     ceil(ceil(behind / k) / UNIT) units that cover the steps needed whatever they accept, and
     nothing else. Greedy: the tokens, calls and taus of the eager loop, although the last unit runs
@@ -81,7 +82,7 @@ def test_every_configuration_runs_in_units_of_steps(kind, temperature, accept, p
     prompt = torch.randint(64, (3, 5), generator=torch.Generator().manual_seed(1))
     k = 1 if drafter is None else 4
     kw = dict(drafter=drafter, k=None if drafter is None else 4, temperature=temperature, accept=accept, paths=paths,
-              generator=torch.Generator().manual_seed(0))
+              nodes=nodes, generator=torch.Generator().manual_seed(0))
     out, stats = generate(model, prompt, 29, compile=True, **kw)
     unit = runner.UNIT['cpu']
     want = sum(-(-(-(-b // k)) // unit) for b in counted['behind'] if b > 0)
@@ -138,20 +139,21 @@ def test_the_state_a_graph_mutates_has_static_addresses(counted):
     assert all(getattr(t, '_dynamo_static_input_type', None) is not None for t in tensors)
 
 
-def test_a_step_no_row_needs_commits_nothing():
+@pytest.mark.parametrize('nodes', [None, 6])
+def test_a_step_no_row_needs_commits_nothing(nodes):
     """advance with every row done: the cache lengths, the committed output, n_out, taus and each
-    row's pending block stay as they were; only the step count moves (a unit may run past the last
-    needed step)."""
+    row's pending block (and token tree) stay as they were; only the step count moves (a unit may
+    run past the last needed step)."""
     model, heads = target(), drafter_of('heads')
     prompt = torch.randint(64, (2, 5), generator=torch.Generator().manual_seed(2))
     cache = model.new_cache(2, 40)
-    block, Q = decode.first_block(model, heads, cache, prompt, 0.0, None, 1, 4)
-    d = decode.Decoding.like(block, Q, 30, 20)
-    d.restart(block, Q, prompt)
+    block, Q, tree = decode.first_block(model, heads, cache, prompt, 0.0, None, 1, 4, nodes)
+    d = decode.Decoding.like(block, Q, tree, 30, 20)
+    d.restart(block, Q, tree, prompt)
     d.total.fill_(6)                     # each row lacks only its pending bonus: no step is needed
-    kept = lambda: (d.block, d.out[:, :5], d.n_out, d.taus, cache.lengths)    # noqa: E731
+    kept = lambda: (d.block, d.out[:, :5], d.n_out, d.taus, cache.lengths) + ((d.tree,) if nodes else ())  # noqa: E731
     before = [t.clone() for t in kept()]
-    decode.advance(model, heads, cache, d, 0.0, (decode.exact, None), None, 1)
+    decode.advance(model, heads, cache, d, 0.0, (decode.exact, None), None, 1, 4, nodes)
     assert all(torch.equal(a, b) for a, b in zip(before, kept()))
     assert int(d.t) == 1
 
@@ -160,8 +162,8 @@ def test_a_step_no_row_needs_commits_nothing():
 
 @cuda
 @pytest.mark.parametrize('mode', ['captured', 'captured-eager'])
-@pytest.mark.parametrize('kind,temperature,accept,paths', [c for c in CONFIGS if c[1] == 0.0])
-def test_cuda_graphs_replay_exactly_the_steps_needed(kind, temperature, accept, paths, mode, monkeypatch):
+@pytest.mark.parametrize('kind,temperature,accept,paths,nodes', [c for c in CONFIGS if c[1] == 0.0])
+def test_cuda_graphs_replay_exactly_the_steps_needed(kind, temperature, accept, paths, nodes, mode, monkeypatch):
     """On CUDA a read of the device is followed by one replay per unit of units(ceil(behind / k)),
     and the prefill by one: the greedy tokens are the eager loop's."""
     monkeypatch.setattr(runner, 'CUDA_MODE', mode)
@@ -172,7 +174,7 @@ def test_cuda_graphs_replay_exactly_the_steps_needed(kind, temperature, accept, 
     model, drafter = target('cuda'), drafter_of(kind, 'cuda')
     prompt = torch.randint(64, (3, 5), device='cuda', generator=torch.Generator('cuda').manual_seed(1))
     k = 1 if drafter is None else 4
-    kw = dict(drafter=drafter, k=None if drafter is None else 4, accept=accept, paths=paths)
+    kw = dict(drafter=drafter, k=None if drafter is None else 4, accept=accept, paths=paths, nodes=nodes)
     for _ in range(2):   # the first call captures
         replays.clear(), behind.clear()
         out, stats = generate(model, prompt, 29, compile=True, **kw)

@@ -1,0 +1,323 @@
+"""Token trees from the drafters' own distributions (generate's nodes=N, MATH.md §10): the tree a
+drafter grows is the best prefix-closed set of its nodes, each slot sees its ancestors, greedy
+walks give plain greedy decoding's tokens, the sampled walk attains p(C) at every node and is
+lossless (chi-square over every 3-token continuation of the 8-token world, k = 4 and k = 2), and
+the same test catches a walk whose draws are not independent."""
+import itertools
+import math
+
+import pytest
+import torch
+
+import decode
+import runner
+from conftest import V8, V8_PROMPT, naive_greedy, peaky, tiny_model
+from dblast import DBlastDrafter
+from decode import generate, tree_attend, walk_down
+from heads import BlockHeads, Drafter, grow_tree
+from model import GPT, sample
+from test_sampling import chi_square, continuation_probs, make_drafter
+
+V = V8.vocab_size
+
+
+@pytest.fixture(scope='module')
+def target8():
+    return peaky(GPT(V8), 0.3, 0).float()
+
+
+def brute_force_tree(log_q, n, nodes):
+    """The tree grow_tree must take, by enumeration for one row: every prefix of up to n tokens,
+    scored by its summed log q, the `nodes` best with ties to the shallower and then to the
+    earlier (prefix-closed by construction), as sets of prefixes."""
+    V = log_q(0, torch.zeros(1, 1, 0, dtype=torch.long)).size(-1)
+    scored = []
+    for d in range(1, n + 1):
+        for prefix in itertools.product(range(V), repeat=d):
+            s = sum(float(log_q(j, torch.tensor([[prefix[:j]]], dtype=torch.long))[0, 0, prefix[j]]) for j in range(d))
+            scored.append((-s, d, prefix))
+    scored.sort(key=lambda x: (x[0], x[1]))
+    return {p for s, d, p in scored[:nodes] if s < math.inf}
+
+
+def prefixes_of(tokens, tree):
+    """The set of drafted prefixes (tuples) of a grown tree's valid slots, row 0."""
+    parent, depth = tree[0, 0].tolist(), tree[0, 1].tolist()
+    toks = [None] + tokens[0].tolist()
+    out = {}
+    for s in range(1, len(toks)):
+        if parent[s] < 0:
+            continue
+        assert parent[s] < s and depth[s] == depth[parent[s]] + 1   # parents first, one deeper
+        out[s] = (out[parent[s]] if parent[s] else ()) + (toks[s],)
+    return set(out.values())
+
+
+@pytest.mark.parametrize('nodes', [1, 5, 12])
+def test_grow_tree_takes_the_best_prefix_closed_set(nodes):
+    """For a mixture drafter (whose conditionals follow the prefix) the grown tree is exactly the
+    `nodes` most probable drafted prefixes, each with its parent, siblings holding distinct tokens;
+    a drafter that gives fewer tokens any probability pads the rest, and no padding is a parent."""
+    torch.manual_seed(0)
+    cfg = GPT(V8).config
+    d = peaky(DBlastDrafter(cfg, 4, 3), 0.4, 3).double()
+    model = peaky(GPT(V8), 0.3, 0).double()
+    h, bonus = torch.randn(1, V8.n_embd, dtype=torch.float64), torch.tensor([3])
+    log_q = d.next_log_q(h, bonus, model, 4, 1.0)
+    tokens, tree = grow_tree(log_q, 1, 3, nodes, 'cpu')
+    assert tokens.shape == (1, nodes) and tree.shape == (1, 2, nodes + 1)
+    assert prefixes_of(tokens, tree) == brute_force_tree(log_q, 3, nodes)
+    # a drafter with two tokens of probability at each position: 2 + 4 + 8 nodes at most
+    two = torch.full((1, 1, V), -math.inf, dtype=torch.float64)
+    two[..., :2] = math.log(0.5)
+    tokens, tree = grow_tree(lambda j, prefix: two.expand(1, prefix.size(1), V), 1, 3, 20, 'cpu')
+    valid = tree[0, 0, 1:] >= 0
+    assert int(valid.sum()) == 14 and set(tree[0, 0].tolist()) & set((1 + torch.nonzero(~valid)).flatten().tolist()) == set()
+
+
+def test_tree_attend_sees_exactly_the_ancestors():
+    tree = torch.tensor([[[0, 0, 0, 1, 1, 3, -1], [0, 1, 1, 2, 2, 3, 1]]])      # slot 6: padding
+    depth, attend = tree_attend(tree, 3)
+    want = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 1, 3, 5}, 6: {6}}
+    assert {i: set(torch.nonzero(attend[0, i]).flatten().tolist()) for i in range(7)} == want
+    assert torch.equal(depth, tree[:, 1])
+
+
+def test_a_tree_slot_sees_its_own_path():
+    """Through forward_cached with a token tree, the state at each node is the target's state
+    after [prefix, bonus, the node's path] (float64), each row its own tree."""
+    model = tiny_model(std=0.3)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(64, (2, 5), generator=g)
+    block = torch.randint(64, (2, 6), generator=g)
+    tree = torch.tensor([[[0, 0, 0, 1, 3, 2], [0, 1, 1, 2, 3, 2]], [[0, 0, 1, 1, 0, 4], [0, 1, 2, 2, 1, 2]]])
+    cache = model.new_cache(2, 24)
+    model.forward_cached(prefix, cache)
+    cache.commit(5)
+    h = model.forward_cached(block, cache, tree_attend(tree, 3))
+    for b in range(2):
+        for s in range(6):
+            path, t = [], s
+            while t:
+                path.insert(0, int(block[b, t]))
+                t = int(tree[b, 0, t])
+            seq = torch.cat([prefix[b], block[b, :1], torch.tensor(path, dtype=torch.long)])
+            assert torch.allclose(h[b, s], model.hidden(seq[None])[0, -1], atol=1e-10), (b, s)
+
+
+def test_greedy_walk_follows_the_targets_argmax():
+    """walk_down: from the bonus, the child holding the target's choice, until none does; the path's
+    slots depth by depth."""
+    block = torch.tensor([[9, 4, 5, 6, 7, 8]])
+    tree = torch.tensor([[[0, 0, 0, 1, 1, 4], [0, 1, 1, 2, 2, 3]]])     # 4 -> {6, 7}, 7 -> 8; 5 a leaf
+    choice = torch.tensor([[4, 7, 1, 2, 8, 3]])                          # the bonus chose 4, slot 1 chose 7, slot 4 chose 8
+    _, attend = tree_attend(tree, 3)
+    n_acc, last, slots = walk_down(choice, block, tree, attend, 3)
+    assert n_acc.tolist() == [3] and last.tolist() == [5] and slots.tolist() == [[1, 4, 5]]
+    choice[0, 1] = 5                                                     # 5 is no child of slot 1: stop there
+    n_acc, last, slots = walk_down(choice, block, tree, attend, 3)
+    assert n_acc.tolist() == [1] and last.tolist() == [1] and slots[0, 0].item() == 1
+
+
+KINDS = ['heads', 'dblast', 'dblast-greedy']
+
+
+def tree_drafter(kind, cfg, dtype=torch.float64):
+    if kind == 'heads':
+        return peaky(BlockHeads(cfg, 4), 0.2, 1).to(dtype).eval()
+    return peaky(DBlastDrafter(cfg, 4, 4, sample_drafts=kind == 'dblast'), 0.2, 1).to(dtype).eval()
+
+
+@pytest.mark.parametrize('kind', KINDS)
+@pytest.mark.parametrize('nodes', [1, 6, 30])
+def test_greedy_trees_decode_exactly_greedy(kind, nodes):
+    """Every token of greedy decoding through trees of any size is plain greedy decoding's (float64,
+    3 rows accepting their own numbers), with at most as many calls as one path of the same drafter."""
+    model = tiny_model(std=0.3)
+    drafter = tree_drafter(kind, model.config)
+    prompt = torch.randint(64, (3, 5), generator=torch.Generator().manual_seed(2))
+    ref = naive_greedy(model, prompt, 40)
+    out, stats = generate(model, prompt, 40, drafter=drafter, k=4, nodes=nodes)
+    assert torch.equal(out, ref)
+    assert all(1 <= t <= 4 for t in stats['accept_lengths'])
+
+
+class SecondBest(Drafter):
+    """A drafter whose distribution at every depth puts the target's greedy token second (0.3) and a
+    wrong one first (0.6): its one path, the argmax, is refused at once; a tree of two children a
+    node holds the greedy path. It finds where h came from as exercises' GreedyOracle does (the
+    reference's hidden state nearest to it), so it uses nothing but the drafter contract."""
+
+    def __init__(self, model, ref, k):
+        super().__init__()
+        self.k, self.sample_drafts, self.V = k, False, model.config.vocab_size
+        self.ref = torch.cat([ref, torch.zeros(ref.size(0), k + 1, dtype=torch.long)], 1)
+        with torch.no_grad():
+            self.H = model.hidden(ref)                                      # (B, T, C)
+
+    def log_q(self, h):
+        """(B, k-1, V): the drafter's log-probabilities at the drafted positions after h."""
+        t = ((self.H - h[:, None]) ** 2).sum(-1).argmin(-1)                 # (B,) where h came from
+        right = self.ref.gather(1, t[:, None] + 2 + torch.arange(self.k - 1))   # (B, k-1)
+        q = torch.full((h.size(0), self.k - 1, self.V), math.log(0.1 / (self.V - 2)), dtype=torch.float64)
+        q.scatter_(2, right[..., None], math.log(0.3))
+        return q.scatter_(2, (right[..., None] + 1) % self.V, math.log(0.6))
+
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        return self.log_q(h)[:, :k - 1].argmax(-1), None
+
+    def next_log_q(self, h, bonus, target, k, temperature=0.0):
+        q = self.log_q(h)
+        return lambda d, prefix: q[:, d, None].expand(-1, prefix.size(1), -1)
+
+
+def test_a_tree_commits_what_one_path_misses():
+    """With the target's greedy token second at every depth, the one path is refused at every step
+    (tau 1, m calls) and a tree of two children a node (2 + 4 + 8 nodes) commits every block whole:
+    calls = ceil((m - 1) / k) + 1, every token plain greedy's."""
+    model = tiny_model(std=0.3)
+    prompt = torch.randint(64, (2, 5), generator=torch.Generator().manual_seed(4))
+    ref = naive_greedy(model, prompt, 40)
+    drafter = SecondBest(model, ref, 4)
+    out, stats = generate(model, prompt, 40, drafter=drafter, k=4)
+    assert torch.equal(out, ref) and stats['calls'] == 40
+    out, stats = generate(model, prompt, 40, drafter=drafter, k=4, nodes=14)
+    assert torch.equal(out, ref) and stats['calls'] == math.ceil(39 / 4) + 1 and set(stats['accept_lengths']) == {4}
+
+
+@pytest.mark.parametrize('kind', ['heads', 'dblast'])
+def test_a_tree_is_grown_from_the_drafters_conditionals(kind):
+    """BPD heads score a node's children alike whatever its prefix (independent positions); the
+    mixture's conditionals follow the prefix: two sibling subtrees get different distributions."""
+    model = peaky(GPT(V8), 0.3, 0).double()
+    drafter = peaky(BlockHeads(V8, 4), 0.3, 1).double() if kind == 'heads' else \
+        peaky(DBlastDrafter(V8, 4, 4), 0.6, 1).double()
+    log_q = drafter.next_log_q(torch.randn(1, V8.n_embd, dtype=torch.float64), torch.tensor([2]), model, 4, 1.0)
+    siblings = log_q(1, torch.tensor([[[0], [5]]]))                      # two depth-1 nodes' children
+    assert torch.allclose(siblings.exp().sum(-1), torch.ones(1, 2, dtype=torch.float64))
+    assert torch.allclose(siblings[0, 0], siblings[0, 1]) == (kind == 'heads')
+
+
+# ----------------------------------------------------------------------------- the sampled walk
+
+def exact_walk_tau(model, prompt, block, tree, temperature):
+    """E[tau] of the sampled walk on one fixed tree, by enumeration: 1 + the sum over every node of
+    the target's probability of its whole path (the walk reaches a node iff the target's samples
+    along the way are its tokens: it attains p(C) at every node)."""
+    parent, tokens = tree[0, 0].tolist(), block[0].tolist()
+    total = 1.0
+    for s in range(1, len(tokens)):
+        if parent[s] < 0:
+            continue
+        path, t = [], s
+        while t:
+            path.insert(0, tokens[t])
+            t = parent[t]
+        seq = torch.cat([prompt[0], torch.tensor([tokens[0]] + path)])
+        logp = torch.log_softmax(model(seq[None])[0][0] / temperature, -1)
+        n = prompt.size(1)
+        total += math.exp(sum(float(logp[n - 1 + j, seq[n + j]]) for j in range(1, len(path) + 1)))   # after the bonus
+    return total
+
+
+def test_the_sampled_walk_attains_p_of_the_children_at_every_node():
+    """One tree, 20,000 rows walked with the target's own samples: the mean tau is the enumerated
+    sum of the target's probability of every node's path (within 4 standard errors), the most any
+    lossless rule can accept from a fixed set of children (MATH.md §10)."""
+    model = peaky(GPT(V8), 0.3, 0).float()
+    drafter = make_drafter('K4-sampled-mixture-zt1')
+    n_rows, T = 20000, 1.3
+    cache = model.new_cache(n_rows, 32)
+    prompt = V8_PROMPT.expand(n_rows, -1)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        block, _, tree = decode.first_block(model, drafter, cache, prompt, T, g, 1, 4, nodes=10)
+        block[:] = block[:1]          # one tree for every row: the first row's
+        tree[:] = tree[:1]
+        n_acc, *_ = decode.tree_step(model, drafter, cache, block, tree, torch.ones(n_rows, dtype=torch.bool), T, g, 4,
+                                     10)
+        want = exact_walk_tau(peaky(GPT(V8), 0.3, 0).double(), V8_PROMPT, block[:1], tree[:1], T)
+    taus = (n_acc + 1).double()
+    assert abs(float(taus.mean()) - want) < 4 * float(taus.std()) / math.sqrt(n_rows), (float(taus.mean()), want)
+    assert want > 1.3   # the tree is walked into, not a single node
+
+
+def tree_counts(model, drafter, temperature, k, nodes, n_rows=20000, seed=0, m=3, compile=False):
+    g = torch.Generator().manual_seed(seed)
+    out, stats = generate(model, V8_PROMPT.expand(n_rows, -1), m, drafter=drafter, k=k, temperature=temperature,
+                          generator=g, nodes=nodes, compile=compile)
+    codes = (out[:, V8_PROMPT.size(1):] * torch.tensor([V ** (m - 1 - i) for i in range(m)])).sum(-1)
+    return torch.bincount(codes, minlength=V ** m).double(), stats
+
+
+# every kind of drafter the tree can come from, k = 4 (three tokens: a walk of up to three drafts)
+# and k = 2 (three tokens over two steps: a fully accepted block's bonus and a leaf's bonus counted)
+WALKS = [('heads-sampled', 1.5, 4, 12), ('K4-sampled-mixture-zt1', 1.5, 4, 24), ('K1-sampled-mixture-zt1', 0.7, 4, 6),
+         ('K4-greedy-mixture-zt0.5', 1.0, 4, 10), ('heads-argmax', 1.0, 2, 3), ('K4-sampled-mixture-zt1', 1.5, 2, 5)]
+QUICK = {('heads-sampled', 1.5, 4, 12), ('K4-sampled-mixture-zt1', 1.5, 2, 5)}
+
+
+@pytest.mark.parametrize('spec,temperature,k,nodes', [w if w in QUICK else pytest.param(*w, marks=pytest.mark.slow)
+                                                      for w in WALKS])
+def test_the_sampled_walk_is_lossless(target8, spec, temperature, k, nodes):
+    counts, stats = tree_counts(target8, make_drafter(spec), temperature, k, nodes)
+    stat, crit = chi_square(counts, continuation_probs(temperature), 20000)
+    assert stat < crit, f"{spec} k={k} nodes={nodes} T={temperature}: chi2 {stat:.1f} >= {crit:.1f}"
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus > 1).any() and (taus < k).any()
+    if k == 2:    # three tokens over two steps: some rows accepted a whole block (its bonus counted)
+        assert (taus == 2).any()
+
+
+@pytest.mark.slow
+def test_the_sampled_walk_is_lossless_in_units_of_steps(target8, monkeypatch):
+    monkeypatch.setattr(runner, 'compiled', lambda fn, mode=None: fn)
+    counts, _ = tree_counts(target8, make_drafter('K4-sampled-mixture-zt1'), 1.5, 4, 16, compile=True)
+    stat, crit = chi_square(counts, continuation_probs(1.5), 20000)
+    assert stat < crit, f"tree walk in units: chi2 {stat:.1f} >= {crit:.1f}"
+
+
+def test_chi_square_catches_a_walk_whose_draws_share_one_number(target8, monkeypatch):
+    """A walk drawing every node's token with one uniform number per row (torch.rand(B, 1) where
+    each node needs its own): each token is p's at its own node, yet a child's draw is tied to its
+    parent's, and the output is biased. The test catches it, at a quarter of the rows."""
+    def one_number(logits, temperature, generator=None):
+        if temperature == 0.0 or logits.dim() < 3:
+            return real(logits, temperature, generator)
+        cdf = torch.softmax(logits / temperature, -1).cumsum(-1)
+        u = torch.rand(logits.size(0), 1, 1, generator=generator)
+        return torch.searchsorted(cdf, u.expand(-1, logits.size(1), 1) * cdf[..., -1:], right=True).squeeze(-1).clamp(
+            max=logits.size(-1) - 1)
+    real = decode.target_choice
+    monkeypatch.setattr(decode, 'target_choice', one_number)
+    counts, _ = tree_counts(target8, make_drafter('K4-sampled-mixture-zt1'), 1.5, 4, 24, n_rows=5000)
+    stat, crit = chi_square(counts, continuation_probs(1.5), 5000)
+    assert stat > crit, f"shared draws passed: chi2 {stat:.1f} < {crit:.1f}"
+
+
+# ----------------------------------------------------------------------------- refused
+
+@pytest.mark.parametrize('kw,needle', [
+    (dict(nodes=0), "nodes=0: drafted tokens of a tree per call, a whole number from 1 to 1024"),
+    (dict(nodes=1025), "nodes=1025"), (dict(nodes=2.5), "nodes=2.5"),
+    (dict(nodes=8, paths=2), "nodes=8 and paths=2: a call verifies one tree or several paths, not both"),
+    (dict(nodes=8, accept='topk:2'), "accept='topk:2' with nodes=8: a tree is walked"),
+    (dict(nodes=8, accept='minblock:2'), "accept='minblock:2' with nodes=8"),
+    (dict(nodes=8, drafter=None, k=None), "nodes=8: a tree or several paths need a drafter")])
+def test_what_a_tree_cannot_take_is_one_line(kw, needle):
+    model = tiny_model(std=0.3)
+    args = {**dict(drafter=BlockHeads(model.config, 4).double(), k=4), **kw}
+    with pytest.raises(decode.BadInput) as e:
+        generate(model, torch.zeros(1, 4, dtype=torch.long), 8, **args)
+    assert needle in str(e.value) and '\n' not in str(e.value)
+
+
+def test_a_drafter_that_grows_no_trees_is_refused():
+    class Plain(Drafter):
+        k = 4
+
+        def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+            return bonus[:, None].expand(-1, k - 1), None
+    model = tiny_model(std=0.3)
+    with pytest.raises(decode.BadInput, match=r"^nodes=4: this drafter grows no token trees"):
+        generate(model, torch.zeros(1, 4, dtype=torch.long), 8, drafter=Plain(), nodes=4)
