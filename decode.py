@@ -686,9 +686,10 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
             if value != default:
                 raise BadInput(f"{say(name, value)} means nothing without a drafter: plain decoding takes the "
                                f"target's own token, one a call")
-        for name, value, default in (('paths', paths, 1), ('nodes', nodes, None)):
+        for name, value, default, what in (('paths', paths, 1, 'several paths need'),
+                                           ('nodes', nodes, None, 'a tree needs')):
             if value != default:
-                raise BadInput(f"{say(name, value)}: a tree or several paths need a drafter "
+                raise BadInput(f"{say(name, value)}: {what} a drafter "
                                + ("(--heads or --drafter)" if cli else "(drafter=...)"))
         k = 1
     else:

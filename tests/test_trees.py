@@ -303,7 +303,7 @@ def test_chi_square_catches_a_walk_whose_draws_share_one_number(target8, monkeyp
     (dict(nodes=8, paths=2), "nodes=8 and paths=2: a call verifies one tree or several paths, not both"),
     (dict(nodes=8, accept='topk:2'), "accept='topk:2' with nodes=8: a tree is walked"),
     (dict(nodes=8, accept='minblock:2'), "accept='minblock:2' with nodes=8"),
-    (dict(nodes=8, drafter=None, k=None), "nodes=8: a tree or several paths need a drafter")])
+    (dict(nodes=8, drafter=None, k=None), "nodes=8: a tree needs a drafter (drafter=...)")])
 def test_what_a_tree_cannot_take_is_one_line(kw, needle):
     model = tiny_model(std=0.3)
     args = {**dict(drafter=BlockHeads(model.config, 4).double(), k=4), **kw}
