@@ -67,6 +67,8 @@ def test_grow_tree_takes_the_best_prefix_closed_set(nodes):
     tokens, tree = grow_tree(log_q, 1, 3, nodes, 'cpu')
     assert tokens.shape == (1, nodes) and tree.shape == (1, 2, nodes + 1)
     assert prefixes_of(tokens, tree) == brute_force_tree(log_q, 3, nodes)
+    # a larger budget holds the smaller tree: its expected tau is never lower
+    assert prefixes_of(tokens, tree) <= prefixes_of(*grow_tree(log_q, 1, 3, nodes + 7, 'cpu'))
     # a drafter with two tokens of probability at each position: 2 + 4 + 8 nodes at most
     two = torch.full((1, 1, V), -math.inf, dtype=torch.float64)
     two[..., :2] = math.log(0.5)
@@ -293,6 +295,21 @@ def test_chi_square_catches_a_walk_whose_draws_share_one_number(target8, monkeyp
     counts, _ = tree_counts(target8, make_drafter('K4-sampled-mixture-zt1'), 1.5, 4, 24, n_rows=5000)
     stat, crit = chi_square(counts, continuation_probs(1.5), 5000)
     assert stat > crit, f"shared draws passed: chi2 {stat:.1f} < {crit:.1f}"
+
+
+def test_where_p_is_spread_a_sampled_candidate_beats_fixed_children():
+    """MATH.md §10's example: p = Q uniform over 100 tokens. One candidate drawn from Q is accepted
+    with probability sum_x min(p(x), Q(x)) = 1 (decode.accept_sampled), while the walk from a node
+    with 8 fixed children moves with probability p(C) = 0.08 (within 4 standard errors)."""
+    g, n = torch.Generator().manual_seed(0), 20000
+    p = torch.full((n, 1, 100), 0.01)
+    assert decode.accept_sampled(p, p, sample(p, g), g).all()
+    block = torch.arange(9).expand(n, -1)                                  # the bonus, then children 1..8
+    tree = torch.stack([torch.zeros(n, 9, dtype=torch.long), (torch.arange(9) > 0).long().expand(n, -1)], 1)
+    choice = sample(torch.full((n, 9, 100), 0.01), g)
+    n_acc, _, _ = walk_down(choice, block, tree, tree_attend(tree, 1)[1], 1)
+    moved = n_acc.double().mean()
+    assert abs(float(moved) - 0.08) < 4 * math.sqrt(0.08 * 0.92 / n)
 
 
 # ----------------------------------------------------------------------------- refused
