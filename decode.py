@@ -1,10 +1,11 @@
 """
 Decoding: plain autoregressive, blockwise parallel (BPD, greedy and lossy), and lossless
-speculative sampling with a block drafter (BPD heads or DBlast), one block or a tree of several
-drafted paths per target call.
+speculative sampling with a block drafter (BPD heads or DBlast), one block, several drafted paths
+or a token tree per target call.
 
 Read in this order (MATH.md has every equation):
   the acceptance rules and verifiers   one block (MATH.md §2, §4) and a tree of paths (§9)
+  a token tree                         its block and its walks with the target's own choices (§10)
   merged_step                          one target call: verify, commit, propose
   the loop                             the prefill, advance (a step and what the loop keeps of
                                        it), generate and its argument checks

@@ -1,10 +1,10 @@
 """
-What a first run on one GPU has to show, in parts a-j: every stage trains (eager, and compiled
+What a first run on one GPU has to show, in parts a-k: every stage trains (eager, and compiled
 with --parts b), compiled decoding compiles and captures once and skips no CUDA graph, its greedy
 tokens match eager ones, seeds reproduce, no host sync inside a step, the memory decoding adds, the
-speed tables (eager and compiled float32, eager bfloat16), what the loop's few host syncs save, and
-where a target call's time goes (each way of running the steps: wall time, GPU busy time, kernels
-and launches per call).
+speed tables (eager and compiled float32, eager bfloat16), token trees against paths, what the
+loop's few host syncs save, and where a target call's time goes (each way of running the steps:
+wall time, GPU busy time, kernels and launches per call).
 
     python gpu_check.py --device cuda               # -> bench/gpu/parts.jsonl and gpu_check.json
     python gpu_check.py --device cuda --trained out  # on train.py's checkpoints in out/ (no part a)
@@ -341,6 +341,22 @@ def replayed_step_us(target, k, unit, replays=20):
     return start.elapsed_time(end) * 1000 / (replays * unit)
 
 
+def part_trees(c):
+    """k: token trees against one path and several (MATH.md §10), compiled: BPD heads greedy at k = 8
+    with 1 path and trees of 8, 32 and 64 nodes; the DBlast K = 4 drafter sampling at its own
+    temperature with 1 path, 8 paths and a tree of 24 nodes (as many drafted tokens). tau, calls,
+    speedup over plain decoding, timed interleaved with it."""
+    heads, _, k4, T, kd = c.drafters
+    rows = []
+    for name, d, k, temperature, shapes in (('BPD heads', heads, 8, 0.0, [(1, None), (1, 8), (1, 32), (1, 64)]),
+                                             ('DBlast K=4', k4, kd, T, [(1, None), (8, None), (1, 24)])):
+        for paths, nodes in shapes:
+            r, _, _ = c.compiled.row(c.base, d, k, temperature=temperature, paths=paths, nodes=nodes)
+            rows.append(dict(drafter=name, T=temperature, paths=paths, nodes=nodes, tau=r['tau'], calls=r['calls'],
+                             speedup=r['speedup'], seconds=r['seconds']))
+    return dict(ok=True, rows=rows)
+
+
 # key -> (title, part, time limit in seconds). The limits are about twice the README's estimate
 # of each part on one H200, cold: a part past its limit fails, and the next one runs.
 PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 200),
@@ -353,8 +369,9 @@ PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 2
          'g': ('memory decoding adds (CUDA)', part_decode_memory, 60),
          'h': ('speed tables: eager and compiled float32, eager bfloat16', part_speed, 200),
          'i': ("the loop's host syncs: as they are against one every step", part_host_syncs, 60),
-         'j': ("what a target call costs, each way of running the steps", part_calls, 240)}
-PART_ORDER = 'a,h,j,c,d,e,f,g,i'   # the speed figures early; b (compiled training, the slowest) when asked
+         'j': ("what a target call costs, each way of running the steps", part_calls, 240),
+         'k': ('token trees against one path and several, compiled', part_trees, 150)}
+PART_ORDER = 'a,h,k,j,c,d,e,f,g,i'   # the speed figures early; b (compiled training, the slowest) when asked
 
 
 def gpu_check(args, device, prompts, val):

@@ -318,7 +318,7 @@ class GPT(nn.Module):
             depth, attend = tree
             rel = keys[None, :] - cache.lengths[:, None]                       # (B, max_len) slot in the block
             in_block = (rel >= 0) & (rel < L)
-            sees = attend.expand(B, L, L).gather(2, rel.clamp(0, L - 1)[:, None, :].expand(B, L, -1))   # attend[b, j, rel]
+            sees = attend.expand(B, L, L).gather(2, rel.clamp(0, L - 1)[:, None, :].expand(B, L, -1))   # [b, j, rel]
             mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & sees)       # (B, L, max_len)
         # Positions past block_size only occur for the tail of a draft block that overruns the
         # requested length; no committed token attends to them, so clamping them is harmless.

@@ -74,7 +74,8 @@ def test_grow_tree_takes_the_best_prefix_closed_set(nodes):
     two[..., :2] = math.log(0.5)
     tokens, tree = grow_tree(lambda j, prefix: two.expand(1, prefix.size(1), V), 1, 3, 20, 'cpu')
     valid = tree[0, 0, 1:] >= 0
-    assert int(valid.sum()) == 14 and set(tree[0, 0].tolist()) & set((1 + torch.nonzero(~valid)).flatten().tolist()) == set()
+    padding = set((1 + torch.nonzero(~valid)).flatten().tolist())
+    assert int(valid.sum()) == 14 and not set(tree[0, 0].tolist()) & padding
 
 
 def test_tree_attend_sees_exactly_the_ancestors():
@@ -112,7 +113,7 @@ def test_greedy_walk_follows_the_targets_argmax():
     slots depth by depth."""
     block = torch.tensor([[9, 4, 5, 6, 7, 8]])
     tree = torch.tensor([[[0, 0, 0, 1, 1, 4], [0, 1, 1, 2, 2, 3]]])     # 4 -> {6, 7}, 7 -> 8; 5 a leaf
-    choice = torch.tensor([[4, 7, 1, 2, 8, 3]])                          # the bonus chose 4, slot 1 chose 7, slot 4 chose 8
+    choice = torch.tensor([[4, 7, 1, 2, 8, 3]])          # the bonus chose 4, slot 1 chose 7, slot 4 chose 8
     _, attend = tree_attend(tree, 3)
     n_acc, last, slots = walk_down(choice, block, tree, attend, 3)
     assert n_acc.tolist() == [3] and last.tolist() == [5] and slots.tolist() == [[1, 4, 5]]
