@@ -342,16 +342,17 @@ def replayed_step_us(target, k, unit, replays=20):
 
 
 def part_trees(c):
-    """k: token trees against one path and several (MATH.md §10), compiled: BPD heads greedy at k = 8
-    with 1 path and trees of 8, 32 and 64 nodes; the DBlast K = 4 drafter sampling at its own
-    temperature with 1 path, 8 paths and a tree of 24 nodes (as many drafted tokens). tau, calls,
-    speedup over plain decoding, timed interleaved with it."""
+    """k: token trees against one path and several (MATH.md §10), compiled on CUDA (eager on a CPU,
+    where a wider block is not free anyway): BPD heads greedy at k = 8 with 1 path and trees of 8, 32
+    and 64 nodes; the DBlast K = 4 drafter sampling at its own temperature with 1 path, 8 paths and a
+    tree of 24 nodes (as many drafted tokens). tau, calls, speedup over plain decoding, timed
+    interleaved with it."""
     heads, _, k4, T, kd = c.drafters
-    rows = []
+    b, rows = c.compiled if c.cuda else c.eager, []
     for name, d, k, temperature, shapes in (('BPD heads', heads, 8, 0.0, [(1, None), (1, 8), (1, 32), (1, 64)]),
                                              ('DBlast K=4', k4, kd, T, [(1, None), (8, None), (1, 24)])):
         for paths, nodes in shapes:
-            r, _, _ = c.compiled.row(c.base, d, k, temperature=temperature, paths=paths, nodes=nodes)
+            r, _, _ = b.row(c.base, d, k, temperature=temperature, paths=paths, nodes=nodes)
             rows.append(dict(drafter=name, T=temperature, paths=paths, nodes=nodes, tau=r['tau'], calls=r['calls'],
                              speedup=r['speedup'], seconds=r['seconds']))
     return dict(ok=True, rows=rows)
@@ -370,7 +371,7 @@ PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 2
          'h': ('speed tables: eager and compiled float32, eager bfloat16', part_speed, 200),
          'i': ("the loop's host syncs: as they are against one every step", part_host_syncs, 60),
          'j': ("what a target call costs, each way of running the steps", part_calls, 240),
-         'k': ('token trees against one path and several, compiled', part_trees, 150)}
+         'k': ('token trees against one path and several, compiled on CUDA', part_trees, 150)}
 PART_ORDER = 'a,h,k,j,c,d,e,f,g,i'   # the speed figures early; b (compiled training, the slowest) when asked
 
 
