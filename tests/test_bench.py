@@ -56,11 +56,11 @@ def test_bench_quick_tiny(tmp_path, corpus_file):
 
 @pytest.mark.slow
 def test_calls_table_times_every_way_of_running_the_steps(monkeypatch, capsys):
-    """Table 7 on the CPU (traced by aot_eager: the ways, not inductor's code, are what is tested):
+    """Table 7 on the CPU (traced by dynamo alone: the ways, not inductor's code, are what is tested):
     plain and k = 8 for eager, one step and a unit of steps a host call, each with its time,
     operations and tau per call; the unit's calls are the eager loop's."""
-    monkeypatch.setattr(bench.runner, 'BACKEND', 'aot_eager')
-    monkeypatch.setattr(bench, 'CALLS_TOKENS', 40)
+    monkeypatch.setattr(bench.runner, 'BACKEND', 'eager')
+    monkeypatch.setattr(bench, 'CALLS_TOKENS', 24)
     monkeypatch.setattr(bench, 'CALLS_BEST_OF', 1)
     results = {}
     bench.calls_table(types.SimpleNamespace(device='cpu'), None, types.SimpleNamespace(seed=0, repeats=1), results)
