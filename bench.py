@@ -405,18 +405,16 @@ def trees_table(b, base, args, results):
         shapes += [(f'tree of {N}', 1, N) for N in TREE_NODES]
         one = None
         for shape, paths, nodes in shapes:
-            size = 1 + (nodes if nodes else paths * (k - 1))
-            key = (size, k)
-            if key not in ratios:
-                ratios[key] = token_tree_ratio(base, size - 1, k, b.device, args.batch) if size > k else \
-                    (tree_ratio(base, paths, k, b.device, args.batch) if paths > 1 else 1.0)
+            size = 1 + (nodes if nodes else paths * (k - 1))            # the block's tokens; one path's: k
+            if (size, k) not in ratios:   # what a block of `size` tokens costs does not depend on its shape
+                ratios[size, k] = token_tree_ratio(base, size - 1, k, b.device, args.batch) if size > k else 1.0
             r, _, _ = b.row(base, d, k, temperature=T, paths=paths, nodes=nodes)
             one = one or r['tau']
-            r.update(drafter=name, T=T, block=shape, tokens_per_call=b.args.n_prompts * b.args.max_new / r['calls'],
-                     t_block_over_t_path=ratios[key], tau_over_one_path=r['tau'] / one)
+            r.update(drafter=name, T=T, block=shape, tokens_per_call=args.n_prompts * args.max_new / r['calls'],
+                     t_block_over_t_path=ratios[size, k], tau_over_one_path=r['tau'] / one)
             rows.append(r)
             print(md_row([name, T, k, shape, f"{r['tau']:.2f}", r['calls'], f"{r['tokens_per_call']:.2f}",
-                          f"{r['speedup']:.2f}x", f"{ratios[key]:.2f}", f"{r['tau_over_one_path']:.2f}"]), flush=True)
+                          f"{r['speedup']:.2f}x", f"{ratios[size, k]:.2f}", f"{r['tau_over_one_path']:.2f}"]), flush=True)
     results['trees'] = dict(mode=mode, precision=str(b.precision), rows=rows)
 
 

@@ -581,7 +581,7 @@ def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, 
             # a step commits at most k tokens a row, so the next ceil(behind / k) steps are needed
             # whatever they accept: run them without asking (the host can queue them)
             run(-(-behind // k))
-    return finished(d, B, max_new_tokens, k)
+    return finished(d, B, total, max_new_tokens, k)
 
 
 def tokens_behind(n_out, total):
@@ -590,12 +590,11 @@ def tokens_behind(n_out, total):
     return int(total - 1 - n_out.min())
 
 
-def finished(d, B, max_new_tokens, k):
-    """The output (B, T0 + max_new_tokens) and the stats of a loop whose state is d."""
+def finished(d, B, total, max_new_tokens, k):
+    """The output (B, total = T0 + max_new_tokens) and the stats of a loop whose state is d."""
     # every row lacks at most its pending bonus, which the last call chose: it takes no call (a
     # finished row's lands past its end, where nothing is kept)
     d.out.scatter_(1, d.n_out[:, None], d.block[:, :1])
-    total = int(d.total)
     taus = d.taus[:int(d.t)].cpu()                             # (steps, B), 0: no part in the step
     tau = taus[taus > 0]                                       # step by step, row by row
     accepted = tau[:, None] > torch.arange(1, k)                # (steps, k-1) draft j accepted
