@@ -9,7 +9,7 @@ The papers' findings at small scale, measured on this machine.
 Trains what it needs when checkpoints are missing (through train.py, under --ckpt-dir), then:
   0. speed at a glance (speed): tokens/s, tau and speedup, greedy k = 2..10 and sampling
   1. BPD table (the paper's Table 1, §7.1 "Machine Translation"): k x {frozen, joint} x {corpus, distilled}
-  2. lossy acceptance (BPD §5 "Approximate Inference"): top-N and minimum-block
+  2. lossy acceptance (BPD §5 "Approximate Inference"): top-J and minimum-block
   3. speculative sampling at T = 0.7, 1.0, 1.5: every drafter and way of drafting by the exact
      expected-tau evaluator; the headline rows decoded and timed; K ablation, Z_T sweep, curve
   4. where a step's time goes (BPD §7.3 "Wall-Clock Speedup"), t(k-token forward) / t(1-token forward), ceiling speedup
@@ -18,6 +18,9 @@ Trains what it needs when checkpoints are missing (through train.py, under --ckp
   7. what a call costs (calls): a target that computes next to nothing, each way of running its
      steps (eager, compiled, several steps a host call; on CUDA by hand or torch.compile's graphs)
   8. token trees (trees): trees grown from the drafters' distributions against one path and N paths
+  9. every drafter behind one verifier (drafters): a draft model, prompt lookup, BPD heads, heads and
+     lookup in one call, beside Hugging Face's greedy, prompt lookup and assisted generation on the
+     same target converted to transformers' GPT-2 (where transformers is installed)
 Prints markdown tables and writes them to OUT/RESULTS.md under the commit, command, machine and
 torch that made them, with OUT/results.json and (with matplotlib) OUT/bench.png. Decoding runs at
 --dtype (default float32; bfloat16 by autocast) and, on CUDA, --tf32; training keeps train.py's own.
@@ -53,13 +56,16 @@ import torch
 import decode
 import runner
 import train
-from data import (DTYPES, PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, check_number, decoding_precision,
-                  intra_op_threads, load_checkpoint, load_target, num_threads, pick_device, run_script)
-from decode import generate, load_drafter
+from data import (DTYPES, PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number,
+                  decoding_precision, intra_op_threads, load_checkpoint, load_target, num_threads, pick_device,
+                  run_script)
+from decode import generate, load_draft_model, load_drafter
+from drafters import MixedPaths, PromptLookup
 from heads import BlockHeads
-from measure import (DRAFTING, TINY_TARGET, Bench, Tee, call_costs, command_line, common_flags, forward_ratio, identical,
-                     md_row, md_table, meta, output_nll, parse_list, prepare, results_md, runner_settings, time_split,
-                     timed, token_tree_ratio, train_args, tree_ratio, ways_of_calling, write_json, write_text)
+from measure import (DRAFTING, TINY_TARGET, Bench, Tee, call_costs, command_line, common_flags, forward_ratio, hf_assistant,
+                     hf_generate, identical, md_row, md_table, meta, output_nll, parse_list, prepare, results_md,
+                     runner_settings, time_split, timed, to_hf, token_tree_ratio, train_args, tree_ratio,
+                     ways_of_calling, write_json, write_text)
 from model import GPT
 
 BPD_KS = [2, 4, 6, 8, 10]
@@ -84,6 +90,8 @@ def trainings(args, resume=True):
         runs.append((f'heads{heads_tag(joint, distill)}', train_args(
             args, 'heads', '--k', str(max(BPD_KS)), '--joint' if joint else '--frozen',
             '--distill' if distill else '--no-distill', '--tag', heads_tag(joint, distill), resume=resume)))
+    if 'drafters' in args.tables:     # a draft model for the target, on its greedy continuations
+        runs.append(('draft', train_args(args, 'draft', resume=resume)))
     for extra in dblast_trainings(args):
         K, tag = (extra[extra.index(flag) + 1] for flag in ('--branches', '--tag'))
         runs.append((f'dblast_K{K}{tag}', train_args(args, 'dblast', '--dblast-k', str(args.dblast_k), *extra,
@@ -418,6 +426,62 @@ def trees_table(b, base, args, results):
     results['trees'] = dict(mode=mode, precision=str(b.precision), rows=rows)
 
 
+LOOKUP_NGRAM, LOOKUP_K, DRAFT_K = 2, 11, 6   # table 9: Hugging Face's default n-gram, 10 drafts; gpt-fast's 5
+
+
+def drafters_table(b, base, args, results):
+    """Table 9: the drafters a reader knows from elsewhere, behind the one verifier, greedy and at
+    T = 1.0: tau, tokens per call, tokens/s and speedup over our plain decoding, and agreement with
+    it (greedy). Beside them Hugging Face's generate on the same target (converted to its GPT-2,
+    measure.to_hf): greedy, prompt lookup with the same n-gram and draft length, assisted generation
+    with the same draft model's weights drafting the same number of tokens; timed in the same
+    rounds, one prompt at a time (Hugging Face's speculative paths take one row)."""
+    heads = load_drafter(os.path.join(args.ckpt_dir, f"heads{heads_tag(False, True)}.pt"), base)
+    draft = load_draft_model(os.path.join(args.ckpt_dir, 'draft.pt'), base, k=DRAFT_K)
+    lookup = PromptLookup(LOOKUP_NGRAM, LOOKUP_K)
+    hf = to_hf(base)
+    rows_of = [('draft model', draft, DRAFT_K, 1, dict(assistant_model=hf and hf_assistant(draft.model, DRAFT_K))),
+               ('prompt lookup', lookup, LOOKUP_K, 1, dict(prompt_lookup_num_tokens=LOOKUP_K - 1,
+                                                           max_matching_ngram_size=LOOKUP_NGRAM)),
+               ('BPD heads', heads, 8, 1, None), ('BPD heads + lookup', MixedPaths([heads, lookup]), 8, 2, None)]
+    mode = 'compiled' if args.compile else 'eager'
+    print(f"\n### 9. Every drafter behind one verifier ({mode}, {b.precision}, {args.n_prompts} prompts x "
+          f"{args.max_new} tokens)\n")
+    if hf is None:
+        print("(transformers is not installed: the Hugging Face rows are left out; pip install transformers)\n")
+    print(md_table(['drafter', 'T', 'k', 'tau', 'tokens/call', 'tokens/s', 'speedup', 'same as plain greedy'], []),
+          flush=True)
+    T0, total = b.prompts.size(1), args.n_prompts * args.max_new
+    rows = []
+
+    def hf_all(T, **how):      # every prompt through transformers' generate, one at a time
+        runs = [hf_generate(hf, p[None], args.max_new, T, seed=i, **how) for i, p in enumerate(b.prompts)]
+        return torch.cat([out for out, _ in runs]), sum(c for _, c in runs)
+
+    def show(name, T, k, tau, calls, seconds, plain_seconds, out, base_out):
+        same = identical(out, base_out, T0) if T == 0 else '-'
+        r = dict(drafter=name, T=T, k=k, tau=tau, calls=calls, tokens_per_call=total / calls,
+                 tok_s=total / seconds, speedup=plain_seconds / seconds, same=same)
+        rows.append(r)
+        print(md_row([name, T, k or '-', '-' if tau is None else f"{tau:.2f}", f"{total / calls:.2f}",
+                      f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}x", same]), flush=True)
+
+    for T in (0.0, 1.0):
+        for name, d, k, paths, how in rows_of:
+            r, out, base_out = b.row(base, d, k, temperature=T, paths=paths)
+            show(name, T, k, r['tau'], r['calls'], r['seconds'], r['plain_seconds'], out, base_out)
+            if hf is not None and how is not None:
+                (dt, dt0), ((hf_out, calls), (base_out, _)) = timed(
+                    [lambda: hf_all(T, **how), lambda: b.decode_all(base, temperature=T)], args.repeats, b.device)
+                show(f"Hugging Face {'assisted generation' if 'assistant_model' in how else name}", T, k, None,
+                     calls, dt, dt0, hf_out, base_out)
+        if hf is not None:
+            (dt, dt0), ((hf_out, calls), (base_out, _)) = timed(
+                [lambda: hf_all(T), lambda: b.decode_all(base, temperature=T)], args.repeats, b.device)
+            show("Hugging Face, no drafter", T, None, None, calls, dt, dt0, hf_out, base_out)
+    results['drafters'] = dict(mode=mode, precision=str(b.precision), rows=rows)
+
+
 def threads_table(b, base, args, results):
     """Table 6: one thread against torch's default, quiet and beside one and two busy processes: a
     training step of a copy of the target (batch 16 x its context) and 128-token decodes, plain
@@ -549,7 +613,7 @@ def plots(results, out_dir):
 
 # ----------------------------------------------------------------------------- main
 
-TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time', 'paths', 'threads', 'calls', 'trees']
+TABLES = ['speed', 'bpd', 'lossy', 'dblast', 'time', 'paths', 'threads', 'calls', 'trees', 'drafters']
 QUICK = dict(n_layer=2, n_head=2, n_embd=64, block_size=160, max_iters=300, heads_iters=150,
              dblast_iters=100, distill_samples=64, dblast_samples=64, dblast_eval_samples=8, n_prompts=4,
              max_new=64, repeats=1, eval_samples=8)
@@ -608,6 +672,8 @@ def main(argv=None):
     args.paths_list = parse_paths(args.paths_list)
     args.paths_temps = parse_temps(args.paths_temps)
     precision = decoding_precision(args.dtype or 'auto', device, args.tf32)
+    if args.compile:
+        check_compiler(device)
     if args.full and device != 'cuda':
         print("note: --full is sized for one GPU; on this device it will take long", file=sys.stderr)
     prompts, val = prepare(args, device)
@@ -622,7 +688,8 @@ def main(argv=None):
     with b.precision, redirect_stdout(printed):   # every decode, evaluation and timing of the tables
         for name, table in [('speed', speed_table), ('bpd', bpd_tables), ('lossy', lossy_table),
                             ('dblast', dblast_tables), ('time', time_table), ('paths', paths_table),
-                            ('threads', threads_table), ('calls', calls_table), ('trees', trees_table)]:
+                            ('threads', threads_table), ('calls', calls_table), ('trees', trees_table),
+                            ('drafters', drafters_table)]:
             if name in args.tables:
                 table(b, base, args, results)
     results['meta']['seconds'] = time.perf_counter() - t_start

@@ -3,6 +3,11 @@ What comes in from outside the program, and how bad input is refused: command-li
 checkpoint files, vocabularies, corpora and held-out prompts, for generate.py, train.py and bench.py
 alike. Every user error is a `BadInput`, which the scripts print as one `error:` line.
 
+How a script ends (`run_script`): a BadInput with its line (exit code 2); Ctrl-C and SIGTERM with a
+line saying what was kept, a save under way finishing first (130, 143); output that cannot be
+written as a Unix tool's does: a closed pipe quietly (141), a full device with one line (1), and
+a closed stdout refused before any work; --compile with no C++ compiler to build with, one line.
+
 Checkpoints (`load_checkpoint`, `save_checkpoint`, `load_target`): written atomically (an
 interrupted or failed write leaves no temporary file and the previous checkpoint as it was), read
 with `weights_only=True` (tensors and plain values only: nothing in a file runs), every field
@@ -141,22 +146,226 @@ def busy_cores(cores, window=0.2):
         return os.getloadavg()[0] if hasattr(os, 'getloadavg') else 0.0
 
 
+# ----------------------------------------------------------------------------- how a script ends
+
+class OutputLost(BaseException):
+    """stdout or stderr can no longer be written: its reader is gone (a closed pipe), or its device
+    is full. Raised by the scripts' own streams (GuardedOutput) in place of the OSError, as a
+    BaseException so that no `except Exception` on the way (a part of gpu_check.py, tqdm's own
+    handling) takes it for a failure of the work: the run ends, as a Unix tool's does (run_script)."""
+
+    def __init__(self, stream, error):
+        super().__init__(stream, error)
+        self.stream, self.error = stream, error
+
+
+class GuardedOutput:
+    """sys.stdout or sys.stderr as it is (its buffering, isatty, encoding, fileno, ...), whose
+    failed writes raise OutputLost naming the stream."""
+
+    def __init__(self, stream, label):
+        self._stream, self._label = stream, label
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            raise OutputLost(self._label, e) from None
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError as e:
+            raise OutputLost(self._label, e) from None
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def fd_to_devnull(fd):
+    """Point file descriptor `fd` at /dev/null: what is still buffered for it, and whatever C code
+    writes there, goes nowhere, and no file opened later takes its number."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    if null != fd:
+        os.dup2(null, fd)
+        os.close(null)
+
+
+def guard_output():
+    """The process's stdout and stderr, as run_script runs a script: each wrapped in GuardedOutput,
+    stdout flushed at every line (a closed pipe or a full device then shows at the first line, not
+    after the work). stderr closed (`2>&-`): what would go there is dropped, and its descriptor is
+    held on /dev/null. Returns False where stdout is closed (`>&-`): nothing printed could be seen."""
+    if sys.stderr is None:
+        try:
+            os.fstat(2)
+        except OSError:
+            fd_to_devnull(2)
+        sys.stderr = open(os.devnull, 'w')
+    if sys.stdout is None:
+        return False
+    out = sys.stdout
+    if out is sys.__stdout__ and not out.line_buffering and not getattr(out, 'write_through', True):
+        out.reconfigure(line_buffering=True)
+    for name in ('stdout', 'stderr'):
+        stream = getattr(sys, name)
+        if stream is getattr(sys, f'__{name}__'):   # the process's own, not a caller's redirection
+            setattr(sys, name, GuardedOutput(stream, name))
+    return True
+
+
+def flush_output():
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def say(line):
+    """One line on stderr, if it can still be written."""
+    with suppress(OutputLost, OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def quiet_exit(code):
+    """Exit with `code`; output that can no longer be written is dropped instead of being reported
+    once more by the interpreter on its way out."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is None:
+            continue
+        try:
+            stream.flush()
+        except (OutputLost, OSError):
+            with suppress(OSError, ValueError, AttributeError):
+                fd_to_devnull(stream.fileno())
+    sys.exit(code)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, a scheduler ending a job), raised as Ctrl-C's KeyboardInterrupt is, so that it
+    gets Ctrl-C's care: a save under way finishes first (save_before_stop) and the scripts say what
+    was kept; run_script then ends with exit code 143."""
+
+
+def on_sigterm(owner):
+    """SIGTERM's handler for the process `owner` (its pid). A child forked from it gets the default
+    back: it ends at once, as it would have without this handler."""
+    def handler(signum, frame):
+        if os.getpid() != owner:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Terminated()
+    return handler
+
+
+def terminated(e):
+    """Whether a KeyboardInterrupt came from SIGTERM: a Terminated, or raised while handling one (a
+    script's own KeyboardInterrupt saying what was saved)."""
+    while e is not None:
+        if isinstance(e, Terminated):
+            return True
+        e = e.__context__
+    return False
+
+
+COMPILER_MISSING = ("--compile on a CPU needs a C++ compiler (inductor builds the compiled steps with it), and none "
+                    "was found{tried}: install one (e.g. g++) or name it in $CXX, or run without --compile")
+
+
+def compiler_missing(e):
+    """Whether torch.compile failed because inductor found no C++ compiler (InvalidCxxCompiler,
+    however dynamo wrapped it)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__name__ == 'InvalidCxxCompiler':
+            return True
+        e = getattr(e, 'inner_exception', None) or e.__cause__ or e.__context__
+    return False
+
+
+def check_compiler(device):
+    """Before any work, where --compile is asked on a CPU: a C++ compiler inductor can use, found the
+    way inductor looks for one (torch._inductor.cpp_builder: $CXX, else g++, each run with --version);
+    else one line saying what is missing and how to run without it."""
+    if torch.device(device).type != 'cpu':
+        return
+    from torch._inductor import config, cpp_builder
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as e:
+        if not compiler_missing(e):
+            raise
+        search = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)
+        names = [c for c in search if c]
+        raise BadInput(COMPILER_MISSING.format(tried=f" ({', '.join(names)} did not run)" if names else ''))
+
+
 def run_script(main, interrupted='interrupted'):
-    """Run a script's main(): a BadInput ends it with one `error: ...` line and exit code 2; Ctrl-C
-    with one line (the KeyboardInterrupt's own message, else `interrupted`) and exit code 130."""
+    """Run a script's main() and end it as a Unix tool ends:
+      a BadInput                 one `error: ...` line, exit code 2
+      Ctrl-C                     one line (the KeyboardInterrupt's own message, else `interrupted`), 130
+      SIGTERM                    handled as Ctrl-C is (a save under way finishes), the same line, 143
+      stdout closed (`>&-`)      refused before main() runs: one line, exit code 2
+      a closed pipe (`| head`)   ends quietly, exit code 141 (128 + SIGPIPE), as a tool killed by SIGPIPE
+      a full device              one line naming the stream (on stderr, if it can), exit code 1
+      no C++ compiler            (torch.compile on a CPU) one line saying what to do, exit code 2
+    The process's streams and SIGTERM's handler are given back afterwards (a caller in-process)."""
     if signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, signal.SIG_DFL):   # the script's start-up handler
         signal.signal(signal.SIGINT, signal.default_int_handler)                  # hands over to the one below
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
+    if sigterm is signal.SIG_DFL:   # not where SIGTERM is ignored (nohup-like) or handled by the caller
+        signal.signal(signal.SIGTERM, on_sigterm(os.getpid()))
+    streams = sys.stdout, sys.stderr
     try:
-        main()
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except NotImplementedError as e:   # a handout (python -m exercises handout): an exercise not written yet
-        print(f"not written yet: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt as e:   # a script may raise its own, saying what was saved
-        print(f"\n{str(e) or interrupted}", file=sys.stderr)
-        sys.exit(130)
+        if not guard_output():
+            say("error: stdout is closed, so nothing this command prints could be seen; send it to a file, or to "
+                "/dev/null to drop it")
+            quiet_exit(2)
+        try:
+            try:
+                main()
+            except SystemExit:   # argparse's --help, a script's own exit: what they printed has to get out
+                flush_output()
+                raise
+            flush_output()
+        except OutputLost as e:
+            if isinstance(e.error, BrokenPipeError):   # the reader is gone: nothing to say, and no one to say it to
+                quiet_exit(141)
+            say(f"error: cannot write to {e.stream} ({e.error.strerror or e.error}); stopped, and what it printed "
+                f"is incomplete")
+            quiet_exit(1)
+        except BadInput as e:
+            say(f"error: {e}")
+            quiet_exit(2)
+        except NotImplementedError as e:   # a handout (python -m exercises handout): an exercise not written yet
+            say(f"not written yet: {e}")
+            quiet_exit(2)
+        except KeyboardInterrupt as e:   # a script may raise its own, saying what was saved
+            text = str(e) or interrupted
+            if terminated(e):
+                text = 'terminated (SIGTERM)' + text.removeprefix('interrupted') if text.startswith('interrupted') \
+                    else f"terminated (SIGTERM): {text}"
+            say(f"\n{text}")
+            quiet_exit(143 if terminated(e) else 130)
+        except Exception as e:
+            if not compiler_missing(e):
+                raise
+            say(f"error: {COMPILER_MISSING.format(tried='')}")
+            quiet_exit(2)
+    finally:
+        if sigterm is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, sigterm)
+        for name, stream in zip(('stdout', 'stderr'), streams):
+            if stream is None and getattr(sys, name) is not None:   # the /dev/null guard_output opened
+                with suppress(Exception):
+                    getattr(sys, name).close()
+            if isinstance(getattr(sys, name), GuardedOutput) or stream is None:
+                setattr(sys, name, stream)
 
 
 # ----------------------------------------------------------------------------- device and precision
@@ -266,45 +475,84 @@ def check_finite(module, what):
         raise BadInput(f"{what}: non-finite weights in {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ''))
 
 
+# what stops a script: Ctrl-C, and SIGTERM (`kill`, a scheduler), which run_script handles as Ctrl-C
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @contextmanager
 def save_before_stop():
-    """Ctrl-C inside the block waits for the block to end: a write that has begun finishes (a second
-    Ctrl-C stops it at once). Only where the main thread has a Python handler for SIGINT; elsewhere
-    (another thread, SIGINT ignored) the block runs as it is."""
-    handler = signal.getsignal(signal.SIGINT)
-    if threading.current_thread() is not threading.main_thread() or not callable(handler):
+    """Ctrl-C or SIGTERM inside the block waits for the block to end: a write that has begun
+    finishes (a second signal stops it at once). Only for the signals the main thread has a Python
+    handler for (run_script installs them); elsewhere (another thread, a signal ignored or at its
+    default) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    handlers = {s: h for s, h in handlers.items() if callable(h)}
+    if not handlers:
         yield
         return
     pending = []
 
     def later(signum, frame):
-        if pending:                                 # the second Ctrl-C: now
-            handler(signum, frame)
+        if pending:                                 # the second: now
+            handlers[signum](signum, frame)
         pending.append((signum, frame))
-    signal.signal(signal.SIGINT, later)
+    for s in handlers:
+        signal.signal(s, later)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, handler)
+        for s, h in handlers.items():
+            signal.signal(s, h)
     if pending:
-        handler(*pending[0])
+        signum, frame = pending[0]
+        handlers[signum](signum, frame)
+
+
+def temporary_path(path):
+    """Where write_atomically writes `path` first, beside it."""
+    return f"{path}.{os.getpid()}.tmp"
+
+
+def torch_write_error(tmp, error):
+    """Why torch's own writer (torch.save to a path) failed on `tmp`, which it reports as a
+    RuntimeError without the system's reason: the reason its message names (a name too long, no
+    such folder), else the error one more write there gets from the system (a full disk, a file
+    size limit), else its message."""
+    text = first_line(error, type(error).__name__)
+    if 'strerror:' in text:
+        return text.split('strerror:', 1)[1].strip()
+    try:
+        with open(tmp, 'ab') as f:
+            f.write(bytes(1 << 16))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return e.strerror or str(e)
+    return f"torch.save: {text}"
 
 
 def write_atomically(path, write, what='checkpoint'):
     """write(tmp) writes the file at a temporary path beside `path`, which then replaces `path` in
-    one rename: a reader sees the old file or the new one, never part of one. Ctrl-C meanwhile is
-    held until the file is in place (save_before_stop); any failure (no space, a folder or an
-    immutable file in the way, a second Ctrl-C) removes the temporary file, leaves `path` as it was,
-    and an OSError is one line naming the file and why."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    one rename: a reader sees the old file or the new one, never part of one. Ctrl-C or SIGTERM
+    meanwhile is held until the file is in place (save_before_stop); any failure (no space, a
+    folder or an immutable file in the way, a second signal) removes the temporary file, leaves
+    `path` as it was, and a write error (an OSError, or torch's writer's RuntimeError) is one line
+    naming the file and why."""
+    tmp = temporary_path(path)
     try:
         with save_before_stop():
             try:
                 write(tmp)
                 os.replace(tmp, path)
-            except BaseException:
+            except BaseException as e:
+                why = torch_write_error(tmp, e) if isinstance(e, RuntimeError) else None
                 with suppress(OSError):
                     os.remove(tmp)
+                if why is not None:
+                    raise OSError(why) from None
                 raise
     except OSError as e:
         raise BadInput(f"cannot write the {what} {path} ({e.strerror or e}); nothing half-written is left, and "
@@ -318,9 +566,11 @@ def save_checkpoint(obj, path):
 
 
 def check_replaceable(path, what='checkpoint', writable=True):
-    """Before any work: a file this run will write can be written there: nothing yet, or a regular
-    file that can be replaced (a folder in its place is refused; writable: an immutable or a
-    read-only file too, which root may write, not an immutable one)."""
+    """Before any work: a file this run will write can be written there: a name the file system
+    holds, and nothing yet or a regular file that can be replaced (a folder in its place is
+    refused; writable: an immutable or a read-only file too, which root may write, not an
+    immutable one)."""
+    check_name_fits(path, what)
     try:
         mode = os.lstat(path).st_mode
     except OSError:   # nothing there yet
@@ -331,6 +581,25 @@ def check_replaceable(path, what='checkpoint', writable=True):
            else 'it is read-only or immutable' if writable and not os.access(path, os.W_OK) else None)
     if why:
         raise BadInput(f"cannot replace the {what} {path}: {why}; nothing was done")
+
+
+def check_name_fits(path, what='checkpoint'):
+    """Before any work: the file system of `path`'s folder can hold its name, and that of the
+    temporary file it is written to first (write_atomically), else one line (a long --tag, found
+    only once a whole stage had trained and came to save)."""
+    folder, tmp = os.path.dirname(path) or '.', temporary_path(path)
+    limits = {}
+    for key, default in (('PC_NAME_MAX', 255), ('PC_PATH_MAX', 4096)):
+        try:
+            limits[key] = os.pathconf(folder, key)
+        except (OSError, ValueError):   # no such folder yet, or no answer: the usual Linux limits
+            limits[key] = default
+    name, whole = len(os.fsencode(os.path.basename(tmp))), len(os.fsencode(tmp))
+    for part, n, limit in (('name', name, limits['PC_NAME_MAX']), ('path', whole, limits['PC_PATH_MAX'] - 1)):
+        if n > limit:
+            raise BadInput(f"cannot write the {what} {path}: its {part} and the '{tmp[len(path):]}' of the temporary "
+                           f"file written first make {n} bytes, more than the {limit} the file system there allows; "
+                           f"use a shorter {part}; nothing was done")
 
 
 # numpy scalars, as a checkpoint may hold them (a learning rate computed with numpy, a loss): data
@@ -431,11 +700,24 @@ def check_path(path, what='path'):
     return os.fspath(path)
 
 
+def folder_given(path):
+    """The line for a folder given where a checkpoint file goes: what it is, and what to give."""
+    with suppress(OSError):
+        names = sorted(n for n in os.listdir(path) if n.endswith('.pt') and os.path.isfile(os.path.join(path, n)))
+        if names:
+            first = 'ckpt.pt' if 'ckpt.pt' in names else names[0]
+            return (f"{path} is a folder; give a checkpoint file, e.g. {os.path.join(path, first)} (it holds "
+                    f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''})")
+    return f"{path} is a folder; give a checkpoint file (a .pt file, e.g. the ckpt.pt train.py writes), not a folder"
+
+
 def load_checkpoint(path, kind=None):
     """torch.load with one-line errors for a missing, corrupt or wrong-kind file. Only tensors and
     plain Python values (and numpy scalars) load (weights_only=True): a file that needs more is
     refused, and nothing in it runs. Every field in FIELDS that the file carries is checked."""
     path = check_path(path, 'checkpoint')
+    if os.path.isdir(path):
+        raise BadInput(folder_given(path))
     if not os.path.isfile(path):
         raise BadInput(f"checkpoint not found: {path}")
     try:
@@ -857,14 +1139,16 @@ def heldout_prompts(val, n, length, newline=ord('\n'), seed=1234):
 
 def heldout_prompts_of(out_dir='out', n=DEMO_PROMPTS, device='cpu'):
     """The held-out prompts train.py's closing demos decode, (n, PROMPT_LEN) token ids, from its
-    output folder: the data and vocabulary its target, out_dir/ckpt.pt, records (a nanoGPT
-    checkpoint: data/<its dataset>, where nanoGPT keeps it). Reading writes nothing: the corpus
+    output folder (or its target's checkpoint file): the data and vocabulary its target,
+    out_dir/ckpt.pt, records (a nanoGPT checkpoint: data/<its dataset>, where nanoGPT keeps it). Reading writes nothing: the corpus
     cache train.py left in out_dir/data is read when it is there, else the text is read again and
     not cached."""
     out_dir = check_path(out_dir, 'out_dir')
     if not is_whole(n, 1):
         raise BadInput(f"n={n!r}: how many prompts, a whole number >= 1")
     path = os.path.join(out_dir, 'ckpt.pt')
+    if os.path.isfile(out_dir):   # the target's checkpoint itself: its folder is the run's
+        path, out_dir = out_dir, os.path.dirname(out_dir) or '.'
     ckpt = load_checkpoint(path)
     vocab = vocab_for(ckpt, path, config_of(ckpt, path).vocab_size)
     config = ckpt.get('config') or {}

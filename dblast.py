@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import PROMPT_LEN
+from data import PROMPT_LEN, BadInput
 from heads import LOGITS_BUDGET, BlockHeads, Drafter
 from model import LayerNorm, sample, tempered, upcast
 
@@ -125,8 +125,8 @@ def prefix_log_accept(log_prior, log_qx, log_px, verify='mixture'):
 def al_surrogate(a, nll, tau_threshold):
     """The acceptance-length surrogate per row (DBlast's AL loss, our reading; MATH.md §6): minus
     the mean of the tails lambda_j = logsumexp_{j' >= j} a_j' over the retained prefixes
-    R = {j : a_j >= log tau_threshold} (chosen without gradient), from the prefix log-acceptance
-    a (B, n) of prefix_log_accept. A row with an empty R falls back to its nll (B,)."""
+    R = {j : a_j >= log eta} (eta = tau_threshold; R chosen without gradient), from the prefix
+    log-acceptance a (B, n) of prefix_log_accept. A row with an empty R falls back to its nll (B,)."""
     tail = torch.logcumsumexp(a.flip(-1), dim=-1).flip(-1)              # lambda_j
     log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
     keep = a.detach() >= log_threshold                                  # R, no gradient
@@ -206,8 +206,12 @@ def expected_tau(drafter, model, samples, k, temperature, sample_drafts, verify,
     """Expected tau (bonus included), averaged over every context of held-out target samples, by the
     acceptance-length identity (expected_accepted): the cheap, low-variance measure of a
     drafter's acceptance. Exact per context; decoding averages over the positions its blocks start
-    at instead of every position, so the two can differ a little where acceptance varies along
-    the text (MATH.md §7). Decoding measures speed."""
+    at instead of every position, so where acceptance varies along the text the two can differ by
+    much, either way: in MATH.md §7's example of long easy and hard stretches this reads (k+1)^2/4k
+    times a decode's mean tau (1.56 at k = 4). Decoding measures speed."""
+    if not callable(getattr(drafter, 'mixture_logits', None)):
+        raise BadInput(f"the exact evaluator reads a drafter's distributions from the target's state (mixture_logits: "
+                       f"BPD heads, DBlast); {type(drafter).__name__} has none: measure it by decoding")
     seqs = samples.seqs
     lo, hi = samples.positions(k)
     rows = torch.arange(len(seqs), device=seqs.device).repeat_interleave(hi - lo)
@@ -314,10 +318,10 @@ class DBlastDrafter(Drafter):
     @torch.no_grad()
     def next_log_q(self, h, bonus, target, k, temperature=0.0):
         """heads.Drafter.next_log_q for the mixture: a node's children are scored by the mixture's
-        conditional Q_d given the node's prefix, whose posterior over the branches follows the prefix
-        (MATH.md §5), so sibling subtrees get different distributions. From the branches' own
-        distributions at the temperature (sample_drafts, how one path is drafted, plays no part),
-        the prior at Z_T."""
+        conditional at their drafted position given the node's prefix, whose posterior over the
+        branches follows the prefix (MATH.md §5), so sibling subtrees get different distributions.
+        From the branches' own distributions at the temperature (sample_drafts, how one path is
+        drafted, plays no part), the prior at Z_T."""
         log_pi, logits = self.mixture_logits(h, bonus, target, k)
         log_prior = prior(log_pi, self.zt)                                  # (B, K) log pi'
         log_q = F.log_softmax(tempered(upcast(logits), temperature or 1.0), dim=-1)   # (B, K, n, V)

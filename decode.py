@@ -12,8 +12,10 @@ Read in this order (MATH.md has every equation):
   loading drafters, timing
 What only `compile=True` needs (static buffers, compiled steps, several steps a host call, CUDA
 graphs) is runner.py's: the loop reads the same without it.
-Drafters follow one contract (heads.Drafter). The command line is generate.py's; the model's own
-`GPT.generate` (no cache, full recompute) is the reference every path here is tested against.
+Drafters follow one contract (heads.Drafter; the ones that read the text are drafters.py's). The
+command line is generate.py's; the model's own `GPT.generate` (no cache, full recompute) is the
+reference every greedy path here is tested against token for token, and plain sampling draw for
+draw; speculative sampling is tested by chi-square against the target's enumerated distribution.
 """
 import time
 from typing import NamedTuple, Optional
@@ -23,9 +25,10 @@ import torch.nn.functional as F
 
 import runner
 from data import (BadInput, Vocab, check_finite, check_number, decoding_threads, describe, first_line, is_real,
-                  is_whole, load_checkpoint, num_threads)
+                  is_whole, load_checkpoint, num_threads, target_from, vocab_for)
 from dblast import DBlastDrafter
-from heads import BlockHeads, Drafter, grow_tree
+from drafters import DraftModel
+from heads import BlockHeads, Drafter, Text, grow_tree
 from model import GPT, sample, tempered, upcast
 
 
@@ -251,7 +254,7 @@ def verify_tree_sampled(logits, Q, drafts, temperature, generator=None):
     r, done = p, torch.zeros(B, 1 + N * n, dtype=torch.bool, device=drafts.device)
     chosen = torch.zeros_like(done, dtype=torch.long)
     for i in range(N):   # candidates in path order; each pass covers every node at once
-        Q_path = None if Q is None else Q[:, i, at]                    # (B, L, V) path i's Q^(i)
+        Q_path = None if Q is None else Q[:, i, at]                    # (B, L, V) path i's Q
         tried = through[:, :, i] & ~done
         ok = accept_sampled(r, Q_path, cand[:, :, i], generator) & tried
         chosen = torch.where(ok, i, chosen)
@@ -331,11 +334,11 @@ def walk_down(choice, block, tree, attend, n):
     return n_acc, last, (above[:, None, :] & at).long().argmax(-1)
 
 
-def tree_step(model, drafter, cache, block, tree, active, temperature, generator, k, nodes):
+def tree_step(model, drafter, cache, text, block, tree, active, temperature, generator, k, nodes):
     """merged_step for a token tree: one target call verifies the tree `block` (B, 1 + m) whose
     shape is `tree` (B, 2, 1 + m), commits the walk's path, and grows the next tree from the state
-    after its last token. Returns n_acc (B,), kept (B, k): the bonus and the path's tokens, of which
-    the first n_acc + 1 are committed, the next block and its tree. Static shapes, no host sync."""
+    after its last token. Returns n_acc (B,), the next block and its tree. Static shapes, no host
+    sync."""
     B = block.size(0)
     depth, attend = tree_attend(tree, k - 1)
     h = model.forward_cached(block, cache, (depth, attend))                 # (B, 1 + m, C): the one call
@@ -343,11 +346,11 @@ def tree_step(model, drafter, cache, block, tree, active, temperature, generator
     n_acc, last, slots = walk_down(choice, block, tree, attend, k - 1)
     cache.keep_path(slots)                                                  # the path's keys and values
     cache.commit((n_acc + 1) * active)                                      # b, then the path's n_acc
-    kept = torch.cat([block[:, :1], block.gather(1, slots)], dim=1)
+    commit_text(text, torch.cat([block[:, :1], block.gather(1, slots)], dim=1), (n_acc + 1) * active)
     bonus = choice.gather(1, last[:, None]).squeeze(1)                      # the target's own, at the end
     h_last = h.gather(1, last[:, None, None].expand(B, 1, h.size(-1))).squeeze(1)
     drafts, next_tree = propose_tree(drafter, h_last, bonus, model, k, nodes, temperature)
-    return n_acc, kept, torch.cat([bonus[:, None], drafts], dim=1), next_tree
+    return n_acc, torch.cat([bonus[:, None], drafts], dim=1), next_tree
 
 
 def propose_tree(drafter, h, bonus, target, k, nodes, temperature):
@@ -358,7 +361,7 @@ def propose_tree(drafter, h, bonus, target, k, nodes, temperature):
 
 # ------------------------------------------------------------------------- the merged step
 
-def merged_step(model, drafter, cache, block, Q_block, active, temperature=0.0,
+def merged_step(model, drafter, cache, text, block, Q_block, active, temperature=0.0,
                 accept=(exact, None), generator=None, paths=1):
     """One target call verifies `block`, commits what it accepts and proposes the next block (BPD §4
     "Combined Scoring and Proposal Model", p. 3; MATH.md §2).
@@ -369,9 +372,9 @@ def merged_step(model, drafter, cache, block, Q_block, active, temperature=0.0,
     earlier tokens of its path, as the drafter returned it; None for point-mass drafts. The step
     does not know which drafter it has: any proposal verified against its own conditionals is
     lossless. accept: (rule, param) of ACCEPT, for greedy decoding. active (B,) bool: rows still
-    generating; the others do not advance.
-    Returns n_acc (B,), kept (B, k): the bonus and the kept path's drafts, of which the first
-    n_acc + 1 are committed, the next block and its Q_block.
+    generating; the others do not advance. text (heads.Text): each row's committed tokens, where the
+    step writes what it commits (and what a drafter that reads the text reads).
+    Returns n_acc (B,), the next block and its Q_block.
     Static shapes, no Python loop over positions, no host sync.
     """
     B = block.size(0)
@@ -388,24 +391,34 @@ def merged_step(model, drafter, cache, block, Q_block, active, temperature=0.0,
         cache.keep_path(slots[:, 1:])
     cache.commit((n_acc + 1) * active)                          # b, d_1 .. d_{n_acc}
     kept = torch.cat([block[:, :1], drafts[torch.arange(B, device=block.device), path]], dim=1)   # (B, k)
+    text = commit_text(text, kept, (n_acc + 1) * active)        # ... and into the text
     if drafter is None:
-        return n_acc, kept, bonus[:, None], None
+        return n_acc, bonus[:, None], None
 
     # propose from the state after the last committed token, the one the new bonus came from.
     # BPD computes proposals at every position in the scoring call; gathering that row first and
     # drafting once gives the same drafts with less work.
     last = slots.gather(1, n_acc[:, None])                      # (B, 1)
     h_acc = h.gather(1, last[:, :, None].expand(B, 1, h.size(-1))).squeeze(1)   # (B, C)
-    new_drafts, Q = propose(drafter, h_acc, bonus, model, n + 1, paths, temperature, generator)
-    return n_acc, kept, torch.cat([bonus[:, None], new_drafts], dim=1), Q
+    new_drafts, Q = propose(drafter, h_acc, bonus, model, n + 1, paths, temperature, generator, text)
+    return n_acc, torch.cat([bonus[:, None], new_drafts], dim=1), Q
 
 
-def propose(drafter, h, bonus, target, k, paths, temperature, generator):
+def commit_text(text, kept, tau):
+    """Write kept (B, k) at each row's end of text.tokens (the first tau (B,) of them are committed;
+    the rest is overwritten by the next step) and return the text after them."""
+    text.tokens.scatter_(1, text.n[:, None] + torch.arange(kept.size(1), device=kept.device), kept)
+    return Text(text.tokens, text.n + tau, text.state)
+
+
+def propose(drafter, h, bonus, target, k, paths, temperature, generator, text):
     """The next paths in the block's layout: drafts (B, N(k-1)) and their Q (B, N(k-1), V) or None.
-    One path is the contract's `draft`; several are `draft_paths` (heads.Drafter)."""
+    One path is the contract's `draft`; several are `draft_paths` (heads.Drafter). A drafter that
+    reads the text gets it (heads.Text)."""
+    own = {'text': text} if getattr(drafter, 'reads_text', False) else {}
     if paths == 1:
-        return drafter.draft(h, bonus, target, k, temperature, generator)
-    drafts, Q = drafter.draft_paths(h, bonus, target, k, paths, temperature, generator)
+        return drafter.draft(h, bonus, target, k, temperature, generator, **own)
+    drafts, Q = drafter.draft_paths(h, bonus, target, k, paths, temperature, generator, **own)
     return drafts.flatten(1), None if Q is None else Q.flatten(1, 2)
 
 
@@ -454,10 +467,11 @@ class Decoding(NamedTuple):
         self.t.zero_()
 
 
-def first_block(model, drafter, cache, prompt, temperature, generator, paths, k, nodes=None):
+def first_block(model, drafter, cache, prompt, temperature, generator, paths, k, nodes=None, state=None):
     """Call 1, the prefill: the prompt's keys and values into the cache, and from its last hidden
     state the first bonus and drafts. Returns the first block (B, 1 + N(k-1)), its Q, and with
-    nodes the first token tree instead (its block (B, 1 + m), Q None, its tree)."""
+    nodes the first token tree instead (its block (B, 1 + m), Q None, its tree). state: the
+    drafter's own (heads.Drafter.new_state), which reads the prompt here."""
     h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
     cache.commit(prompt.size(1))
     bonus = target_choice(upcast(model.lm_head(h)), temperature, generator)
@@ -466,27 +480,31 @@ def first_block(model, drafter, cache, prompt, temperature, generator, paths, k,
     if nodes:
         drafts, tree = propose_tree(drafter, h, bonus, model, k, nodes, temperature)
         return torch.cat([bonus[:, None], drafts], dim=1), None, tree
-    drafts, Q = propose(drafter, h, bonus, model, k, paths, temperature, generator)
+    if state is not None:
+        drafter.start(state, prompt.repeat_interleave(paths, 0))   # one row per path
+    B, T0 = prompt.shape
+    text = Text(F.pad(prompt, (0, 1)), torch.full((B,), T0, device=prompt.device), state)   # room for the bonus
+    drafts, Q = propose(drafter, h, bonus, model, k, paths, temperature, generator, text)
     return torch.cat([bonus[:, None], drafts], dim=1), Q, None
 
 
-def advance(model, drafter, cache, d, temperature, accept, generator, paths, k=None, nodes=None):
+def advance(model, drafter, cache, d, temperature, accept, generator, paths, k=None, nodes=None, state=None):
     """One step of generate's loop, in place on its state d (Decoding): the merged step, then what
     the loop keeps of it: the bonus and kept drafts written out, each row advanced, tau recorded.
     A step that no row needs any more (each lacks at most its pending bonus) commits nothing and
     leaves each row's pending block as it was, so that a unit of several steps (runner.py) may run
-    past the last one needed. With a token tree (d.tree; k and nodes given) the step is tree_step."""
+    past the last one needed. With a token tree (d.tree; k and nodes given) the step is tree_step.
+    state: the drafter's own, if it keeps one (heads.Drafter.new_state)."""
     needed = d.n_out.min() < d.total - 1
     active = (d.n_out < d.total) & needed                       # (B,) the rows that take part
+    text = Text(d.out, d.n_out, state)                          # the step writes what it commits into d.out
     if d.tree is None:
-        n_acc, kept, block, Q = merged_step(model, drafter, cache, d.block, d.Q, active, temperature, accept,
-                                            generator, paths)
+        n_acc, block, Q = merged_step(model, drafter, cache, text, d.block, d.Q, active, temperature, accept,
+                                      generator, paths)
     else:
-        n_acc, kept, block, tree = tree_step(model, drafter, cache, d.block, d.tree, active, temperature, generator,
-                                             k, nodes)
+        n_acc, block, tree = tree_step(model, drafter, cache, text, d.block, d.tree, active, temperature, generator,
+                                       k, nodes)
         d.tree.copy_(torch.where(active[:, None, None], tree, d.tree))    # each row's tree, with its block
-    # write the bonus and the kept path at each row's end; what was not accepted is overwritten next step
-    d.out.scatter_(1, d.n_out[:, None] + torch.arange(kept.size(1), device=kept.device), kept)
     tau = (n_acc.long() + 1) * active                           # (B,); n_acc may come as int32 (exercise 1)
     d.n_out.add_(tau)
     d.taus.index_copy_(0, d.t[None], tau[None])
@@ -554,29 +572,34 @@ def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, 
     room = k + 1 + max(paths * (k - 1), nodes or 0)
     g = None if compile else generator
 
-    def prefill(cache, prompt):
-        return first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes)
+    def prefill(cache, state, prompt):
+        return first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes, state)
 
-    def step(cache, d):
-        advance(model, drafter, cache, d, temperature, accept, g, paths, k, nodes)
+    def step(cache, state, d):
+        advance(model, drafter, cache, d, temperature, accept, g, paths, k, nodes, state)
+
+    def drafter_state(width):   # a drafter's own state (a draft model's cache): one row per path
+        new_state = getattr(drafter, 'new_state', None)   # a drafter of its own class may lack it: no state
+        return None if new_state is None else new_state(B * paths, width)
 
     with runner.global_rng_from(generator if compile else None, prompt.device):
         if compile:
             context = model.config.block_size
             loop = runner.Compiled(model, drafter, B, room, (k, paths, nodes, temperature, accept, settings(drafter)),
                                    prefill, step, lambda block, Q, tree: Decoding.like(
-                                       block, Q, tree, context + 2 * k, context + runner.largest_unit()))
+                                       block, Q, tree, context + 2 * k, context + runner.largest_unit()),
+                                   lambda: drafter_state(context + 2 * k))
             d, run = loop.start(prompt, total), loop.steps
         else:
-            cache = model.new_cache(B, total + room)
-            block, Q, tree = prefill(cache, prompt)
+            cache, state = model.new_cache(B, total + room), drafter_state(total + 2 * k)
+            block, Q, tree = prefill(cache, state, prompt)
             d = Decoding.like(block, Q, tree, total + 2 * k, max_new_tokens)
             d.restart(block, Q, tree, prompt)
             d.total.fill_(total)
 
             def run(n):
                 for _ in range(n):
-                    step(cache, d)
+                    step(cache, state, d)
         while (behind := tokens_behind(d.n_out, total)) > 0:   # the loop's one read from the device
             # a step commits at most k tokens a row, so the next ceil(behind / k) steps are needed
             # whatever they accept: run them without asking (the host can queue them)
@@ -699,6 +722,9 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
         if weights is not None and weights.device != device:
             raise BadInput(f"the drafter is on {weights.device}, the model on {device}: load it with "
                            f"decode.load_drafter(path, model), or move it")
+        why = drafter.does_not_fit(model) if isinstance(drafter, Drafter) else None
+        if why:
+            raise BadInput(f"the drafter does not fit this target: {why}")
         k = drafter.k if k is None else k
         if not is_whole(k):
             raise BadInput(f"{say('k', k)}: want a whole number from 2 to the drafter's {drafter.k}")
@@ -790,6 +816,31 @@ def load_drafter(path, target, kind=None, vocab=None):
     check_finite(drafter, path)
     p = target.lm_head.weight
     return drafter.to(p.device, p.dtype).eval()
+
+
+def load_draft_model(path, target, vocab=None, k=6):
+    """A draft model (drafters.DraftModel) from any target checkpoint of this project or nanoGPT's,
+    on the target's device. Its vocabulary and context are checked against the target's always
+    (DraftModel.does_not_fit, and the vocabularies where both record one); its target's fingerprint
+    only where it was trained for one (train.py --stages draft records it)."""
+    if not isinstance(target, GPT):
+        raise BadInput(f"target is {describe(target)}; want the model.GPT the draft model drafts for")
+    ckpt = load_checkpoint(path)
+    if ckpt.get('kind') in DRAFTERS:
+        raise BadInput(f"{path} is a {WHAT[ckpt['kind']]} checkpoint, not a model's: give it with "
+                       f"{'--heads' if ckpt['kind'] == 'heads' else '--drafter'}")
+    if 'base_fingerprint' in ckpt and ckpt['base_fingerprint'] != target.fingerprint():
+        raise BadInput(f"{path} was trained as a draft model for another target (fingerprint "
+                       f"{ckpt['base_fingerprint']} != {target.fingerprint()}); retrain it, or use a plain base model")
+    draft = target_from(ckpt, path, target.lm_head.weight.device)
+    why = DraftModel(draft).does_not_fit(target)
+    if why:
+        raise BadInput(f"{path} cannot draft for this target: {why}")
+    mine = vocab_for(ckpt, path, draft.config.vocab_size)
+    if vocab is not None and mine != vocab:
+        raise BadInput(f"{path} has another vocabulary ({mine}) than the target's ({vocab}): its tokens would mean "
+                       f"other things")
+    return DraftModel(draft.to(dtype=target.lm_head.weight.dtype).eval(), k=k)
 
 
 # ------------------------------------------------------------------------- timing

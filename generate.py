@@ -8,6 +8,12 @@ decode.py's (`generate`); this script loads the checkpoints, checks the flags an
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --paths 4
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8 --nodes 32      # a token tree a call
+    python generate.py --ckpt out/ckpt.pt --draft-model out/draft/ckpt.pt --k 6     # a small draft model
+    python generate.py --ckpt out/ckpt.pt --lookup 2 --k 11                         # prompt lookup
+    python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --lookup 2 --k 8     # both, one path each
+
+Several drafters (any of --heads, --drafter, --draft-model, --lookup) draft one path each, all
+verified in the one call (drafters.MixedPaths).
 """
 import os
 import signal
@@ -22,10 +28,16 @@ import argparse
 
 import torch
 
-from data import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_number, decoding_precision, intra_op_threads,
-                  load_checkpoint, pick_device, run_script, target_from, vocab_for)
+from data import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number, decoding_precision,
+                  intra_op_threads, load_checkpoint, pick_device, run_script, target_from, vocab_for)
 from dblast import PATHS_FROM, VERIFY
-from decode import MAX_NODES, MAX_PATHS, agreement, check_args, load_drafter, parse_accept, timed_generate
+from decode import (MAX_NODES, MAX_PATHS, agreement, check_args, load_draft_model, load_drafter, parse_accept,
+                    timed_generate)
+from drafters import MixedPaths, PromptLookup
+
+# the default block of the drafters that can draft any length: gpt-fast drafts 5 tokens with its
+# draft model, Hugging Face's prompt lookup examples 10
+DRAFT_MODEL_K, LOOKUP_K = 6, 11
 
 
 def colour_blocks(vocab, tokens, taus, colour):
@@ -55,7 +67,15 @@ def main(argv=None):
                                                            'DBlast drafter\'s branches')
     ap.add_argument('--heads', default=None, help='BPD heads checkpoint: blockwise parallel decoding')
     ap.add_argument('--drafter', default=None, help='DBlast drafter checkpoint')
-    ap.add_argument('--k', type=int, default=None, help='block size (default: what the drafter was trained for)')
+    ap.add_argument('--draft-model', default=None,
+                    help='a small target checkpoint of the same vocabulary (train.py --stages base, or --stages '
+                         'draft) as a draft model: k-1 tokens drafted one by one with its own KV cache')
+    ap.add_argument('--lookup', type=int, default=None, metavar='N',
+                    help='prompt lookup: draft what followed the last N-gram (down to 1) where it occurred before '
+                         'in the text (Hugging Face\'s max_matching_ngram_size; 2 is its default)')
+    ap.add_argument('--k', type=int, default=None,
+                    help=f'block size (default: what the drafter was trained for; a draft model {DRAFT_MODEL_K}, '
+                         f'prompt lookup {LOOKUP_K})')
     ap.add_argument('--accept', default='exact', help="exact | topk:N | minblock:N (greedy only)")
     ap.add_argument('--zt', type=float, default=None, help='DBlast category temperature Z_T (default 1; 0 = argmax branch)')
     ap.add_argument('--sample-drafts', action=argparse.BooleanOptionalAction, default=None,
@@ -89,10 +109,11 @@ def main(argv=None):
 
 def check_cli(args):
     """Every flag, before anything is loaded: ranges, and options that mean nothing in this mode."""
-    drafter = args.heads or args.drafter
-    if args.heads and args.drafter:
-        raise BadInput("give --heads or --drafter, not both")
+    drafter = args.heads or args.drafter or args.draft_model or args.lookup is not None
+    several = sum(x is not None for x in (args.heads, args.drafter, args.draft_model, args.lookup)) > 1
     check_number('--temperature', args.temperature, lo=0.0, note='0 = greedy')
+    if args.lookup is not None:
+        check_number('--lookup', args.lookup, lo=1, hi=64, note='the longest n-gram looked for')
     if args.seed is not None:
         check_number('--seed', args.seed, lo=0, hi=2 ** 63 - 1)
     if args.max_new_tokens is not None:
@@ -108,20 +129,23 @@ def check_cli(args):
         check_number('--threads', args.threads, lo=1, hi=1024)
     parse_accept(args.accept, cli=True)
     meaningless = [   # (given, flag, what it applies to)
-        (args.k is not None and not drafter, '--k', '--heads or --drafter'),
-        (args.accept != 'exact' and not drafter, '--accept', '--heads or --drafter'),
+        (args.k is not None and not drafter, '--k', 'a drafter (--heads, --drafter, --draft-model or --lookup)'),
+        (args.accept != 'exact' and not drafter, '--accept', 'a drafter (--heads, --drafter, --draft-model or --lookup)'),
+        (args.paths > 1 and several, '--paths', 'one drafter (several draft one path each, --paths set to their number)'),
         (args.zt is not None and not args.drafter, '--zt', 'a DBlast --drafter'),
         (args.verify is not None and not args.drafter, '--verify', 'a DBlast --drafter'),
-        (args.paths > 1 and not drafter, '--paths', '--heads or --drafter'),
-        (args.nodes is not None and not drafter, '--nodes', '--heads or --drafter'),
+        (args.paths > 1 and not drafter, '--paths', 'a drafter (--heads, --drafter, --draft-model or --lookup)'),
+        (args.nodes is not None and not (args.heads or args.drafter) or args.nodes is not None and several, '--nodes',
+         'one --heads or --drafter (their distributions grow the tree)'),
         (args.paths_from is not None and (not args.drafter or args.paths == 1), '--paths-from',
          'a DBlast --drafter with --paths > 1'),
         (args.verify is not None and args.paths_from == 'branches', '--verify',
          'i.i.d. paths (with --paths-from branches each path is verified against its own branch)'),
         (args.verify is not None and args.temperature == 0, '--verify',
          'sampling (--temperature > 0): greedy decoding compares argmaxes, with nothing to verify against'),
-        (args.sample_drafts is not None and (not drafter or args.temperature == 0), '--[no-]sample-drafts',
-         'sampling with a drafter'),
+        (args.sample_drafts is not None and (not (args.heads or args.drafter or args.draft_model)
+                                             or args.temperature == 0), '--[no-]sample-drafts',
+         'sampling with --heads, --drafter or --draft-model (prompt lookup drafts what the text holds)'),
         (args.seed is not None and args.temperature == 0 and not args.drafter, '--seed',
          'sampling, or a DBlast --drafter (its branches are drawn); greedy decoding draws nothing')]
     for given, flag, applies_to in meaningless:
@@ -129,9 +153,35 @@ def check_cli(args):
             raise BadInput(f"{flag} means nothing here: it applies to {applies_to}")
 
 
+def load_drafters(args, model, vocab):
+    """The drafters the flags name, in the order --heads, --drafter, --draft-model, --lookup."""
+    drafters = []
+    for path, kind in ((args.heads, 'heads'), (args.drafter, 'dblast')):
+        if path is None:
+            continue
+        drafter = load_drafter(path, model, kind, vocab)
+        drafter.sample_drafts = args.sample_drafts is not False
+        if kind == 'dblast':   # a DBlast mixture (check_cli refused --verify and --zt otherwise)
+            drafter.verify = args.verify or drafter.verify
+            drafter.zt = drafter.zt if args.zt is None else args.zt
+            drafter.paths_from = args.paths_from or drafter.paths_from
+            if drafter.paths_from == 'branches':   # what one path per branch is verified against
+                drafter.verify = 'branch'
+        drafters.append(drafter)
+    if args.draft_model is not None:
+        drafter = load_draft_model(args.draft_model, model, vocab, k=args.k or DRAFT_MODEL_K)
+        drafter.sample_drafts = args.sample_drafts is not False
+        drafters.append(drafter)
+    if args.lookup is not None:
+        drafters.append(PromptLookup(args.lookup, k=args.k or LOOKUP_K))
+    return drafters
+
+
 def run_cli(args):
     check_cli(args)
     device = pick_device(args.device)
+    if args.compile:
+        check_compiler(device)
     with decoding_precision(args.dtype, device, args.tf32) as precision:
         decode_cli(args, device, precision)
 
@@ -158,18 +208,11 @@ def decode_cli(args, device, precision):
         if max_new < 200:
             print(f"note: generating {max_new} tokens, what fits the model's context of "
                   f"{model.config.block_size} after the {prompt.size(1)}-token prompt", file=sys.stderr)
-    drafter = None
-    if args.heads or args.drafter:
-        drafter = load_drafter(args.heads or args.drafter, model, 'heads' if args.heads else 'dblast', vocab)
-        drafter.sample_drafts = args.sample_drafts is not False
-        if args.drafter:   # a DBlast mixture (check_cli refused --verify and --zt otherwise)
-            drafter.verify = args.verify or drafter.verify
-            drafter.zt = drafter.zt if args.zt is None else args.zt
-            drafter.paths_from = args.paths_from or drafter.paths_from
-            if drafter.paths_from == 'branches':   # what one path per branch is verified against
-                drafter.verify = 'branch'
+    drafters = load_drafters(args, model, vocab)
+    drafter = None if not drafters else drafters[0] if len(drafters) == 1 else MixedPaths(drafters)
+    paths = args.paths if len(drafters) < 2 else len(drafters)
     # the drafter's own word on what means nothing here (heads.Drafter.meaningless), named as flags
-    check_args(model, prompt, max_new, drafter, args.k, args.temperature, args.accept, cli=True, paths=args.paths,
+    check_args(model, prompt, max_new, drafter, args.k, args.temperature, args.accept, cli=True, paths=paths,
                nodes=args.nodes)
     kw = dict(temperature=args.temperature, compile=args.compile, threads=None)   # intra_op_threads' above
 
@@ -183,7 +226,7 @@ def decode_cli(args, device, precision):
         print(vocab.decode(out[0].tolist()))
         print(f"\n--- {max_new} tokens in {dt:.3f}s: {max_new / dt:.1f} tokens/s, {stats['calls']} calls ({precision})")
         return
-    spec = dict(drafter=drafter, k=args.k, accept=args.accept, paths=args.paths, nodes=args.nodes)
+    spec = dict(drafter=drafter, k=args.k, accept=args.accept, paths=paths, nodes=args.nodes)
     gen(**spec)  # warm-up both paths so neither pays first-call costs in the timing
     gen()
     out, stats, dt = gen(**spec)
@@ -192,7 +235,7 @@ def decode_cli(args, device, precision):
     T0 = prompt.size(1)
     print(vocab.decode(out[0, :T0].tolist()) + colour_blocks(vocab, out[0, T0:].tolist(), stats['accept_lengths'], colour))
     plain = 'greedy' if args.temperature == 0 else 'sampling'
-    shape = f"nodes={args.nodes}" if args.nodes else f"paths={args.paths}"
+    shape = f"nodes={args.nodes}" if args.nodes else f"paths={paths}"
     print(f"\n--- k={args.k or drafter.k} {shape} accept={args.accept}: mean tau {stats['mean_tau']:.2f}, "
           f"{stats['calls']} calls (plain: {base_stats['calls']}), "
           f"{max_new / dt:.1f} tokens/s vs {max_new / dt_base:.1f} plain {plain}: speedup {dt_base / dt:.2f}x "

@@ -12,9 +12,15 @@ wall time, GPU busy time, kernels and launches per call).
     python gpu_check.py --quick                      # the same at tiny sizes, on any machine (a CPU)
 
 Each part prints as it runs and is recorded (status pass / fail / skipped, and its figures) the
-moment it ends: appended to OUT/parts.jsonl and rewritten into OUT/gpu_check.json, so a check
-killed in any part keeps every part before it. A part that crashes or runs past its time limit
+moment it ends: rewritten into OUT/gpu_check.json and written to OUT/parts.jsonl, a line a part,
+so a check killed in any part keeps every part before it. A run starts both afresh: its first
+record replaces what an earlier run left in them, and every record names its run (commit and start
+time), so the two files always hold the same run. A part that crashes or runs past its time limit
 fails, and the parts after it still run; the exit status is 1, naming the failed parts.
+
+Part a (and b, in --ckpt-dir + _compiled) trains afresh into --ckpt-dir: a folder holding another
+run's checkpoints (a ckpt.pt made with other sizes, data or training, or drafters part a does not
+train, which a new target would leave trained for the old one) is refused before any work.
 """
 import os
 import signal
@@ -42,11 +48,11 @@ import model
 import runner
 import train
 from bench import dblast_tag, heads_tag, settle, speed_table, trainings
-from data import (ArgumentParser, BadInput, Precision, check_out_dir, first_line, intra_op_threads, load_checkpoint,
-                  load_target, pick_dtype, run_script)
+from data import (ArgumentParser, BadInput, Precision, check_compiler, check_out_dir, first_line, intra_op_threads,
+                  load_checkpoint, load_target, pick_dtype, run_script)
 from decode import load_drafter
 from measure import (Bench, call_costs, command_line, common_flags, device_name, identical, md_table, meta, parse_list,
-                     prepare, runner_settings, sync, timed, ways_of_calling, write_json)
+                     prepare, runner_settings, sync, timed, train_args, ways_of_calling, write_json, write_text)
 
 PLAIN, HEADS, SAMPLED = 'plain greedy', 'BPD heads greedy, k=8', 'DBlast K=4 sampling'
 TRAINED = ('ckpt.pt', 'heads.pt', 'dblast_K4.pt', 'dblast_K1.pt')   # what --trained reads of train.py's folder
@@ -55,6 +61,46 @@ NEAR_TIE = 1e-3   # logits: compiled kernels sum in another order, so a tie this
 
 def compiled_dir(args):
     return args.ckpt_dir.rstrip('/') + '_compiled'
+
+
+# the parts that run inductor's compiled steps on a CPU (k compiles on CUDA only)
+COMPILING = set('bcdehij')
+# what makes the target part a trains, as train.py records it (ckpt.pt's 'config'): its sizes, data
+# and training; a ckpt.pt recording other values is another run's
+TARGET_FLAGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'dropout', 'bias', 'data', 'seed', 'max_iters', 'lr',
+                'batch_size')
+
+
+def check_ckpt_dir(args, folder, part):
+    """Before any work: `folder`, where `part` (a, or b) trains a new target and its drafters, holds
+    no other run's checkpoints: a ckpt.pt made with other flags (TARGET_FLAGS; bench.py refuses one
+    of other sizes), which the part would replace, or checkpoints the part does not train (a
+    train.py run's, bench's other drafters), which its new target would leave trained for the old
+    one. One line saying what and what to do. A folder of an earlier check with the same flags is
+    taken: the part trains the same target again."""
+    path = os.path.join(folder, 'ckpt.pt')
+    if not os.path.exists(path):
+        return
+    trained_there = all(os.path.isfile(os.path.join(folder, n)) for n in TRAINED)
+    todo = (f"use another --ckpt-dir, or remove {folder}"
+            + (f" (or check that run's checkpoints: --trained {folder})" if trained_there else ''))
+    try:
+        config = load_checkpoint(path).get('config') or {}
+    except BadInput as e:
+        raise BadInput(f"--ckpt-dir {folder}: part {part} would replace its ckpt.pt, which cannot be read ({e}); "
+                       f"{todo}") from None
+    want = vars(train.parse_args(train_args(args, 'base')))
+    odd = [key for key in TARGET_FLAGS if config.get(key) != want[key]]
+    if odd:
+        said = ', '.join(f"{key}={config.get(key)} (this run: {want[key]})" for key in odd)
+        raise BadInput(f"--ckpt-dir {folder}: its ckpt.pt was made by another run ({said}), which part {part} would "
+                       f"replace with a target of its own: {todo}")
+    ours = {f'{name}.pt' for name, _ in trainings(args, resume=False)}
+    others = sorted(n for n in os.listdir(folder) if n.endswith('.pt') and n not in ours)
+    if others:
+        raise BadInput(f"--ckpt-dir {folder}: it holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, "
+                       f"which part {part} does not train: its new ckpt.pt would leave them trained for the old "
+                       f"target: {todo}")
 
 
 def with_(args, **changes):
@@ -385,7 +431,7 @@ def gpu_check(args, device, prompts, val):
         runner.BACKEND = 'aot_eager'
         backend = "aot_eager (CPU under --quick: dynamo's graphs, guards and recompiles, no codegen)"
     report = dict(meta=meta(args, device, 'float32; bfloat16 autocast where a part says so'),
-                  compiled_decoding=backend, trained=args.trained)
+                  started=time.strftime('%Y-%m-%dT%H:%M:%S%z'), compiled_decoding=backend, trained=args.trained)
     try:
         run_parts(c, [(key, *PARTS[key]) for key in args.parts], report, os.path.join(args.out, 'gpu_check.json'))
     finally:   # this process may decode compiled again (the tests do)
@@ -419,11 +465,16 @@ def time_limit(seconds):
 def run_parts(c, parts, report, path):
     """Each part (key, title, function, time limit) in order, in float32 (training enters train.py's
     own precision inside): printed, then recorded the moment it ends, as one line of parts.jsonl
-    beside `path` (appended and flushed to disk) and in the summary JSON at `path` (rewritten), so
-    that a check killed in any part keeps every part before it. A part that crashes or runs past
-    its limit fails, and the next one runs. Then SystemExit naming the failed parts, if any."""
+    beside `path` (flushed to disk) and in the summary JSON at `path` (rewritten), so that a check
+    killed in any part keeps every part before it. The run's first record starts parts.jsonl
+    afresh (an earlier run's lines would sit beside this run's, which the summary alone holds), and
+    every record names the run: its commit and start time (report's meta and 'started'). A part
+    that crashes or runs past its limit fails, and the next one runs. Then SystemExit naming the
+    failed parts, if any."""
     report['parts'] = {}
     lines = os.path.join(os.path.dirname(path), 'parts.jsonl')
+    run = dict(commit=(report.get('meta') or {}).get('git_commit') or None,
+               run_started=report.setdefault('started', time.strftime('%Y-%m-%dT%H:%M:%S%z')))
     for key, title, part, limit in parts:
         print(f"\n## {key}. {title}\n", flush=True)
         t0, before = time.perf_counter(), compile_counts()
@@ -437,14 +488,21 @@ def run_parts(c, parts, report, path):
         after = compile_counts()
         record = dict(part=key, title=title, status=status, seconds=time.perf_counter() - t0, time_limit=limit,
                       graphs_compiled=after[0] - before[0], cudagraph_skips=after[1] - before[1],
-                      **versions(c.device), **res)
+                      **run, **versions(c.device), **res)
+        first = not report['parts']
         report['parts'][key] = record
         report['failed'] = [k for k, p in report['parts'].items() if p['status'] == 'fail']
         write_json(report, path)                  # first the summary, so that a record in parts.jsonl
-        with open(lines, 'a') as f:               # means the summary holds it too
-            f.write(json.dumps(record) + '\n')
-            f.flush()
-            os.fsync(f.fileno())
+        if first:                                 # means the summary holds it too
+            write_text(json.dumps(record) + '\n', lines)
+        else:
+            try:
+                with open(lines, 'a') as f:
+                    f.write(json.dumps(record) + '\n')
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                raise BadInput(f"cannot write the part's record to {lines} ({e.strerror or e}); {path} holds it")
         if res.get('rows'):
             print(md_table(list(res['rows'][0]), [[short(v) for v in r.values()] for r in res['rows']]))
         note = res.get('skipped') or res.get('error')
@@ -496,6 +554,12 @@ def main(argv=None):
         if missing:
             raise BadInput(f"--trained {args.trained}: no {missing[0]} there; want the folder of a finished "
                            f"`python train.py` ({', '.join(TRAINED)})")
+    if set(args.parts) & COMPILING and not args.quick:   # --quick on a CPU compiles with aot_eager: no C++
+        check_compiler(device)
+    if not args.trained:   # b is skipped on a CPU under --quick (part_train)
+        for part, folder in (('a', args.ckpt_dir), ('b', compiled_dir(args))):
+            if part in args.parts and not (part == 'b' and args.quick and torch.device(device).type != 'cuda'):
+                check_ckpt_dir(args, folder, part)
     prompts, val = prepare(args, device)
     check_out_dir(compiled_dir(args), '--ckpt-dir (+ _compiled)')
     gpu_check(args, device, prompts, val)

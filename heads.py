@@ -19,6 +19,7 @@ learn the offsets.
 """
 import math
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -34,6 +35,19 @@ from model import LayerNorm, sample, tempered, upcast
 LOGITS_BUDGET = 2 ** 26
 
 
+class Text(NamedTuple):
+    """What a drafter that reads the text (Drafter.reads_text) gets as draft's `text`:
+
+        tokens (B, W)   each row's prompt, then its committed tokens (past n: anything; W > n, so
+                        that the bonus fits at n)
+        n (B,)          committed tokens per row, the prompt's included; the bonus, about to be
+                        committed, sits at position n
+        state           the drafter's own state (new_state, start), or None"""
+    tokens: torch.Tensor
+    n: torch.Tensor
+    state: object = None
+
+
 class Drafter(nn.Module):
     """The drafter contract. decode.generate and merged_step use nothing else:
 
@@ -43,6 +57,7 @@ class Drafter(nn.Module):
                                 argmax (a point mass); at temperature 0 drafts are always argmax
         drafts, Q = drafter.draft(h, bonus, target, k, temperature=0.0, generator=None)
         drafter.meaningless(temperature, paths)   what a call would ask of it in vain (checked first)
+        drafter.does_not_fit(target)              why it cannot serve this target (checked first)
         drafter.next_log_q(h, bonus, target, k, temperature)   for token trees (optional, below)
 
     h (B, C): the target's final hidden state after the last committed token (the state the bonus
@@ -54,11 +69,39 @@ class Drafter(nn.Module):
     verification only compares argmaxes). The draws come from `generator`. No host sync and no
     Python loop over rows: the step that calls it runs as one CUDA graph. A loop over the k-1
     drafted positions is one only a drafter whose draft i needs the sampled draft i-1 has reason
-    for (a recurrent one; k is fixed per graph, so a compiled step unrolls it); the project's own
-    drafters draft every position at once.
+    for (a recurrent one, or a draft model; k is fixed per graph, so a compiled step unrolls it).
+
+    A drafter that reads the text instead of (or besides) the target's state sets `reads_text`;
+    its draft then also gets text=Text(tokens, n, state): the committed tokens of each row, and the
+    drafter's own state if it keeps one (a draft model's KV cache, drafters.DraftModel):
+        state = drafter.new_state(rows, max_len)   once per configuration (None: no state)
+        drafter.start(state, prompt)                the prefill: the prompt (rows, T0) read into it
+    One row of state per drafted path: with paths=N, rows = B*N, row b*N + i path i of prompt b (as
+    draft_paths' default repeats the rows). Between calls the verifier commits 1 to k tokens a row;
+    the state is advanced by what the text says was committed, and rolled back by length, as the
+    target's cache is. The drafters that read only h (BPD heads, DBlast) leave all of this alone.
     """
     k: int
     sample_drafts: bool = True
+    reads_text: bool = False
+
+    def new_state(self, rows, max_len):
+        return None
+
+    def start(self, state, prompt):
+        pass
+
+    def does_not_fit(self, target):
+        """Why this drafter cannot serve `target`, or None; decode.generate refuses the first before
+        any work. Here, for a drafter that reads the target's hidden state: the target's width
+        (n_embd, where the drafter records one) and its weights' dtype."""
+        C = target.config.n_embd
+        if getattr(self, 'n_embd', C) != C:
+            return f"it was made for a target of width n_embd={self.n_embd}; this target's is {C}"
+        w, want = next(self.parameters(), None), target.lm_head.weight.dtype
+        if w is not None and w.dtype != want:
+            return f"its weights are {w.dtype}, the target's {want}: move it to the target's dtype (drafter.to)"
+        return None
 
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
         raise NotImplementedError
@@ -78,14 +121,15 @@ class Drafter(nn.Module):
         return []
 
     def next_log_q(self, h, bonus, target, k, temperature=0.0):
-        """For a token tree (generate's nodes=N, MATH.md §10): how this drafter scores a node's
-        children. Returns a function log_q(d, prefix) -> (B, M, V): the log-probability it gives each
-        token at drafted position d (0-based) after the drafted prefix (B, M, d) of each of M nodes,
-        at `temperature` (greedy decoding: at 1). grow_tree scores a node by the sum along its prefix.
-        A drafter that grows no trees leaves this as it is (generate refuses nodes= for it)."""
+        """For a token tree (generate's nodes=M, MATH.md §10): how this drafter scores a node's
+        children. Returns a function log_q(d, prefix) -> (B, rows, V): the log-probability it gives
+        each token at drafted position d (0-based) after the drafted prefix (B, rows, d) of each node
+        of a depth, one a row, at `temperature` (greedy decoding: at 1). grow_tree scores a node by
+        the sum along its prefix. A drafter that grows no trees leaves this as it is (generate refuses
+        nodes= for it)."""
         raise NotImplementedError(f"{type(self).__name__} grows no token trees (Drafter.next_log_q)")
 
-    def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None):
+    def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None, text=None):
         """Several paths for one call (decode's tree verification, MATH.md §9): drafts
         (B, paths, k-1) and Q (B, paths, k-1, V), row [:, i] as `draft` returns it for path i (the
         proposal of each token given path i's earlier tokens), or None for point masses.
@@ -95,8 +139,9 @@ class Drafter(nn.Module):
         given what the verifier sees (a drafter may override this to share work, or to draw its
         paths in another way, such as DBlast's one path per branch)."""
         B = h.size(0)
-        drafts, Q = self.draft(h.repeat_interleave(paths, 0), bonus.repeat_interleave(paths, 0), target, k,
-                               temperature, generator)
+        rows = lambda t: t.repeat_interleave(paths, 0)                      # noqa: E731  one row per path
+        own = {} if text is None else {'text': Text(rows(text.tokens), rows(text.n), text.state)}
+        drafts, Q = self.draft(rows(h), rows(bonus), target, k, temperature, generator, **own)
         return drafts.view(B, paths, k - 1), None if Q is None else Q.view(B, paths, k - 1, -1)
 
 
@@ -108,8 +153,8 @@ def grow_tree(log_q, B, n, nodes, device):
     shallower, so that a node is never taken without its parent (a child scores no more than its
     parent). n: the depths (k-1). Static shapes, no host sync.
 
-    Returns tokens (B, m) for the block's slots 1..m (parents before children; m = nodes, or fewer
-    where fewer candidates exist) and tree (B, 2, 1 + m): each slot's parent slot (the bonus, slot
+    Returns tokens (B, L - 1) for the block's slots 1..L-1 (parents before children; L - 1 = nodes, or
+    fewer where fewer candidates exist) and tree (B, 2, L): each slot's parent slot (the bonus, slot
     0, is its own; -1: padding, a node the drafter gives no probability, which no walk follows) and
     its depth (the bonus: 0)."""
     score = torch.zeros(B, 1, device=device)                    # (B, M) the best nodes of this depth
@@ -172,7 +217,8 @@ class BlockHeads(Drafter):
         return h.unsqueeze(-2) + o.view(*h.shape[:-1], n_heads, self.n_embd)
 
     def forward(self, h, lm_head, n_heads=None):
-        """Logits (..., n_heads, vocab): head i predicts the token i+1 positions after the bonus."""
+        """Logits (..., n_heads, vocab): head i (0-based; MATH.md §3's head i+1) predicts the token i+1
+        positions after the bonus."""
         return lm_head(self.ln(self.hidden(h, n_heads)))
 
     def head_logits(self, h, lm_head, i):
@@ -194,8 +240,9 @@ class BlockHeads(Drafter):
         """Cross-entropy of the heads on a sequence (BPD §6, p. 5; MATH.md §3).
 
         h (B, T, C) are the target's hidden states over idx[:, :T]; idx (B, T + k) holds the tokens,
-        -1 where a position carries no label. Head i (0-based) at position t predicts idx[t+i+2].
-        offset=None: the full loss, the mean over the k-1 heads (the paper's is over all k, MATH.md §8).
+        -1 where a position carries no label. Head i (0-based; MATH.md §3's head i+1) at position t
+        predicts idx[t+i+2]. offset=None: the full loss, the mean over the k-1 heads (the paper's is
+        the sum over all k, MATH.md §3, §8).
         offset=i (int or 0-dim tensor): only head i's loss; drawn uniformly per minibatch, its
         expectation (and its gradient's) is the full loss.
 
@@ -232,7 +279,8 @@ class BlockHeads(Drafter):
     @torch.no_grad()
     def next_log_q(self, h, bonus, target, k, temperature=0.0):
         """Drafter.next_log_q: the heads propose each position independently of the drafts before
-        it, so a node's children are scored by head d's log q_d, whatever the node's prefix. A tree
+        it, so a node's children at drafted position d are scored by that position's head's log q,
+        whatever the node's prefix. A tree
         is chosen from the heads' distributions (sample_drafts, how one path is drafted, plays no
         part)."""
         logits = upcast(self(h, target.lm_head, k - 1))                    # (B, k-1, V)

@@ -67,7 +67,8 @@ def train_args(args, stage, *extra, resume=True):
         a += ['--data', args.data]
     flags = {'base': ('n_layer', 'n_head', 'n_embd', 'block_size', 'max_iters'),
              'heads': ('heads_iters', 'distill_samples'),
-             'dblast': ('dblast_iters', 'dblast_samples', 'dblast_eval_samples')}[stage] + ('batch_size',)
+             'dblast': ('dblast_iters', 'dblast_samples', 'dblast_eval_samples'),
+             'draft': ('distill_samples',)}[stage] + ('batch_size',)
     for flag in flags:
         v = getattr(args, flag)
         if v is not None:
@@ -451,3 +452,53 @@ def parse_list(flag, text, cast, ok, allowed):
     if not items or not all(ok(x) for x in items) or len(set(items)) < len(items):
         raise BadInput(f"{flag} {text!r}: comma-separated, each once, {allowed}")
     return items
+
+
+# ----------------------------------------------------------------------------- a peer: Hugging Face
+
+def to_hf(model):
+    """The target as transformers' GPT2LMHeadModel, the same function (an optional peer for bench.py:
+    None where transformers is not installed). GPT-2's Conv1D keeps its weights as (in, out), nn.Linear's
+    transposed; the GELU is the exact (erf) one, as model.MLP's; a target without biases gets zeros."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        return None
+    c = model.config
+    hf = GPT2LMHeadModel(GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
+                                    n_layer=c.n_layer, n_head=c.n_head, activation_function='gelu', resid_pdrop=0.0,
+                                    embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5, bos_token_id=None,
+                                    eos_token_id=None, pad_token_id=None, tie_word_embeddings=True))
+    weights = {n: t.t() if n.endswith(('c_attn.weight', 'c_proj.weight', 'c_fc.weight')) else t
+               for n, t in model.state_dict().items()}
+    own = hf.state_dict()
+    weights.update({n: torch.zeros_like(t) for n, t in own.items() if n.endswith('.bias') and n not in weights})
+    hf.load_state_dict({n: weights[n] for n in own if n in weights}, strict=False)
+    return hf.to(model.lm_head.weight.device, model.lm_head.weight.dtype).eval()
+
+
+def hf_generate(hf, prompt, max_new, temperature=0.0, seed=0, **how):
+    """transformers' generate on prompt (1, T0): greedy or sampled at T (top-k and top-p off, as
+    here), exactly max_new tokens; how: prompt_lookup_num_tokens= / max_matching_ngram_size=, or
+    assistant_model=. Returns (out, the target's forward calls)."""
+    calls = [0]
+    hook = hf.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    try:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = hf.generate(prompt, max_new_tokens=max_new, min_new_tokens=max_new, **sampling, **how)
+    finally:
+        hook.remove()
+    return out, calls[0]
+
+
+def hf_assistant(draft, k):
+    """A draft model as transformers' assistant_model drafting k-1 tokens a call, as DraftModel does
+    (its default schedule changes the number with what was accepted)."""
+    hf = to_hf(draft)
+    hf.generation_config.num_assistant_tokens = k - 1
+    hf.generation_config.num_assistant_tokens_schedule = 'constant'
+    hf.generation_config.assistant_confidence_threshold = 0.0
+    return hf

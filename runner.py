@@ -112,14 +112,17 @@ class Compiled:
     the model for this configuration; steps(n) runs n more steps: exactly n on CUDA, whole units
     of UNIT['cpu'] on a CPU (a step that no row needs any more commits nothing: decode.advance).
 
-    prefill(cache, prompt) -> (block, Q) and step(cache, state) are decode's, this call's settings
-    bound; new_state(block, Q) allocates the state. `key` names every setting they bind: the first
+    prefill(cache, drafter_state, prompt) -> (block, Q, tree) and step(cache, drafter_state, state)
+    are decode's, this call's settings bound; new_state(block, Q, tree) allocates the loop's state,
+    drafter_state() the drafter's own (a draft model's cache; None for most). A drafter's state is
+    not restored after capture's warm-up step: it must be rebuilt from the text at every step, as a
+    draft model's catch-up window does (drafters.DraftModel). `key` names every setting they bind: the first
     call with a key keeps them, its compiled functions and its graphs, and later calls with that key
     reuse them (a graph replays what it recorded). The runner adds to the key the static cache (one
     per batch size and compute dtype) and the addresses of the model's and the drafter's weights (a
     model moved or reloaded records anew)."""
 
-    def __init__(self, model, drafter, B, room, key, prefill, step, new_state):
+    def __init__(self, model, drafter, B, room, key, prefill, step, new_state, drafter_state):
         self.device = model.lm_head.weight.device
         self.cuda = self.device.type == 'cuda'
         self.mode = CUDA_MODE if self.cuda else 'cpu'
@@ -130,18 +133,19 @@ class Compiled:
         full = (key, id(drafter), id(self.cache), weights, self.mode, self.unit, BACKEND)   # the cache: B, dtype
         self.kept = kept = model.__dict__.setdefault('_static_loops', {}).setdefault(full, {})
         if not kept:   # the first call of this configuration: learn its shapes from a prefill
+            own = drafter_state()
             with torch.random.fork_rng(devices=[self.device] if self.cuda else []):
                 self.cache.lengths.zero_()
-                state = new_state(*prefill(self.cache, torch.zeros(B, 1, dtype=torch.long, device=self.device)))
-            for t in state:   # fixed addresses, for torch.compile's CUDA graphs ('reduce-overhead')
+                state = new_state(*prefill(self.cache, own, torch.zeros(B, 1, dtype=torch.long, device=self.device)))
+            for t in list(state) + tensors_of(own):   # fixed addresses, for torch.compile's CUDA graphs
                 if t is not None:
                     torch._dynamo.mark_static_address(t)
-            kept.update(state=state, prefill=prefill, step=step)
+            kept.update(state=state, drafter_state=own, prefill=prefill, step=step)
             if not self.cuda or self.mode == 'reduce-overhead':
                 kept['unit'] = compiled(repeated(step, self.unit), 'reduce-overhead' if self.cuda else None)
             elif self.mode == 'captured':
                 kept['step'] = compiled(step)
-        self.state = kept['state']
+        self.state, self.drafter_state = kept['state'], kept['drafter_state']
         self.tensors = [t for t in self.state if t is not None] + [self.cache.lengths]   # what a step changes
 
     def start(self, prompt, total):
@@ -149,19 +153,19 @@ class Compiled:
         d.total.fill_(total)
         if 'unit' in self.kept:   # a CPU, or torch.compile's CUDA graphs: the prefill runs as it is
             cache.lengths.zero_()
-            d.restart(*prefill(cache, prompt), prompt)
+            d.restart(*prefill(cache, self.drafter_state, prompt), prompt)
             return d
         buf = self.kept.setdefault(('prompt', tuple(prompt.shape)), torch.empty_like(prompt))
         buf.copy_(prompt)
 
         def prefill_into_state():
             cache.lengths.zero_()
-            d.restart(*prefill(cache, buf), buf)
+            d.restart(*prefill(cache, self.drafter_state, buf), buf)
         self.replay(('prefill', tuple(prompt.shape)), prefill_into_state, 1)
         return d
 
     def steps(self, n):
-        args = (self.cache, self.state)
+        args = (self.cache, self.drafter_state, self.state)
         if 'unit' in self.kept:
             for _ in range(-(-n // self.unit)):
                 if self.cuda:   # a new step for torch.compile's CUDA graphs: the last one's outputs may go
@@ -176,6 +180,16 @@ class Compiled:
         if key not in self.kept:
             self.kept[key] = capture(fn, n, self.tensors, self.device)
         self.kept[key].replay()
+
+
+def tensors_of(state):
+    """The tensors of a drafter's state: a tensor, a list or tuple of states, or an object's
+    tensor attributes (a KVCache)."""
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, (list, tuple)):
+        return [t for s in state for t in tensors_of(s)]
+    return [t for v in vars(state).values() if isinstance(v, torch.Tensor) for t in [v]] if state is not None else []
 
 
 def static_cache(model, B, room):

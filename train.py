@@ -39,8 +39,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import runner
-from data import (DEMO_PROMPTS, DTYPES, PROMPT_LEN, ArgumentParser, BadInput, Precision, Vocab, check_finite,
-                  check_fits, check_number, check_out_dir, check_replaceable, decoding_precision, first_line,
+from data import (DEMO_PROMPTS, DTYPES, PROMPT_LEN, ArgumentParser, BadInput, Precision, Vocab, check_compiler,
+                  check_finite, check_fits, check_number, check_out_dir, check_replaceable, decoding_precision, first_line,
                   heldout_prompts, intra_op_threads, is_whole, load_checkpoint, load_dataset, newline_id, pick_device,
                   pick_dtype, run_script, save_checkpoint, target_from, vocab_for, weight_count, windows)
 from dblast import LOSSES, DBlastDrafter, TargetSamples, contexts, expected_tau
@@ -57,13 +57,13 @@ PRESETS = {
     'cpu': dict(n_layer=3, n_head=4, n_embd=128, block_size=256, batch_size=16, max_iters=800,
                 lr=4e-3, warmup_iters=100, eval_interval=250, eval_iters=10,
                 heads_iters=400, heads_lr=3e-3, distill_samples=512, dblast_iters=1200, dblast_samples=1024,
-                dblast_eval_samples=32),
+                dblast_eval_samples=32, draft_iters=800, draft_lr=4e-3),
     # every checkpoint `python -m exercises try N` reads, from a smaller target, in about a minute
     # on the same machine (README)
     'quick': dict(n_layer=2, n_head=2, n_embd=64, block_size=256, batch_size=16, max_iters=400,
                   lr=3e-3, warmup_iters=40, eval_interval=200, eval_iters=10,
                   heads_iters=150, heads_lr=1e-3, distill_samples=64, dblast_iters=400, dblast_samples=128,
-                  dblast_eval_samples=16),
+                  dblast_eval_samples=16, draft_iters=400, draft_lr=3e-3),
     # one H100/H200-class GPU (README, "One GPU"). On one H200 at 22d3d40: the target 52 s; a heads step
     # 3.9 ms (frozen target, its states made once), 12,000 of them at 3e-3 reached tau 3.07 at k = 8,
     # no more than 1,500 at 1e-3 had (3.13): the target's continuations, not the heads' steps, limit
@@ -72,7 +72,7 @@ PRESETS = {
     'gpu': dict(n_layer=6, n_head=6, n_embd=384, block_size=512, batch_size=64, max_iters=3000,
                 lr=1e-3, warmup_iters=200, eval_interval=500, eval_iters=50,
                 heads_iters=3000, heads_lr=3e-3, distill_samples=4096, dblast_iters=3000, dblast_samples=4096,
-                dblast_eval_samples=64),
+                dblast_eval_samples=64, draft_iters=3000, draft_lr=1e-3),
 }
 
 
@@ -274,7 +274,7 @@ class Mismatch(BadInput):
 
     def __init__(self, path, key, have, want, flag):
         self.path, self.key, self.have, self.want = path, key, have, want
-        super().__init__(f"--resume: {path} was made with another {flag} ({key}={have}, this run: {want}); "
+        super().__init__(f"--resume: {path} was made with {flag} ({key}={have}, this run: {want}); "
                          f"use the same flags or another --out-dir")
 
 
@@ -288,12 +288,12 @@ def resume_state(args, path, expect, weights='drafter'):
     if not args.resume or not os.path.exists(path):
         return None
     ckpt = load_checkpoint(path)
-    flags = dict(model_args='the model flags (--n-layer, ...)', trained_from='the target', base_fingerprint='the target',
-                 joint='--joint/--frozen', loss='--dblast-loss', K='--branches',
-                 k='--k' if 'K' not in expect else '--dblast-k')
+    flags = dict(model_args='other model flags (--n-layer, ...)', trained_from='another target',
+                 base_fingerprint='another target', joint='another --joint/--frozen', loss='another --dblast-loss',
+                 K='another --branches', k='another --k' if 'K' not in expect else 'another --dblast-k')
     for key, want in expect.items():
         if ckpt.get(key) != want:
-            raise Mismatch(path, key, ckpt.get(key), want, flags.get(key, '--' + key.replace('_', '-')))
+            raise Mismatch(path, key, ckpt.get(key), want, flags.get(key, 'another --' + key.replace('_', '-')))
     missing = [key for key in (weights,) + RESUMABLE if key not in ckpt]
     if missing:
         raise BadInput(f"--resume: {path} has no {missing[0]!r}, so it cannot be resumed; train the stage again "
@@ -340,15 +340,16 @@ def heldout_loss(model, val, batch_size, n_batches, precision=nullcontext()):
     return float(np.mean(losses))
 
 
-def stage_base(rt, args, ds, vocab):
-    """The target, on ds.train; its vocabulary is recorded in the checkpoint."""
-    train, val = ds.train, ds.val
-    path = os.path.join(args.out_dir, 'ckpt.pt')
+def stage_base(rt, args, ds, vocab, name='base', path=None, train=None, record=None):
+    """The target, on ds.train; its vocabulary is recorded in the checkpoint. stage_draft trains its
+    draft model here too: another name, path, training text and what else the checkpoint records."""
+    train, val = ds.train if train is None else train, ds.val
+    path = path or os.path.join(args.out_dir, 'ckpt.pt')
     model_args = {k: getattr(args, k) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'dropout', 'bias')}
     model_args['vocab_size'] = args.vocab_size
     resume = resume_state(args, path, dict(model_args=model_args), weights='model')
     if resume is not None and resume['iter_num'] >= args.max_iters:
-        rt.print(f"base: {path} already trained for {resume['iter_num']} steps; skipping")
+        rt.print(f"{name}: {path} already trained for {resume['iter_num']} steps; skipping")
         return target_from(resume, path, rt.device)
     check_replaceable(path)
     if resume is None:   # by arithmetic first: flags that make a model this machine cannot hold allocate nothing
@@ -357,7 +358,7 @@ def stage_base(rt, args, ds, vocab):
                    f"weights, gradients and AdamW's two moments in float32)")
     model = GPT(GPTConfig(**model_args)) if resume is None else target_from(resume, path)
     model.to(rt.device).train()
-    rt.print(f"base: {model.get_num_params() / 1e6:.2f}M parameters on {rt.device}, "
+    rt.print(f"{name}: {model.get_num_params() / 1e6:.2f}M parameters on {rt.device}, "
              f"{len(train) / 1e6:.1f}M training tokens, {len(val) / 1e6:.2f}M held-out ({vocab})")
     B, T = args.batch_size, args.block_size
 
@@ -367,15 +368,39 @@ def stage_base(rt, args, ds, vocab):
 
     def save(opt_state, it, rng):
         save_checkpoint(dict(model=model.state_dict(), model_args=model_args, optimizer=opt_state, iter_num=it,
-                             best_val_loss=None, config=vars(args), rng=rng, vocab=vocab.state()), path)
+                             best_val_loss=None, config=vars(args), rng=rng, vocab=vocab.state(), **(record or {})),
+                        path)
 
     t0 = time.perf_counter()
-    train_loop(rt, args, 'base', LMObjective(model), batch, args.max_iters, args.lr, save, resume,
+    train_loop(rt, args, name, LMObjective(model), batch, args.max_iters, args.lr, save, resume,
                evaluate=lambda it: heldout_loss(model, val, B, args.eval_iters, rt.precision), tokens_per_step=B * T)
-    rt.print(f"base: done in {time.perf_counter() - t0:.0f}s -> {path}")
+    rt.print(f"{name}: done in {time.perf_counter() - t0:.0f}s -> {path}")
     if rt.ddp:  # proof that data parallelism kept the replicas identical
         print(f"rank {rt.rank} weights {model.fingerprint()}", flush=True)
     return model.eval()
+
+
+def stage_draft(rt, args, model, ds, vocab):
+    """A small draft model for the target (drafters.DraftModel; generate.py --draft-model): a GPT of
+    --draft-layers layers, --draft-embd wide, with the target's vocabulary and context, trained as
+    the target was, on the corpus or (--distill, the default) on the target's own greedy
+    continuations, the heads' data (sequence-level distillation); only then does it record the
+    target's fingerprint, since only then was it trained for that target."""
+    C = args.draft_embd or max(1, model.config.n_embd // 2)
+    heads = next(h for h in range(max(1, C // 64), 0, -1) if C % h == 0)     # heads of 64 wide, or near
+    sizes = dict(n_layer=args.draft_layers, n_embd=C, n_head=heads, block_size=model.config.block_size,
+                 max_iters=args.draft_iters, lr=args.draft_lr, dropout=0.0)
+    train, record = None, None
+    if args.distill:    # the heads' samples: made once for both (self_generated's cache)
+        seqs = self_generated(rt, model, ds.train, args.distill_samples, args.block_size - PROMPT_LEN,
+                              0.0, args.seed, 'distill (greedy continuations)', os.path.join(args.out_dir, 'data'))
+        train, record = seqs.cpu().flatten().numpy(), dict(base_fingerprint=model.fingerprint())
+    return stage_base(rt, argparse.Namespace(**{**vars(args), **sizes}), ds, vocab, 'draft', draft_path(args),
+                      train, record)
+
+
+def draft_path(args):
+    return os.path.join(args.out_dir, f'draft{args.tag}.pt')
 
 
 # ----------------------------------------------------------------------------- stage 2: heads
@@ -684,7 +709,7 @@ FLAGS = [
     ('meta', None, str, None, None, "nanoGPT meta.pkl of the target (default: the dataset's, or where "
                                     "nanoGPT's sample.py looks)"),
     ('out_dir', None, str, 'out', None, 'checkpoints, and the cached corpus and target samples'),
-    ('stages', None, str, 'base,heads,dblast', None, 'comma list of base, heads, dblast'),
+    ('stages', None, str, 'base,heads,dblast', None, 'comma list of base, heads, dblast, draft'),
     ('preset', None, ('auto', 'cpu', 'quick', 'gpu'), 'auto', None, 'defaults by device (quick: a small target '
                                                                  'in minutes on a CPU, for `python -m exercises try`)'),
     ('device', None, str, None, None, 'cpu | cuda | mps (default: best available)'),
@@ -719,10 +744,15 @@ FLAGS = [
     ('k', 'heads', int, 8, dict(lo=2, hi=64), 'block size: 1 bonus + k-1 drafted tokens'),
     ('joint', 'heads', 'frozen|joint', False, None, None),
     ('loss', 'heads', ('random-offset', 'full'), 'random-offset', None, None),
-    ('distill', 'heads', bool, True, None, "train on the target's own greedy continuations (default on)"),
+    ('distill', ('heads', 'draft'), bool, True, None, "train on the target's own greedy continuations (default "
+                                                      "on)"),
     ('heads_iters', 'heads', int, None, POS, None),
     ('heads_lr', 'heads', float, None, GT0, None),
-    ('distill_samples', 'heads', int, None, POS, None),
+    ('distill_samples', ('heads', 'draft'), int, None, POS, None),
+    ('draft_layers', 'draft', int, 1, POS, "the draft model's layers"),
+    ('draft_embd', 'draft', int, None, POS, "the draft model's width (default: half the target's)"),
+    ('draft_iters', 'draft', int, None, POS, None),
+    ('draft_lr', 'draft', float, None, GT0, None),
     ('branches', 'dblast', int, 4, dict(lo=1, hi=256), 'K, the latent branches of the DBlast mixture (the K=1 '
                                                          'baseline is trained too)'),
     ('dblast_k', 'dblast', int, 4, dict(lo=2, hi=64), 'block size of the DBlast drafters'),
@@ -732,7 +762,8 @@ FLAGS = [
     ('baseline_loss', 'dblast', LOSSES + ('none',), 'nll', None, 'loss of the K=1 baseline (default nll: the '
                                                                   'independent drafter DBlast compares with; '
                                                                   'none: no baseline)'),
-    ('tau_threshold', 'dblast', float, 0.01, dict(lo=0.0, hi=1.0), 'AL surrogate: keep prefixes with a_j >= log tau'),
+    ('tau_threshold', 'dblast', float, 0.01, dict(lo=0.0, hi=1.0), 'AL surrogate threshold eta: keep prefixes with '
+                                                                   'a_j >= log eta'),
     ('nll_weight', 'dblast', float, 0.2, GE0, 'weight of the mixture NLL added to the AL loss (keeps every '
                                               'branch learning)'),
     ('temperature', 'dblast', float, 1.5, GT0, 'sampling temperature of the training blocks'),
@@ -741,16 +772,17 @@ FLAGS = [
     ('dblast_samples', 'dblast', int, None, POS, 'target samples to train on'),
     ('dblast_eval_samples', 'dblast', int, None, POS, 'held-out target samples for the expected-tau evaluation'),
 ]
-STAGES = ('base', 'heads', 'dblast')
+STAGES = ('base', 'heads', 'dblast', 'draft')
 
 
 def build_parser():
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     groups = {None: ap, 'base': ap.add_argument_group('base stage (the target; default: preset)'),
               'heads': ap.add_argument_group('heads stage (BPD heads)'),
-              'dblast': ap.add_argument_group('dblast stage (DBlast drafters)')}
+              'dblast': ap.add_argument_group('dblast stage (DBlast drafters)'),
+              'draft': ap.add_argument_group('draft stage (a small draft model; --distill applies too)')}
     for name, stage, typ, default, _, text in FLAGS:
-        g, flag = groups[stage], '--' + name.replace('_', '-')
+        g, flag = groups[stage if stage is None or isinstance(stage, str) else stage[0]], '--' + name.replace('_', '-')
         if default is None and name in PRESETS['cpu']:
             text = f"{text + ' ' if text else ''}(default: preset)"
         if typ == 'frozen|joint':
@@ -785,11 +817,12 @@ def parse_args(argv=None):
         setattr(args, dest, ap.get_default(dest))
     args.stages = [s.strip() for s in args.stages.split(',') if s.strip()]
     if set(args.stages) - set(STAGES) or not args.stages:
-        raise BadInput(f"--stages {','.join(args.stages) or repr('')}: allowed: base, heads, dblast (comma list)")
+        raise BadInput(f"--stages {','.join(args.stages) or repr('')}: allowed: {', '.join(STAGES)} (comma list)")
     for name, stage, *_ in FLAGS:
-        if name in given and stage is not None and stage not in args.stages:
-            raise BadInput(f"--{name.replace('_', '-')} means nothing here: it applies to the {stage} stage, "
-                           f"which --stages {','.join(args.stages)} does not run")
+        stages = (stage,) if isinstance(stage, str) else stage or ()
+        if name in given and stages and not set(stages) & set(args.stages):
+            raise BadInput(f"--{name.replace('_', '-')} means nothing here: it applies to the {' and '.join(stages)} "
+                           f"stage{'s' * (len(stages) > 1)}, which --stages {','.join(args.stages)} does not run")
     device = pick_device(args.device)
     args.dtype = pick_dtype(args.dtype, device, training=True)
     preset = args.preset
@@ -833,6 +866,8 @@ def check_plan(args, block_size):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.compile:   # inductor's C++ compiler on a CPU: missing, it would fail the first step, not before
+        check_compiler(pick_device(args.device))
     before = torch.get_num_threads()   # bench.py trains in-process, then decodes with its own
     try:
         intra_op_threads(args.threads)
@@ -871,6 +906,8 @@ def written(args):
         paths += [os.path.join(args.out_dir, f'ckpt_joint{args.tag}.pt')] * args.joint
     if 'dblast' in args.stages:
         paths += [dblast_path(args, K) for K, _ in dblast_drafters(args)]
+    if 'draft' in args.stages:
+        paths += [draft_path(args)]
     return paths
 
 
@@ -915,6 +952,8 @@ def train_all(rt, args):
                                                           f'held-out samples at T={T}', cache))
         for K, loss in dblast_drafters(args):
             stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, dblast_path(args, K))
+    if 'draft' in args.stages:
+        stage_draft(rt, args, model, ds, vocab)
     rt.print(f"\ntraining done in {time.perf_counter() - t_start:.0f}s")
     if rt.master and not args.no_demo:
         run_demos(rt, args, model, heads, ds, vocab)

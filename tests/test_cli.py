@@ -370,7 +370,11 @@ CASES = [
     # ------------------------------------------------------------------ generate.py: drafters
     decode_refused('heads-given-dblast', ['--heads', '{dblast}'], '{dblast}'),
     decode_refused('drafter-given-heads', ['--drafter', '{heads}'], '{heads}'),
-    decode_refused('heads-and-drafter', ['--heads', '{heads}', '--drafter', '{dblast}'], '--heads'),
+    decode_refused('two-drafters-and-paths', ['--heads', '{heads}', '--drafter', '{dblast}', '--paths', '2'], '--paths'),
+    decode_refused('lookup-0', ['--lookup', '0'], '--lookup'),
+    decode_refused('lookup-and-nodes', ['--lookup', '2', '--nodes', '8'], '--nodes'),
+    decode_refused('lookup-sample-drafts', ['--lookup', '2', '--temperature', '1', '--sample-drafts'], 'sample-drafts'),
+    decode_refused('draft-model-given-heads', ['--draft-model', '{heads}'], '{heads}'),
     decode_refused('heads-nan', ['--heads', '{files}/nan_heads.pt'], '{files}/nan_heads.pt'),
     decode_refused('drafter-nan', ['--drafter', '{files}/nan_dblast.pt'], '{files}/nan_dblast.pt'),
     decode_refused('heads-other-base', ['--ckpt', '{files}/other_ckpt.pt', '--heads', '{heads}'], '{heads}'),

@@ -14,6 +14,7 @@ import torch
 import decode
 import runner
 from dblast import DBlastDrafter
+from drafters import DraftModel, MixedPaths, PromptLookup
 from decode import Decoding, advance, generate, parse_accept, sample
 from exercises.harness import HostSyncs   # the host-sync detector the exercises' checks use too
 from heads import BlockHeads
@@ -33,6 +34,10 @@ def setup(kind, temperature):
     model = GPT(cfg).to(DEV, torch.float64).eval()
     if kind is None:
         return model, None
+    if kind in TEXT_DRAFTERS:        # the drafters that read the text: a draft model, prompt lookup, a mix
+        torch.manual_seed(1)
+        small = GPT(GPTConfig(block_size=128, vocab_size=64, n_layer=1, n_head=2, n_embd=16)).to(DEV, torch.float64)
+        return model, TEXT_DRAFTERS[kind](cfg, small.eval()).to(DEV, torch.float64).eval()
     if kind.startswith('heads'):     # 'heads' (argmax drafts) or 'heads-sampled'
         drafter = BlockHeads(cfg, 4)
         torch.nn.init.normal_(drafter.c_proj.weight, std=0.2)
@@ -44,17 +49,23 @@ def setup(kind, temperature):
     return model, drafter.to(DEV, torch.float64).eval()
 
 
+TEXT_DRAFTERS = {'draft-model': lambda cfg, small: DraftModel(small, k=4),
+                 'lookup': lambda cfg, small: PromptLookup(2, 4),
+                 'heads+draft-model': lambda cfg, small: MixedPaths([BlockHeads(cfg, 4), DraftModel(small, k=4)])}
+
+
 @torch.no_grad()
 def first_state(model, drafter, B, k, temperature, g, paths=1, nodes=None):
-    """A prefilled cache and the loop's state, as generate() leaves them before step 1, with room
-    for 40 more tokens a row."""
+    """A prefilled cache, the drafter's own state and the loop's state, as generate() leaves them
+    before step 1, with room for 40 more tokens a row."""
     prompt = torch.randint(64, (B, 8), device=DEV, generator=g)
     cache = model.new_cache(B, 64 + paths * k + (nodes or 0))
-    block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes)
+    state = None if drafter is None else drafter.new_state(B * paths, 64)
+    block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes, state)
     d = Decoding.like(block, q, tree, 64, 40)
     d.restart(block, q, tree, prompt)
     d.total.fill_(48)
-    return cache, d
+    return cache, state, d
 
 
 STEP_CASES = [(None, 0.0, 'exact'), ('heads', 0.0, 'exact'), ('heads', 0.0, 'topk:2'), ('heads', 0.0, 'minblock:2'),
@@ -65,6 +76,9 @@ STEP_CASES = [c + (1,) for c in STEP_CASES]   # one path per call
 # branch, greedy and sampled
 STEP_CASES += [('heads', 0.0, 'topk:2', 3), ('heads-sampled', 1.0, 'exact', 2), ('dblast', 0.0, 'exact', 4),
                ('dblast-sampled-mixture', 1.0, 'exact', 4), ('dblast-greedy-branch-branches', 1.0, 'exact', 4)]
+# the drafters that read the text: a draft model greedy and with two sampled paths, prompt lookup, a mix
+STEP_CASES += [('draft-model', 0.0, 'exact', 1), ('draft-model', 1.0, 'exact', 2), ('lookup', 1.0, 'exact', 1),
+               ('heads+draft-model', 1.0, 'exact', 2)]
 # and a token tree (nodes), greedy and sampled
 STEP_CASES = [c + (None,) for c in STEP_CASES] + [('heads', 0.0, 'exact', 1, 10), ('dblast', 1.0, 'exact', 1, 10)]
 
@@ -76,12 +90,12 @@ def run_steps(kind, temperature, accept, paths=1, nodes=None, context=nullcontex
     model, drafter = setup(kind, temperature)
     g = torch.Generator(device=DEV).manual_seed(0)
     k = 1 if drafter is None else 4
-    cache, d = first_state(model, drafter, 3, k, temperature, g, paths, nodes)
+    cache, state, d = first_state(model, drafter, 3, k, temperature, g, paths, nodes)
     d.n_out[2] = 48
     rule = parse_accept(accept, model.config.vocab_size)
     with context():
         for _ in range(n_steps):
-            step(model, drafter, cache, d, temperature, rule, g if generator else None, paths, k, nodes)
+            step(model, drafter, cache, d, temperature, rule, g if generator else None, paths, k, nodes, state)
     return cache
 
 

@@ -179,7 +179,7 @@ def test_mixture_nll_k1_is_sum_of_cross_entropies(target):
 
 @pytest.mark.parametrize('kind,verify', [('al', 'mixture'), ('al-branch', 'branch')])
 def test_al_loss_threshold_and_fallback(target, kind, verify):
-    """The AL loss keeps only prefixes with a_j >= log tau; with none kept it is the NLL; 'al' is
+    """The AL loss keeps only prefixes with a_j >= log eta (eta = tau_threshold); with none kept it is the NLL; 'al' is
     built on the mixture's conditionals, 'al-branch' on branch-conditional acceptance."""
     drafter = peaky(DBlastDrafter(CFG, 4, 4), 0.3, 4)
     torch.manual_seed(1)

@@ -25,7 +25,7 @@ import decode
 from dblast import DBlastDrafter
 from decode import generate, load_drafter, merged_step
 from runner import static_cache
-from heads import BlockHeads
+from heads import BlockHeads, Text
 from model import GPT, GPTConfig
 
 V = 32           # vocabulary of the tiny target
@@ -615,9 +615,10 @@ def test_merged_step_inactive_rows_do_not_advance(model, prompts):
     drafts, _ = heads.draft(h, bonus, model, 4)
     block = torch.cat([bonus[:, None], drafts], 1)
     active = torch.tensor([True, False, True])
-    n_acc, kept, nxt, q = merged_step(model, heads, cache, block, None, active)
+    text = Text(torch.full((B, T0 + 8), -1), torch.full((B,), T0))
+    n_acc, nxt, q = merged_step(model, heads, cache, text, block, None, active)
     assert q is None and nxt.shape == (B, 4)
-    assert torch.equal(kept, block)     # one path: what is kept is the block, n_acc + 1 of it committed
+    assert torch.equal(text.tokens[:, T0:T0 + 4], block)   # one path: the block is written, n_acc + 1 of it committed
     want = torch.full((B,), T0) + (n_acc + 1) * active
     assert torch.equal(cache.lengths, want)
 
@@ -763,3 +764,18 @@ def test_kv_cache_is_in_the_compute_dtype_under_autocast():
     assert static_cache(model, 2, 4).k.dtype == torch.float32              # one cache per compute dtype
     assert out.shape == (2, 26) and torch.equal(out[:, :6], prompt)
     assert sum(stats['accept_lengths']) >= 2 * 19 and stats['calls'] <= 20
+
+
+def test_decode_cli_runs_a_draft_model_prompt_lookup_and_both(good_ckpt, decode_cli, tmp_path):
+    """generate.py --draft-model (any target checkpoint of the vocabulary: here the target itself)
+    and --lookup, alone and together (one path each): exact greedy decoding. A draft model of
+    another vocabulary is one line naming it."""
+    for extra in (['--draft-model', str(good_ckpt)], ['--lookup', '2'], ['--draft-model', str(good_ckpt), '--lookup', '1']):
+        proc = decode_cli(good_ckpt, '--prompt', 'def ', '--k', '3', *extra)
+        assert proc.returncode == 0, proc.stderr
+        assert 'same as plain greedy decoding: 4/4 tokens' in proc.stdout, proc.stdout
+    other = tiny_model(seed=4, vocab_size=128, block_size=64, n_layer=1, n_embd=16, dtype=torch.float32)
+    save_checkpoint(dict(model=other.state_dict(), model_args=vars(other.config)), str(tmp_path / 'other.pt'))
+    proc = decode_cli(good_ckpt, '--draft-model', str(tmp_path / 'other.pt'))
+    assert proc.returncode == 2 and proc.stderr.count('\n') == 1, proc.stderr
+    assert "vocabulary has 128 ids, the target's 256" in proc.stderr, proc.stderr

@@ -102,7 +102,7 @@ def several_paths():   # past the layout and the verifier, to the kept path's mo
     decode.tree_layout = lambda paths, n, device: None
     decode.verify = lambda *args: (torch.zeros(1, dtype=torch.long),) * 3
     try:
-        decode.merged_step(Faked(), None, None, torch.zeros(1, 5, dtype=torch.long), None,
+        decode.merged_step(Faked(), None, None, None, torch.zeros(1, 5, dtype=torch.long), None,
                            torch.ones(1, dtype=torch.bool), paths=2)
     finally:
         decode.tree_layout, decode.verify = layout, verify

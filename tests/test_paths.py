@@ -1,7 +1,8 @@
 """Several drafted paths per call (MATH.md §9): the tree block through the target, greedy keeping
 the longest agreeing path, and multi-step speculative sampling, lossless for every way of
-proposing (chi-square over every 3-token continuation of the 8-token world), each beside a wrong
-verifier or drafter that the same test catches."""
+proposing (chi-square over every 3-token continuation of the 8-token world, at k = 4 and at k = 2,
+where the bonus at the leaf of a fully accepted path is among the counted tokens), each beside a
+wrong verifier or drafter that the same test catches."""
 import ast
 import copy
 import os
@@ -106,16 +107,16 @@ def test_greedy_paths_decode_exactly_greedy_and_commit_the_longest(N, monkeypatc
 N_ROWS = 5000
 
 
-def counts_of(model, drafter, temperature, paths, n_rows=N_ROWS, seed=0, m=3, compile=False):
+def counts_of(model, drafter, temperature, paths, n_rows=N_ROWS, seed=0, m=3, compile=False, k=4):
     g = torch.Generator().manual_seed(seed)
-    out, stats = generate(model, V8_PROMPT.expand(n_rows, -1), m, drafter=drafter, k=4, temperature=temperature,
+    out, stats = generate(model, V8_PROMPT.expand(n_rows, -1), m, drafter=drafter, k=k, temperature=temperature,
                           generator=g, paths=paths, compile=compile)
     codes = (out[:, V8_PROMPT.size(1):] * torch.tensor([V ** (m - 1 - i) for i in range(m)])).sum(-1)
     return torch.bincount(codes, minlength=V ** m).double(), stats
 
 
-def chi2_paths(model, drafter, temperature, paths, compile=False):
-    counts, stats = counts_of(model, drafter, temperature, paths, compile=compile)
+def chi2_paths(model, drafter, temperature, paths, compile=False, k=4):
+    counts, stats = counts_of(model, drafter, temperature, paths, compile=compile, k=k)
     return chi_square(counts, continuation_probs(temperature), N_ROWS) + (stats,)
 
 
@@ -146,6 +147,47 @@ def test_several_paths_are_lossless(target8, spec, temperature, paths, paths_fro
     assert stat < crit, f"{spec} x{paths} {paths_from} T={temperature}: chi2 {stat:.1f} >= {crit:.1f}"
     taus = torch.tensor(stats['accept_lengths'])
     assert (taus > 1).any() and (taus < 4).any()
+
+
+# k = 2: paths of one draft, three tokens over up to two steps, so the bonus drawn at the leaf a
+# fully accepted path reaches (a sample of p there, nothing tried) is among the counted tokens
+K2 = [('K4-sampled-branch-zt1', 0.7, 4, 'branches'), ('heads-sampled', 1.5, 4, 'iid'),
+      ('K4-sampled-mixture-zt1', 0.7, 4, 'iid'), ('K4-greedy-branch-zt0.5', 0.7, 4, 'branches')]
+
+
+@pytest.mark.parametrize('spec,temperature,paths,paths_from',
+                         [w if w == K2[0] else pytest.param(*w, marks=pytest.mark.slow) for w in K2])
+def test_several_paths_are_lossless_at_k2(target8, spec, temperature, paths, paths_from):
+    d = make_drafter(spec)
+    d.paths_from = paths_from
+    stat, crit, stats = chi2_paths(target8, d, temperature, paths, k=2)
+    assert stat < crit, f"{spec} x{paths} {paths_from} T={temperature} k=2: chi2 {stat:.1f} >= {crit:.1f}"
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus == 2).any() and (taus == 1).any()      # paths accepted to their leaf (its bonus counted), and not
+
+
+def test_chi_square_at_k2_catches_a_leafs_bonus_drawn_at_its_parent(target8, monkeypatch):
+    """The walk told to stop one node short when it reaches a leaf, so that the bonus is drawn from
+    what is left of p at the leaf's parent instead of p at the leaf: at k = 4 the three counted
+    tokens never include a leaf's bonus (the same seed gives the same tokens with and without the
+    bug), at k = 2 the test catches it. It measures 601 to 776 over six seeds against a critical
+    value of 332 (the lossless run: 250)."""
+    real = decode.tree_walk
+
+    def parent_of_leaf(kept_token, node, drafts):
+        match, n_acc, path, last = real(kept_token, node, drafts)
+        up = node[torch.arange(drafts.size(0)), path, (n_acc - 1).clamp(min=0)]
+        return match, n_acc, path, torch.where(n_acc == drafts.size(-1), up, last)
+    d = make_drafter('K4-sampled-branch-zt1')
+    d.paths_from = 'branches'
+    runs = []
+    for walk in (real, parent_of_leaf):
+        monkeypatch.setattr(decode, 'tree_walk', walk)
+        runs.append(generate(target8, V8_PROMPT.expand(500, -1), 3, drafter=d, k=4, temperature=0.7, paths=4,
+                             generator=torch.Generator().manual_seed(1))[0])
+    assert torch.equal(*runs)
+    stat, crit, _ = chi2_paths(target8, d, 0.7, 4, k=2)
+    assert stat > crit, f"a leaf's bonus from its parent passed at k=2: chi2 {stat:.1f} < {crit:.1f}"
 
 
 def test_several_paths_are_lossless_in_units_of_steps(target8, monkeypatch):
@@ -262,8 +304,8 @@ def test_the_worked_tree_example_in_math_md_is_what_the_code_computes():
 
 @pytest.mark.parametrize('point_mass', [False, True])
 def test_a_rejected_token_has_no_mass_left_at_its_node(point_mass):
-    """MATH.md §9's lemma: after candidate c is rejected at a node, the residual is 0 at c, whatever
-    the proposal (so a duplicate of c is never accepted later at that node)."""
+    """MATH.md §9's lemma: after a candidate token v is rejected at a node, the residual is 0 at v,
+    whatever the proposal (so a duplicate of v is never accepted later at that node)."""
     g = torch.Generator().manual_seed(0)
     B, V = 20000, 6
     r = torch.softmax(torch.randn(B, 1, V, generator=g, dtype=torch.float64) * 2, -1)

@@ -12,6 +12,7 @@ import decode
 import runner
 from conftest import V8, V8_PROMPT, peaky
 from dblast import DBlastDrafter
+from drafters import DraftModel, MixedPaths, PromptLookup
 from decode import generate
 from heads import BlockHeads
 from model import GPT, GPTConfig
@@ -28,6 +29,13 @@ def drafter_of(kind, device='cpu', dtype=torch.float64):
     """'heads' (argmax drafts) | 'heads-sampled' | 'dblast' (K = 4, sampled, mixture) | 'dblast-branches'."""
     if kind is None:
         return None
+    if kind == 'draft-model':        # a draft model of one layer, with its own KV cache
+        return DraftModel(peaky(GPT(GPTConfig(block_size=96, vocab_size=64, n_layer=1, n_head=2, n_embd=16)), 0.3, 2),
+                          k=4).to(device, dtype).eval()
+    if kind == 'lookup':
+        return PromptLookup(2, 4)
+    if kind == 'heads+lookup':
+        return MixedPaths([drafter_of('heads-sampled', device, dtype), PromptLookup(1, 4)])
     if kind.startswith('heads'):
         d = peaky(BlockHeads(CFG, 4, sample_drafts=kind == 'heads-sampled'), 0.2, 1)
     else:
@@ -37,11 +45,14 @@ def drafter_of(kind, device='cpu', dtype=torch.float64):
 
 
 # (drafter, temperature, accept, paths, nodes): plain decoding, every greedy rule, sampled and
-# argmax drafts, the mixture, several paths of each kind, token trees greedy and sampled
+# argmax drafts, the mixture, several paths of each kind, the drafters that read the text (a draft
+# model, prompt lookup, a mix), token trees greedy and sampled
 CONFIGS = [(None, 0.0, 'exact', 1), (None, 1.0, 'exact', 1), ('heads', 0.0, 'exact', 1), ('heads', 0.0, 'topk:3', 1),
            ('heads', 0.0, 'minblock:2', 1), ('heads', 1.0, 'exact', 1), ('heads-sampled', 1.0, 'exact', 1),
            ('dblast', 0.0, 'exact', 1), ('dblast', 1.5, 'exact', 1), ('dblast', 0.0, 'topk:2', 3),
-           ('heads-sampled', 1.0, 'exact', 2), ('dblast', 1.5, 'exact', 4), ('dblast-branches', 1.0, 'exact', 4)]
+           ('heads-sampled', 1.0, 'exact', 2), ('dblast', 1.5, 'exact', 4), ('dblast-branches', 1.0, 'exact', 4),
+           ('draft-model', 0.0, 'exact', 1), ('draft-model', 1.5, 'exact', 2), ('lookup', 0.0, 'exact', 1),
+           ('heads+lookup', 1.0, 'exact', 2)]
 CONFIGS = [c + (None,) for c in CONFIGS] + [('heads', 0.0, 'exact', 1, 12), ('dblast', 1.5, 'exact', 1, 20)]
 
 

@@ -1,5 +1,6 @@
 """Lossless speculative sampling: for every proposal, the output follows the target's exact
-distribution (chi-square over every 3-token continuation), and the test catches broken verifiers.
+distribution (chi-square over every 3-token continuation, at k = 4 and at k = 2, where a fully
+accepted block's bonus is among the counted tokens), and the test catches broken verifiers.
 
 The reference distribution is enumerated exactly in float64; decoding runs in float32, as it does
 for real (a statistical test needs no float64: rounding moves p by 1e-7, far below what 30,000
@@ -21,7 +22,7 @@ from conftest import V8, V8_PROMPT, peaky
 from dblast import DBlastDrafter
 from decode import generate
 from heads import BlockHeads
-from model import GPT, sample
+from model import GPT, sample, tempered
 
 V, CFG, PROMPT = V8.vocab_size, V8, V8_PROMPT   # the enumerable world (conftest)
 
@@ -85,9 +86,9 @@ def chi_square(counts, probs, n):
     return stat, crit
 
 
-def spec_counts(model, drafter, temperature, n_rows, seed, m=3, compile=False):
+def spec_counts(model, drafter, temperature, n_rows, seed, m=3, compile=False, k=4):
     g = torch.Generator().manual_seed(seed)
-    out, stats = generate(model, PROMPT.expand(n_rows, -1), m, drafter=drafter, k=4,
+    out, stats = generate(model, PROMPT.expand(n_rows, -1), m, drafter=drafter, k=k,
                           temperature=temperature, generator=g, compile=compile)
     codes = (out[:, PROMPT.size(1):] * torch.tensor([V ** (m - 1 - i) for i in range(m)])).sum(-1)
     return torch.bincount(codes, minlength=V ** m).double(), stats
@@ -96,8 +97,8 @@ def spec_counts(model, drafter, temperature, n_rows, seed, m=3, compile=False):
 N_ROWS = 20000   # the controls below show the test's power at this size
 
 
-def chi2_of(model, drafter, temperature, n_rows=N_ROWS, seed=0, compile=False):
-    counts, stats = spec_counts(model, drafter, temperature, n_rows, seed, compile=compile)
+def chi2_of(model, drafter, temperature, n_rows=N_ROWS, seed=0, compile=False, k=4):
+    counts, stats = spec_counts(model, drafter, temperature, n_rows, seed, compile=compile, k=k)
     return chi_square(counts, continuation_probs(temperature), n_rows) + (stats,)
 
 
@@ -124,6 +125,47 @@ def test_speculative_sampling_is_lossless(target, spec, temperature):
     # and the drafts were really exercised: some accepted, some rejected
     taus = torch.tensor(stats['accept_lengths'])
     assert (taus > 1).any() and (taus < 4).any()
+
+
+# k = 2: three tokens over up to two steps, so the bonus after a fully accepted block (a sample of p
+# after the last draft) is among the counted tokens; at k = 4 three tokens never reach it
+K2 = [('K4-sampled-mixture-zt1', 0.7), ('heads-argmax', 0.7), ('K4-greedy-mixture-zt1', 0.7), ('heads-sampled', 1.5)]
+K2 = [c if c == K2[0] else pytest.param(*c, marks=pytest.mark.slow) for c in K2]
+
+
+@pytest.mark.parametrize('spec,temperature', K2)
+def test_speculative_sampling_is_lossless_at_k2(target, spec, temperature):
+    """3-token continuations at k = 2 follow the target's exact distribution, fully accepted blocks'
+    bonuses included."""
+    stat, crit, stats = chi2_of(target, make_drafter(spec), temperature, k=2)
+    assert stat < crit, f"{spec} T={temperature} k=2: chi2 {stat:.1f} >= {crit:.1f}"
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus == 2).any() and (taus == 1).any()      # blocks fully accepted (their bonus counted), and not
+
+
+def bonus_after_a_full_block_from_the_last_drafts_p(logits, Q, drafts, temperature, generator=None):
+    """decode.verify_sampled with an off-by-one: after a fully accepted block the bonus is drawn from
+    P_{k-2}, the distribution the last draft was tested against, instead of P_{k-1}."""
+    p = F.softmax(tempered(logits, temperature), dim=-1)
+    ok = decode.accept_sampled(p[:, :-1], Q, drafts, generator)
+    weights = torch.cat([decode.residual(p[:, :-1], Q, drafts), p[:, -2:-1]], dim=1)
+    return decode.accept_prefix(ok, sample(weights, generator))
+
+
+def test_chi_square_at_k2_catches_a_full_blocks_bonus_drawn_from_the_wrong_p(target, monkeypatch):
+    """The bonus after a fully accepted block drawn from the wrong position's p: at k = 4 the three
+    counted tokens never include it (the same seed gives the same tokens with and without the bug),
+    at k = 2 the test catches it. It measures 872 to 1023 over six seeds against a critical value
+    of 524 (the lossless run: 412 to 462)."""
+    d = make_drafter('K4-sampled-mixture-zt1')
+    runs = [generate(target, PROMPT.expand(500, -1), 3, drafter=d, k=4, temperature=0.7,
+                     generator=torch.Generator().manual_seed(1))[0]]
+    monkeypatch.setattr(decode, 'verify_sampled', bonus_after_a_full_block_from_the_last_drafts_p)
+    runs.append(generate(target, PROMPT.expand(500, -1), 3, drafter=d, k=4, temperature=0.7,
+                         generator=torch.Generator().manual_seed(1))[0])
+    assert torch.equal(*runs)
+    stat, crit, _ = chi2_of(target, d, 0.7, k=2)
+    assert stat > crit, f"full block's bonus from the wrong p passed at k=2: chi2 {stat:.1f} < {crit:.1f}"
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
-"""Token trees from the drafters' own distributions (generate's nodes=N, MATH.md §10): the tree a
+"""Token trees from the drafters' own distributions (generate's nodes=M, MATH.md §10): the tree a
 drafter grows is the best prefix-closed set of its nodes, each slot sees its ancestors, greedy
-walks give plain greedy decoding's tokens, the sampled walk attains p(C) at every node and is
+walks give plain greedy decoding's tokens, the sampled walk attains p(D) at every node and is
 lossless (chi-square over every 3-token continuation of the 8-token world, k = 4 and k = 2), and
 the same test catches a walk whose draws are not independent."""
 import itertools
@@ -14,7 +14,7 @@ import runner
 from conftest import V8, V8_PROMPT, naive_greedy, peaky, tiny_model
 from dblast import DBlastDrafter
 from decode import generate, tree_attend, walk_down
-from heads import BlockHeads, Drafter, grow_tree
+from heads import BlockHeads, Drafter, Text, grow_tree
 from model import GPT, sample
 from test_sampling import chi_square, continuation_probs, make_drafter
 
@@ -206,7 +206,7 @@ def test_a_tree_is_grown_from_the_drafters_conditionals(kind):
 def exact_walk_tau(model, prompt, block, tree, temperature):
     """E[tau] of the sampled walk on one fixed tree, by enumeration: 1 + the sum over every node of
     the target's probability of its whole path (the walk reaches a node iff the target's samples
-    along the way are its tokens: it attains p(C) at every node)."""
+    along the way are its tokens: it attains p(D) at every node)."""
     parent, tokens = tree[0, 0].tolist(), block[0].tolist()
     total = 1.0
     for s in range(1, len(tokens)):
@@ -237,8 +237,9 @@ def test_the_sampled_walk_attains_p_of_the_children_at_every_node():
         block, _, tree = decode.first_block(model, drafter, cache, prompt, T, g, 1, 4, nodes=10)
         block[:] = block[:1]          # one tree for every row: the first row's
         tree[:] = tree[:1]
-        n_acc, *_ = decode.tree_step(model, drafter, cache, block, tree, torch.ones(n_rows, dtype=torch.bool), T, g, 4,
-                                     10)
+        text = Text(torch.zeros(n_rows, 16, dtype=torch.long), torch.full((n_rows,), V8_PROMPT.size(1)))
+        n_acc, *_ = decode.tree_step(model, drafter, cache, text, block, tree, torch.ones(n_rows, dtype=torch.bool), T,
+                                     g, 4, 10)
         want = exact_walk_tau(peaky(GPT(V8), 0.3, 0).double(), V8_PROMPT, block[:1], tree[:1], T)
     taus = (n_acc + 1).double()
     assert abs(float(taus.mean()) - want) < 4 * float(taus.std()) / math.sqrt(n_rows), (float(taus.mean()), want)
@@ -300,8 +301,8 @@ def test_chi_square_catches_a_walk_whose_draws_share_one_number(target8, monkeyp
 
 def test_where_p_is_spread_a_sampled_candidate_beats_fixed_children():
     """MATH.md §10's example: p = Q uniform over 100 tokens. One candidate drawn from Q is accepted
-    with probability sum_x min(p(x), Q(x)) = 1 (decode.accept_sampled), while the walk from a node
-    with 8 fixed children moves with probability p(C) = 0.08 (within 4 standard errors)."""
+    with probability sum_v min(p(v), Q(v)) = 1 (decode.accept_sampled), while the walk from a node
+    with 8 fixed children moves with probability p(D) = 0.08 (within 4 standard errors)."""
     g, n = torch.Generator().manual_seed(0), 20000
     p = torch.full((n, 1, 100), 0.01)
     assert decode.accept_sampled(p, p, sample(p, g), g).all()

@@ -1,0 +1,252 @@
+"""The drafters that read the text (drafters.py): a draft model with its own KV cache, prompt
+lookup, and several drafters' paths in one call. Exactness against plain greedy decoding, the
+draft model's drafts against a full recompute at batch > 1 with ragged acceptance, prompt lookup
+against Hugging Face's rule written out in Python, losslessness by chi-square with negative
+controls, and the refusals."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import runner
+from conftest import V8, V8_PROMPT, peaky, tiny_model
+from data import BadInput
+from decode import generate
+from drafters import DraftModel, MixedPaths, PromptLookup
+from heads import BlockHeads, Text
+from model import GPT
+from test_paths import chi2_paths
+from test_sampling import chi2_of, make_drafter
+
+
+# ----------------------------------------------------------------------------- prompt lookup
+
+def lookup_reference(text, ngram, n_drafts):
+    """Hugging Face's prompt lookup on one row (a list: the committed text and the bonus), written
+    out: the longest n-gram first, its earliest occurrence with something after it; then this
+    project's rule past the end of the text (the match's continuation repeated) and without a
+    match (the bonus repeated)."""
+    L = len(text)
+    for g in range(min(ngram, L - 1), 0, -1):
+        for i in range(L - g + 1):
+            if text[i:i + g] == text[L - g:] and i + g < L:
+                cont = text[i + g:]
+                return [cont[j % len(cont)] for j in range(n_drafts)]
+    return [text[-1]] * n_drafts
+
+
+@pytest.mark.parametrize('ngram', [1, 2, 3])
+def test_prompt_lookup_is_hugging_faces_rule(ngram):
+    """Random texts of a 3-token vocabulary (so that n-grams repeat), each row its own length, with
+    stale tokens past each row's end (which must never match): the drafts are the reference's."""
+    g = torch.Generator().manual_seed(ngram)
+    B, W, k = 64, 24, 6
+    tokens = torch.randint(3, (B, W), generator=g)
+    n = torch.randint(0, W - 1, (B,), generator=g)
+    n[:4] = torch.tensor([0, 1, 2, W - 2])
+    bonus = torch.randint(3, (B,), generator=g)
+    drafts, Q = PromptLookup(ngram, k).draft(None, bonus, None, k, text=Text(tokens, n))
+    assert Q is None
+    for b in range(B):
+        text = tokens[b, :n[b]].tolist() + [int(bonus[b])]
+        assert drafts[b].tolist() == lookup_reference(text, ngram, k - 1), (b, text)
+
+
+def test_prompt_lookup_ignores_what_lies_past_the_text():
+    """A match in stale tokens past n is no match: the row drafts the bonus repeated."""
+    tokens = torch.tensor([[1, 2, 3, 9, 5, 7, 5, 7, 6, 6]])
+    drafts, _ = PromptLookup(2, 4).draft(None, torch.tensor([7]), None, 4, text=Text(tokens, torch.tensor([3])))
+    assert drafts.tolist() == [[7, 7, 7]]
+
+
+# ----------------------------------------------------------------------------- exactness
+
+def near(model, scale, seed):
+    """A copy of model with its weights moved by noise of relative size `scale`: a draft model
+    that agrees with the target often, not always (ragged acceptance)."""
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std().clamp(min=1e-3))
+    return other
+
+
+@pytest.fixture(scope='module')
+def world():
+    target = tiny_model(0, std=0.3)
+    prompt = torch.randint(64, (3, 9), generator=torch.Generator().manual_seed(0))
+    prompt[:, 4:8] = prompt[:, :4]           # something for the lookup to find
+    base, _ = generate(target, prompt, 40)
+    return target, prompt, base
+
+
+def drafters_of(target):
+    heads = peaky(BlockHeads(target.config, 5), 0.05, 3)
+    return {'draft model': (DraftModel(near(target, 0.3, 1), k=5), 1),
+            'prompt lookup': (PromptLookup(2, 5), 1),
+            'heads + lookup': (MixedPaths([heads, PromptLookup(2, 5)]), 2),
+            'heads + draft model + lookup': (MixedPaths([heads, DraftModel(near(target, 0.3, 2), k=5),
+                                                         PromptLookup(1, 5)]), 3)}
+
+
+@pytest.mark.parametrize('name', ['draft model', 'prompt lookup', 'heads + lookup', 'heads + draft model + lookup'])
+@pytest.mark.parametrize('compile', [False, True])
+def test_greedy_output_is_plain_greedy_decodings(world, name, compile, monkeypatch):
+    """Batch 3, ragged acceptance: every drafter and mix decodes exactly plain greedy decoding's
+    tokens, op by op and through the compiled loop's static buffers and units of steps (run as
+    Python here: test_compiled.py traces them)."""
+    target, prompt, base = world
+    drafter, paths = drafters_of(target)[name]
+    if compile:
+        monkeypatch.setattr(runner, 'compiled', lambda fn, mode=None: fn)
+    out, stats = generate(target, prompt, 40, drafter=drafter, paths=paths, compile=compile)
+    assert torch.equal(out, base), name
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus > 1).any() and (taus < 5).any(), (name, stats['mean_tau'])
+
+
+class Recomputed(DraftModel):
+    """A draft model that checks each of its drafts against a full recompute (GPT.forward over
+    the row's committed text, the bonus and the drafts before it, no cache)."""
+    worst = 0.0
+
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None, text=None):
+        drafts, Q = super().draft(h, bonus, target, k, temperature, generator, text)
+        for r in range(bonus.size(0)):
+            seq = torch.cat([text.tokens[r, :int(text.n[r])], bonus[r:r + 1], drafts[r, :-1]])
+            logits = self.model(seq[None])[0][0, -(k - 1):]
+            if Q is None:
+                assert torch.equal(logits.argmax(-1), drafts[r]), (r, logits.argmax(-1), drafts[r])
+            else:
+                q = F.softmax(logits / temperature, dim=-1)
+                Recomputed.worst = max(Recomputed.worst, float((q - Q[r]).abs().max()))
+        return drafts, Q
+
+
+@pytest.mark.parametrize('temperature,paths', [(0.0, 1), (1.0, 2)])
+def test_draft_models_drafts_are_a_full_recomputes(world, temperature, paths):
+    """At batch 3 with ragged acceptance (and two paths, each with its own cache), every draft
+    the cached draft model makes is the one a full recompute makes: its argmax, or under sampling
+    its q (float64, to 1e-9). A cache that does not catch up after a fully accepted block, or is
+    not rolled back after a rejection, fails this (decoding stays exact either way: only the
+    drafts would be worse)."""
+    target, prompt, _ = world
+    Recomputed.worst = 0.0
+    d = Recomputed(near(target, 0.3, 1), k=5)
+    _, stats = generate(target, prompt, 40, drafter=d, temperature=temperature, paths=paths,
+                        generator=torch.Generator().manual_seed(0))
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus == 5).any() and (taus < 5).any()      # fully accepted blocks and rejections both
+    assert Recomputed.worst < 1e-9
+
+
+def test_a_draft_model_that_is_the_target_is_always_accepted(world):
+    """The target as its own draft model: every draft is accepted, greedy and sampled (p = q)."""
+    target, prompt, base = world
+    for T in (0.0, 1.0):
+        out, stats = generate(target, prompt, 40, drafter=DraftModel(target, k=5), temperature=T,
+                              generator=torch.Generator().manual_seed(1))
+        assert all(t == 5 for t in stats['accept_lengths'][:-3]), stats['accept_lengths']
+    assert torch.equal(generate(target, prompt, 40, drafter=DraftModel(target, k=5))[0], base)
+
+
+# ----------------------------------------------------------------------------- losslessness
+
+@pytest.fixture(scope='module')
+def target8(v8_target):
+    return copy.deepcopy(v8_target).float()
+
+
+def draft_model8(sample_drafts=True):
+    return DraftModel(peaky(GPT(V8), 0.3, 5).float(), k=4, sample_drafts=sample_drafts)
+
+
+@pytest.mark.parametrize('which,temperature', [
+    ('draft model, sampled drafts', 1.5),
+    pytest.param('draft model, argmax drafts', 0.7, marks=pytest.mark.slow),
+    ('prompt lookup', 1.5)])
+def test_text_drafters_are_lossless(target8, which, temperature):
+    """3-token continuations follow the target's exact distribution (test_sampling's chi-square)."""
+    drafter = {'draft model, sampled drafts': draft_model8(True), 'draft model, argmax drafts': draft_model8(False),
+               'prompt lookup': PromptLookup(2, 4)}[which]
+    stat, crit, stats = chi2_of(target8, drafter, temperature)
+    assert stat < crit, f"{which} T={temperature}: chi2 {stat:.1f} >= {crit:.1f}"
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus > 1).any() and (taus < 4).any()
+
+
+@pytest.mark.parametrize('which,temperature', [('sampled heads + lookup', 1.5),
+                                               pytest.param('draft model + argmax heads', 0.7,
+                                                            marks=pytest.mark.slow)])
+def test_mixed_paths_are_lossless(target8, which, temperature):
+    """Paths of different drafters in one call, each verified against its own proposal (a point
+    mass for the lookup's and argmax heads'): the target's distribution (test_paths' chi-square)."""
+    drafters = {'sampled heads + lookup': [make_drafter('heads-sampled'), PromptLookup(2, 4)],
+                'draft model + argmax heads': [draft_model8(True), make_drafter('heads-argmax')]}[which]
+    stat, crit, stats = chi2_paths(target8, MixedPaths(drafters), temperature, 2)
+    assert stat < crit, f"{which}: chi2 {stat:.1f} >= {crit:.1f}"
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus > 1).any() and (taus < 4).any()
+
+
+def test_chi_square_catches_a_draft_models_q_at_another_temperature(target8, monkeypatch):
+    """Drafts sampled at T = 1.5 but verified with the draft model's q at T = 1: biased, caught."""
+    drafter = draft_model8(True)
+    real = drafter.choose
+
+    def q_at_t1(logits, temperature, generator):
+        d, q = real(logits, temperature, generator)
+        return d, F.softmax(logits.float(), dim=-1)
+    monkeypatch.setattr(drafter, 'choose', q_at_t1)
+    stat, crit, _ = chi2_of(target8, drafter, 1.5)
+    assert stat > crit, f"q at another temperature passed: chi2 {stat:.1f} < {crit:.1f}"
+
+
+def test_chi_square_catches_mixed_paths_verified_against_one_drafters_q(target8, monkeypatch):
+    """Every path verified against the first drafter's Q (the lookup's point mass taken for the
+    sampled heads' q): biased, caught."""
+    mixed = MixedPaths([make_drafter('heads-sampled'), PromptLookup(1, 4)])
+    real = mixed.draft_paths
+
+    def first_q(*a, **kw):
+        drafts, Q = real(*a, **kw)
+        return drafts, Q[:, :1].expand_as(Q).contiguous()
+    monkeypatch.setattr(mixed, 'draft_paths', first_q)
+    stat, crit, _ = chi2_paths(target8, mixed, 1.5, 2)
+    assert stat > crit, f"one drafter's Q for every path passed: chi2 {stat:.1f} < {crit:.1f}"
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def test_a_draft_model_that_does_not_fit_is_refused(world):
+    target, prompt, _ = world
+    other_vocab = tiny_model(1, vocab_size=32)
+    short = tiny_model(1, block_size=32)
+    for draft, want in ((other_vocab, "vocabulary has 32 ids, the target's 64"),
+                        (short, "context is 32 tokens, shorter than the target's 64")):
+        with pytest.raises(BadInput, match=want):
+            generate(target, prompt, 4, drafter=DraftModel(draft))
+
+
+def test_refusals_of_text_drafters(world):
+    target, prompt, _ = world
+    with pytest.raises(BadInput, match='paths=2 means nothing here'):
+        generate(target, prompt, 4, drafter=PromptLookup(2, 4), paths=2)
+    with pytest.raises(BadInput, match='grows no token trees'):
+        generate(target, prompt, 4, drafter=PromptLookup(2, 4), nodes=8)
+    with pytest.raises(BadInput, match='use paths=2'):
+        generate(target, prompt, 4, drafter=MixedPaths([PromptLookup(1, 4), PromptLookup(2, 4)]))
+    with pytest.raises(ValueError, match='ngram >= 1'):
+        PromptLookup(0, 4)
+
+
+def test_the_exact_evaluator_refuses_a_drafter_that_reads_the_text(world):
+    """The exact evaluator needs a drafter's distributions from the target's state; a draft model
+    or prompt lookup has none: one line, before any work."""
+    from dblast import expected_tau
+    target, _, _ = world
+    for d in (DraftModel(target), PromptLookup(2, 4)):
+        with pytest.raises(BadInput, match='the exact evaluator .* has none: measure it by decoding'):
+            expected_tau(d, target, None, 4, 1.0, True, 'mixture')
