@@ -250,3 +250,14 @@ def test_the_exact_evaluator_refuses_a_drafter_that_reads_the_text(world):
     for d in (DraftModel(target), PromptLookup(2, 4)):
         with pytest.raises(BadInput, match='the exact evaluator .* has none: measure it by decoding'):
             expected_tau(d, target, None, 4, 1.0, True, 'mixture')
+
+
+def test_a_drafter_that_does_not_fit_the_target_is_refused_before_any_work(world):
+    """A drafter made for a target of another width, or in another dtype than the target's (a
+    .float() drafter beside a float64 target): one line, not torch's error from inside a matmul."""
+    target, prompt, _ = world
+    narrow = BlockHeads(tiny_model(1, n_embd=16).config, 4).double()
+    with pytest.raises(BadInput, match='width n_embd=16; this target.s is 32'):
+        generate(target, prompt, 4, drafter=narrow)
+    with pytest.raises(BadInput, match='its weights are torch.float32, the target.s torch.float64'):
+        generate(target, prompt, 4, drafter=BlockHeads(target.config, 4).float())
