@@ -376,7 +376,9 @@ def stage_base(rt, args, ds, vocab, name='base', path=None, train=None, record=N
                evaluate=lambda it: heldout_loss(model, val, B, args.eval_iters, rt.precision), tokens_per_step=B * T)
     rt.print(f"{name}: done in {time.perf_counter() - t0:.0f}s -> {path}")
     if rt.ddp:  # proof that data parallelism kept the replicas identical
-        print(f"rank {rt.rank} weights {model.fingerprint()}", flush=True)
+        # one write, so that the ranks' lines stay whole in a shared pipe (print writes the newline apart)
+        sys.stdout.write(f"rank {rt.rank} weights {model.fingerprint()}\n")
+        sys.stdout.flush()
     return model.eval()
 
 
