@@ -481,7 +481,7 @@ def first_block(model, drafter, cache, prompt, temperature, generator, paths, k,
         drafts, tree = propose_tree(drafter, h, bonus, model, k, nodes, temperature)
         return torch.cat([bonus[:, None], drafts], dim=1), None, tree
     if state is not None:
-        drafter.start(state, prompt.repeat_interleave(paths, 0))   # one row per path
+        drafter.read_prompt(state, prompt.repeat_interleave(paths, 0))   # one row per path
     B, T0 = prompt.shape
     text = Text(F.pad(prompt, (0, 1)), torch.full((B,), T0, device=prompt.device), state)   # room for the bonus
     drafts, Q = propose(drafter, h, bonus, model, k, paths, temperature, generator, text)

@@ -55,7 +55,7 @@ class DraftModel(Drafter):
     def new_state(self, rows, max_len):
         return self.model.new_cache(rows, max_len)
 
-    def start(self, cache, prompt):
+    def read_prompt(self, cache, prompt):
         cache.lengths.zero_()
         self.model.forward_cached(prompt, cache)
         cache.commit(prompt.size(1))
@@ -179,11 +179,11 @@ class MixedPaths(Drafter):
         N = len(self.drafters)
         return [d.new_state(rows // N, max_len) for d in self.drafters]
 
-    def start(self, states, prompt):
+    def read_prompt(self, states, prompt):
         N = len(self.drafters)
         for i, (d, state) in enumerate(zip(self.drafters, states)):
             if state is not None:
-                d.start(state, prompt[i::N])
+                d.read_prompt(state, prompt[i::N])
 
     @torch.no_grad()
     def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None, text=None):

@@ -42,7 +42,7 @@ class Text(NamedTuple):
                         that the bonus fits at n)
         n (B,)          committed tokens per row, the prompt's included; the bonus, about to be
                         committed, sits at position n
-        state           the drafter's own state (new_state, start), or None"""
+        state           the drafter's own state (new_state, read_prompt), or None"""
     tokens: torch.Tensor
     n: torch.Tensor
     state: object = None
@@ -75,7 +75,7 @@ class Drafter(nn.Module):
     its draft then also gets text=Text(tokens, n, state): the committed tokens of each row, and the
     drafter's own state if it keeps one (a draft model's KV cache, drafters.DraftModel):
         state = drafter.new_state(rows, max_len)   once per configuration (None: no state)
-        drafter.start(state, prompt)                the prefill: the prompt (rows, T0) read into it
+        drafter.read_prompt(state, prompt)          the prefill: the prompt (rows, T0) read into it
     One row of state per drafted path: with paths=N, rows = B*N, row b*N + i path i of prompt b (as
     draft_paths' default repeats the rows). Between calls the verifier commits 1 to k tokens a row;
     the state is advanced by what the text says was committed, and rolled back by length, as the
@@ -88,7 +88,7 @@ class Drafter(nn.Module):
     def new_state(self, rows, max_len):
         return None
 
-    def start(self, state, prompt):
+    def read_prompt(self, state, prompt):
         pass
 
     def does_not_fit(self, target):

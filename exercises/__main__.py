@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from exercises import handout, harness
+from exercises import handout, harness, worker
 from data import ArgumentParser, BadInput, check_number, intra_op_threads, pick_device, run_script
 
 
@@ -36,21 +36,28 @@ def print_list():
 
 
 def check(n, which):
+    """Run exercise n's checks on `which` in a worker process (exercises/worker.py), printing each
+    result as it comes; True when every one passed."""
     what = {'student': f"exercises/{harness.exercises()[n]}/student.py", 'solution': 'the reference'}.get(
         which, f"the negative control '{which}'")
-    print(f"exercise {n} ({harness.exercises()[n]}), checks on {what}:")
+    print(f"exercise {n} ({harness.exercises()[n]}), checks on {what}:", flush=True)
     t0 = time.perf_counter()
-    results = harness.run(n, which)
-    width = max(len(r.title) for r in results)
-    for r in results:
+    run = worker.Run(n, which)
+    width = max(len(harness.docstring_parts(fn)[0]) for _, fn in run.functions)
+    passed = 0
+    for r in run:
         print(f"  {'PASS' if r.passed else 'FAIL'}  {r.title:<{width}}  ({r.seconds:.1f}s)")
         if not r.passed:
             print(f"        why:  {r.reason}")
             if r.hint and not r.not_written:
                 print(f"        hint: {r.hint}")
-    passed = sum(r.passed for r in results)
-    print(f"{passed} of {len(results)} checks pass ({time.perf_counter() - t0:.1f}s)")
-    return passed == len(results)
+        sys.stdout.flush()
+        passed += r.passed
+    if run.tampered:
+        print(f"no check of this run counts: {run.tampered}")
+        passed = 0
+    print(f"{passed} of {len(run.functions)} checks pass ({time.perf_counter() - t0:.1f}s)")
+    return passed == len(run.functions)
 
 
 TRY_FLAGS = ('out_dir', 'prompts', 'max_new', 'device')     # flags only `try` reads (None: not given)

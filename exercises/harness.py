@@ -1,7 +1,8 @@
 """
 What every exercise shares: finding a student's code or the reference, plugging it into the
-project's seams for the length of a check, running the checks and saying why one failed, and the
-small worlds and statistics the checks are built from.
+project's seams for the length of a check, running the checks and saying why one failed, the
+small worlds and statistics the checks are built from, and the watches that hold code run on a
+CPU to what a GPU asks (host syncs, allocations, tensors made off the inputs' device).
 
 An exercise is a folder NN_name/ with README.md (the task), student.py (the stubs) and checks.py.
 checks.py names what the student writes (NAMES), where the project calls it (SEAMS: 'module.attr'
@@ -21,6 +22,7 @@ import sys
 import time
 import traceback
 import types
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
@@ -39,6 +41,7 @@ if ROOT not in sys.path:
 from data import (PROMPT_LEN, BadInput, first_line, heldout_prompts, load_checkpoint, load_dataset,  # noqa: E402
                   newline_id, target_from, vocab_for)
 from decode import generate, load_drafter  # noqa: E402
+from heads import Drafter  # noqa: E402
 from model import GPT, GPTConfig, upcast  # noqa: E402
 import train  # noqa: E402
 
@@ -81,12 +84,38 @@ def resolve(dotted):
     return obj
 
 
+class NotLoaded(Exception):
+    """student.py could not be loaded (a syntax error, a failed import, a name it does not define):
+    every check fails with this one line."""
+
+
+def student_path(n):
+    return os.path.join(HERE, exercises()[n], 'student.py')
+
+
+def load_student(n):
+    """Exercise n's student.py as a module, or NotLoaded saying in one line why it is not one."""
+    path = student_path(n)
+    try:
+        return load_file(path, f'exercise{n:02d}_student')
+    except SyntaxError as e:      # raised while compiling: no frame of the file, but its own line
+        raise NotLoaded(f"student.py does not load: {type(e).__name__}: {e.msg} "
+                        f"({os.path.basename(e.filename or path)} line {e.lineno})") from None
+    except SystemExit as e:
+        raise NotLoaded(f"student.py called sys.exit({e.code!r}) while loading{where_in_student(e)}") from None
+    except Exception as e:
+        raise NotLoaded(f"student.py does not load: {type(e).__name__}: {first_line(e)}{where_in_student(e)}") from None
+
+
 def implementation(n, which='student'):
     """What the checks run against: 'student' (student.py), 'solution' (the reference), or the name
     of a negative control (the reference with a plausible wrong answer in place)."""
     checks = checks_of(n)
     if which == 'student':
-        student = load_file(os.path.join(HERE, exercises()[n], 'student.py'), f'exercise{n:02d}_student')
+        student = load_student(n)
+        missing = [name for name in checks.NAMES if not hasattr(student, name)]
+        if missing:
+            raise NotLoaded(f"student.py defines no {missing[0]} (the checks call {', '.join(checks.NAMES)})")
         return types.SimpleNamespace(**{name: getattr(student, name) for name in checks.NAMES}, which=which)
     solution = solution_path(n)
     if solution is None:
@@ -191,15 +220,27 @@ def run_check(checks, impl, name, fn):
     except AssertionError as e:
         reason = first_line(e, 'an assertion failed', limit=None)
         hint = getattr(e, 'hint', '') or hint     # a Fail knows its cause better than the docstring
+    except SystemExit as e:  # sys.exit in the code under test ends the check, never the run
+        reason, hint = f"SystemExit: the code under test called sys.exit({e.code!r}){where_in_student(e)}", ''
     except Exception as e:   # the code under test crashed: say what and where
         reason = f"{type(e).__name__}: {first_line(e)}{where_in_student(e)}"
     return Result(name, title, not reason, reason, hint, time.perf_counter() - t0, not_written)
 
 
+def failed(name, fn, reason, seconds=0.0):
+    """The Result of a check that failed without running to its end (the code under test did not
+    load, or stopped the process running it)."""
+    return Result(name, docstring_parts(fn)[0], False, reason, '', seconds)
+
+
 def run(n, which='student', stop_at_first_failure=False):
-    """Every check of exercise n against `which` (see implementation), in order: [Result]."""
+    """Every check of exercise n against `which` (see implementation), in order, in this process:
+    [Result]. `python -m exercises check` runs them in a worker process instead (exercises/worker.py)."""
     checks = checks_of(n)
-    impl = implementation(n, which)
+    try:
+        impl = implementation(n, which)
+    except NotLoaded as e:
+        return [failed(name, fn, str(e)) for name, fn in check_functions(checks)]
     results = []
     for name, fn in check_functions(checks):
         results.append(run_check(checks, impl, name, fn))
@@ -384,7 +425,7 @@ def plain_greedy(model, prompts, m):
     return x
 
 
-class GreedyOracle(torch.nn.Module):
+class GreedyOracle(Drafter):
     """A drafter that knows the target's greedy continuation `ref` (B, T) and drafts it, wrong
     where `wrong(t, j)` says (t: the position of the last committed token, j: the draft's index),
     so steps end at every kind of place. It finds t from h alone (the hidden state of ref nearest
@@ -461,6 +502,97 @@ class Allocations(EagerMode):
         self.seen += [(str(func), t.untyped_storage().nbytes()) for t in tensors(out)
                       if t.untyped_storage().data_ptr() not in inputs]
         return out
+
+
+# ----------------------------------------------------------------------------- devices
+# A tensor made without the inputs' device (torch.rand(shape), torch.arange(n)) lands on the CPU:
+# right on a CPU, an error on a GPU the moment it meets the inputs. The checks see it on a CPU by
+# running the code under test on inputs on PyTorch's 'meta' device (shapes without data), which
+# refuses a mix with the CPU as CUDA does; a 0-dim CPU tensor (a scalar) is allowed by both.
+
+class MadeOnCpu(EagerMode):
+    """Under inputs on 'meta': where each CPU tensor of one dimension or more inside the block was
+    made (the op and the line of student.py that made it, followed through views and ops on it),
+    and `blamed`, where the first one that met a tensor of another device was made."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = {}          # id(tensor) -> (a weak reference to it, where it was made)
+        self.blamed = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        on_cpu = [t for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.device.type == 'cpu' and t.dim() > 0]
+        try:
+            out = func(*args, **kwargs)
+        except Exception:
+            if self.blamed is None and on_cpu:
+                self.blamed = self.where(on_cpu[0])
+            raise
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == 'cpu' and t.dim() > 0:
+                if on_cpu:                       # made from a CPU tensor: where that one was made
+                    where = self.where(on_cpu[0])
+                else:
+                    frames = [f for f in traceback.extract_stack() if os.path.basename(f.filename) == 'student.py']
+                    where = f"{func}{f' at student.py line {frames[-1].lineno}' if frames else ''}"
+                self.made[id(t)] = (weakref.ref(t), where)
+        return out
+
+    def where(self, t):
+        ref, where = self.made.get(id(t), (None, None))
+        if ref is not None and ref() is t:
+            return where
+        return "a CPU tensor made before the call (one that .to() did not move?)"
+
+
+@contextmanager
+def autocast_off_on_meta():
+    """torch has no autocast for 'meta', and the project asks about it (model.GPT.compute_dtype,
+    dblast.conditionals): on 'meta' it reads as off, as on a CPU without autocast."""
+    enabled, autocast = torch.is_autocast_enabled, torch.autocast
+    torch.is_autocast_enabled = lambda *a: False if a and str(a[0]) == 'meta' else enabled(*a)
+    torch.autocast = lambda device_type, *a, **kw: nullcontext() if device_type == 'meta' else \
+        autocast(device_type, *a, **kw)
+    try:
+        yield
+    finally:
+        torch.is_autocast_enabled, torch.autocast = enabled, autocast
+
+
+def on_meta(x):
+    """x on the 'meta' device: a tensor moved, a module copied and moved."""
+    return copy.deepcopy(x).to('meta') if isinstance(x, torch.nn.Module) else x.to('meta')
+
+
+def assert_on_the_inputs_device(what, call):
+    """call() runs the code under test on inputs on 'meta' (see above): Fail if it makes a tensor
+    on the CPU that meets them, or returns one. An error of another kind (an op 'meta' cannot run,
+    a read of a value, which the host-sync checks judge) says nothing about devices: no failure."""
+    with MadeOnCpu() as made, autocast_off_on_meta():
+        try:
+            out = call()
+        except Exception as e:
+            message = str(e)
+            if isinstance(e, NotImplementedError) and 'meta' not in message.lower():
+                raise                                   # not written yet (torch's own say 'Meta')
+            if not ('meta' in message and 'cpu' in message):
+                return
+            where = made.blamed or f"an op{where_in_student(e)}"
+            raise Fail(f"{what}: {where} made a tensor on the CPU, which met the inputs on another device "
+                       f"({first_line(e)}); want every tensor on the inputs' device (run here on PyTorch's 'meta' "
+                       f"device, which refuses a mix of devices as CUDA does)", DEVICE_HINT)
+    off = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type != 'meta']
+    if off:
+        raise Fail(f"{what}: with its inputs on another device, it returned a tensor on the {off[0].device.type} "
+                   f"({made.where(off[0])}); want its outputs on the inputs' device (run here on PyTorch's 'meta' "
+                   f"device)", DEVICE_HINT)
+
+
+DEVICE_HINT = ("a tensor made without a device (torch.rand, torch.randn, torch.randint, torch.arange, torch.zeros, "
+               "torch.full, torch.tensor, ...) is made on the CPU, and so is a tensor attribute of a module that is "
+               "not a parameter or a buffer (.to() does not move it): right on a CPU, an error on a GPU")
 
 
 # ----------------------------------------------------------------------------- trying it for real
@@ -642,13 +774,20 @@ def try_out(n, which, args):
         raise BadInput(f"exercise {n} has no `try` (its checks are the whole story)")
     who = {'student': 'your student.py', 'solution': 'the reference'}.get(which, f"the control '{which}'")
     reference = implementation(n, 'solution') if solution_path(n) else None
-    against = ("the reference's rows (the shipped one, plugged in for them)" if reference is not None else
-               "the target alone, by full recompute (a handout has no reference)")
-    print(f"exercise {n} ({exercises()[n]}): {who} through the decoder on {args.out_dir}/, "
-          f"{args.prompts} held-out prompts one at a time, next to {against}; 'same as plain greedy' counts "
-          f"the tokens equal to plain greedy decoding by full recompute.\n"
-          f"{' '.join(checks.try_it.__doc__.split())}\n")
-    impl = implementation(n, which)
+    if getattr(checks, 'TRY_PAIRED', True):       # try_it sets each of its rows beside the reference's (Tryout.pair)
+        against = ("the reference's rows (the shipped one, plugged in for them)" if reference is not None else
+                   "the target alone, by full recompute (a handout has no reference)")
+        print(f"exercise {n} ({exercises()[n]}): {who} through the decoder on {args.out_dir}/, "
+              f"{args.prompts} held-out prompts one at a time, next to {against}; 'same as plain greedy' counts "
+              f"the tokens equal to plain greedy decoding by full recompute.\n"
+              f"{' '.join(checks.try_it.__doc__.split())}\n")
+    else:                                          # its own rows: its docstring says what they are
+        print(f"exercise {n} ({exercises()[n]}): {who} on {args.out_dir}/'s checkpoints, {args.prompts} held-out "
+              f"prompts one at a time.\n{' '.join(checks.try_it.__doc__.split())}\n")
+    try:
+        impl = implementation(n, which)
+    except NotLoaded as e:
+        raise BadInput(str(e))
     try:
         checks.try_it(impl, Tryout(checks, impl, reference, args))
     except NotImplementedError as e:

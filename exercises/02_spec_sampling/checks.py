@@ -33,11 +33,14 @@ def assert_follows(tokens, p, what, hint=''):
                            f"{len(tokens)} samples", hint)
 
 
-ACCEPT_HINT = ("the drafts accepted are off: accept draft d with probability min(1, P(d) / Q(d)), i.e. when "
-               "u * Q(d) < P(d) with u ~ U(0, 1) and P = softmax(logits / T) at the temperature given")
-RESIDUAL_HINT = ("the drafts are accepted as they should be, but the bonus after a rejection is off: it is a sample "
-                 "of norm(max(0, P - Q)) at the rejected position (for a point mass, P without the draft's mass), "
-                 "with P = softmax(logits / T) tempered like the test's")
+ACCEPT_HINT = ("the drafts accepted are off (how many, or which tokens), against min(1, P(d) / Q(d)) with P at "
+               "the temperature given. What fits: the ratio upside down, P at another temperature than T, the coin "
+               "compared otherwise than u * Q(d) < P(d), or P or Q read at another token or position than the "
+               "draft's")
+RESIDUAL_HINT = ("the drafts are accepted as they should be, but the bonus after a rejection is not a sample of "
+                 "norm(max(0, P - Q)) at the rejected position. What fits: the bonus drawn from P (Q not "
+                 "subtracted), at another temperature than the test's, from another position than the rejected "
+                 "one, or, for a point mass, a residual that keeps the draft's mass")
 
 
 def off(tokens, probs):
@@ -65,7 +68,7 @@ def why_not_p(emitted, accepted, drafts, p, Q):
 def test_shapes_and_the_prefix(impl):
     """Shapes, and nothing past the first rejection. accepted is (B, k-1) bool and a prefix (no True
     after a False), n_acc its count, the bonus a token. Hint: the accepted prefix is exercise 1's
-    (the drafts before the first refusal: a cumulative product); only the test and the bonus change."""
+    (the drafts before the first refusal); only the test and the bonus change."""
     g = torch.Generator().manual_seed(1)
     B, k = 500, 5
     logits = torch.randn(B, k, V, generator=g, dtype=torch.float64)
@@ -94,8 +97,8 @@ def test_the_first_token_follows_p(impl):
     """The first emitted token follows p. One draft per row, 200,000 rows: the token after the
     bonus (the draft if accepted, else the bonus) has exactly the target's distribution at T,
     for a proposal Q far from p (T = 0.7 and 1.3) and for a point-mass draft (Q None).
-    Hint: P(emit x) = Q(x) min(1, P(x)/Q(x)) + P(reject) norm(max(0, P - Q))(x) = P(x); the
-    bonus after a rejection must come from the residual, tempered like P."""
+    Hint: P(emit x) = Q(x) min(1, P(x)/Q(x)) + P(reject) norm(max(0, P - Q))(x) = P(x): both
+    halves, the test and the residual, at the same P."""
     g = torch.Generator().manual_seed(2)
     Q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, -1).expand(N, 1, V)
     cases = [(Q, decode.sample(Q, g), T, 3, f"T={T}, sampled drafts") for T in (0.7, 1.3)]
@@ -111,8 +114,9 @@ def test_the_first_token_follows_p(impl):
 
 def test_after_an_accepted_block_the_bonus_follows_p(impl):
     """The bonus after a full block follows p. When every draft is accepted, the bonus is a sample
-    of the target's distribution after the last position, at T. Hint: P_{k-1} = softmax(logits[:, -1] / T),
-    the same temperature as everywhere else."""
+    of the target's distribution after the last position, at T. Hint: after a full block the
+    bonus follows another law than P_{k-1} at T: what fits is a draw at another temperature (1, or
+    T twice), from another position's logits, or from a residual rather than from P."""
     g = torch.Generator().manual_seed(5)
     Q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64), -1).expand(N, 1, V)
     drafts = decode.sample(Q, g)
@@ -126,8 +130,8 @@ def test_after_an_accepted_block_the_bonus_follows_p(impl):
 
 def test_p_equal_to_q(impl):
     """p equal to Q: no division by zero. The residual max(0, p - Q) is zero everywhere; the bonus
-    must still be a valid token (a rejection never happens there, but the step draws every
-    position's candidate at once). Hint: fall back to p where the residual sums to zero."""
+    must still be a valid token (a rejection never happens there, but a step may draw every
+    position's candidate)."""
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(64, 3, V, generator=g, dtype=torch.float64)
     Q = F.softmax(logits[:, :-1] / 0.9, -1)                              # exactly p at T = 0.9
@@ -139,45 +143,65 @@ def test_p_equal_to_q(impl):
                            "something else)")
     if not ((bonus >= 0) & (bonus < V)).all():
         raise harness.Fail(f"the bonus is not a token: got {bonus[:8].tolist()}..., want tokens in 0..{V - 1}",
-                           "the residual max(0, P - Q) sums to 0 here and normalising it divides by zero: fall "
-                           "back to P where it sums to 0 (a rejection has probability 0 there)")
+                           "the residual max(0, P - Q) sums to 0 here, and the bonus drawn from it is no token. "
+                           "What fits: a normalisation that divides 0 by 0 (NaN weights), with nothing where the "
+                           "residual is zero; the statement says what the bonus is then")
 
 
 def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
-    """A residual that rounding leaves all zero falls back to P. Q = P (1 + 2^-8) at every token (a
-    bf16 softmax's rows can sum to 1 + 2^-8): max(0, P - Q) is 0 everywhere, yet u Q(d) >= P(d)
-    refuses a draft about once in 257. Over 200,000 one-draft rows, the bonus after those refusals
-    is a sample of P, not one fixed token. Hint: where the residual sums to 0, take P itself
-    (torch.where on the row's sum); normalising it divides 0 by 0, and model.sample of an all-zero
-    row returns its last index."""
+    """A residual that rounding leaves all zero falls back to P, row by row. A batch mixes rows whose
+    Q is P (1 + 2^-8) at every token (a bf16 softmax's rows can sum to 1 + 2^-8: max(0, P - Q) is 0
+    everywhere, yet u Q(d) >= P(d) refuses a draft about once in 257) with rows of a Q far from P.
+    After a refusal the bonus is a sample of P in the first rows (about 780 refusals in 200,000
+    rows), of norm(max(0, P - Q)) in the others (50,000 rows)."""
     g = torch.Generator().manual_seed(10)
     L = torch.randn(2, V, generator=g, dtype=torch.float64) * 1.5
     p = F.softmax(L, -1)
-    Q = (p[0] * (1 + 2 ** -8)).expand(N, 1, V)
-    drafts = decode.sample(p[:1].expand(N, 1, V), g)
-    _, n_acc, bonus = impl.verify_sampled(L.expand(N, 2, V), Q, drafts, 1.0, g)
+    far = F.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, -1)
+    rows = N + N // 4
+    rounded = torch.arange(rows) % 5 != 0                                # 4 rows in 5: P (1 + 2^-8)
+    Q = torch.where(rounded[:, None], p[0] * (1 + 2 ** -8), far).unsqueeze(1)          # (rows, 1, V)
+    drafts = torch.where(rounded[:, None], decode.sample(p[:1].expand(rows, 1, V), g), decode.sample(Q, g))
+    _, n_acc, bonus = impl.verify_sampled(L.expand(rows, 2, V), Q, drafts, 1.0, g)
     refused = n_acc == 0
-    if refused.any():   # (an answer that renormalises Q refuses nothing here, and has nothing to fall back from)
-        assert_follows(bonus[refused], p[0], f"after the {int(refused.sum())} refusals, where max(0, P - Q) is 0 "
-                       f"everywhere, the bonus is not a sample of P", "the residual max(0, P - Q) sums to 0 here: "
-                       "fall back to P where it does (a draw from an all-zero row returns the last index, a "
-                       "normalised one NaN)")
+    if (refused & rounded).any():   # (an answer that renormalises Q refuses nothing there: nothing to fall back from)
+        assert_follows(bonus[refused & rounded], p[0], f"in the rows where max(0, P - Q) is 0 everywhere, beside rows "
+                       f"where it is not, the bonus after the {int((refused & rounded).sum())} refusals is not a "
+                       f"sample of P", "where the residual sums to 0 the bonus is a sample of P (the statement); "
+                       "here it follows another law. What fits: no fallback at all (a draw from an all-zero row gives "
+                       "its last index), a normalisation that divides 0 by 0, or a fallback decided once for the "
+                       "whole batch (this batch mixes those rows with rows whose residual is not zero)")
+    residual = (p[0] - far).clamp(min=0)
+    assert_follows(bonus[refused & ~rounded], residual / residual.sum(), f"in the rows of a Q far from P, beside rows "
+                   f"whose residual is 0, the bonus after the {int((refused & ~rounded).sum())} refusals is not a "
+                   f"sample of norm(max(0, P - Q))", "these rows' residual is not zero, yet their bonus follows "
+                   "another law. What fits: a fallback to P decided for the whole batch (one all-zero row then sends "
+                   "every row to P), or decided by something else than the row's own residual")
 
 
 def test_no_host_sync(impl):
-    """No host sync. For sampled drafts (Q given) and for point masses (Q None). Hint: draw every
-    candidate bonus at once and gather the one at n_acc."""
+    """No host sync, no tensor on another device. For sampled drafts (Q given) and for point masses
+    (Q None): nothing makes the host wait for the device, and no tensor is made off the logits'
+    device (run on PyTorch's 'meta' device, which refuses a mix of devices as CUDA does)."""
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(8, 4, V, generator=g, dtype=torch.float64)
     Q = F.softmax(torch.randn(8, 3, V, generator=g, dtype=torch.float64), -1)
     drafts = decode.sample(Q, g)
-    point_mass = ("only the point-mass path syncs (F.one_hot? It checks its input's range on the host): remove the "
-                  "draft's mass with p.scatter(-1, drafts[..., None], 0.0) instead")
+    point_mass = ("only the point-mass path syncs: something there reads a value on the host (F.one_hot, for one, "
+                  "checks its input's range there)")
     for qq, what, hint in ((Q, 'sampled drafts (Q given)', ''), (None, 'point-mass drafts (Q None)', point_mass)):
         with harness.HostSyncs() as syncs:
             impl.verify_sampled(logits, qq, drafts, 1.0, g)
         if syncs.seen:
-            raise harness.Fail(f"{what}: host syncs {', '.join(sorted(set(syncs.seen)))}, want none", hint)
+            raise harness.Fail(f"{what}: host syncs {', '.join(sorted(set(syncs.seen)))}, want none", hint or SYNC_HINT)
+    meta = [harness.on_meta(t) for t in (logits, Q, drafts)]
+    for qq, what in ((meta[1], 'sampled drafts (Q given)'), (None, 'point-mass drafts (Q None)')):
+        harness.assert_on_the_inputs_device(what, lambda: impl.verify_sampled(meta[0], qq, meta[2], 1.0, None))
+
+
+SYNC_HINT = ("the ops listed make the host wait for the device: a value read back (.item(), int() or bool() of a "
+             "tensor, a Python if on one) or a shape that depends on the data (boolean indexing, nonzero); which "
+             "position a row's bonus comes from is known only on the device")
 
 
 def differ(a, b):
@@ -188,9 +212,9 @@ def differ(a, b):
 def test_the_same_seed_gives_the_same_output(impl):
     """The same seed gives the same output. Generators seeded alike give identical accepted, n_acc
     and bonus whatever state the global RNG is in, and a generator seeded otherwise gives other
-    ones, for sampled drafts and point masses. Hint: draw every random number from `generator`:
-    the coins (torch.rand(..., generator=generator)) and the bonuses (model.sample(weights,
-    generator)); the global RNG makes the distribution right but the text unrepeatable."""
+    ones, for sampled drafts and point masses. Hint: the same generator gave other draws: some
+    random number came from the global RNG (the coins, or the bonuses, drawn without
+    `generator`), which makes the distribution right but the text unrepeatable."""
     g = torch.Generator().manual_seed(9)
     B = 400
     logits = torch.randn(B, 4, V, generator=g, dtype=torch.float64) * 1.5
@@ -216,13 +240,15 @@ def test_lossless_through_generate(impl):
     drafts, and with argmax drafts: every 3-token continuation of the enumerable world's prompt
     comes out with the target's exact probability (chi-square, 20,000 samples).
     Hint: the checks above test one block at a time, and say which half of the rule is off; if they
-    pass and this fails, look at what merged_step gives you: several drafts per block, k = 4."""
+    pass and this fails, what fits is something that holds for one draft per block only (they
+    mostly use k = 2; here k = 4): the prefix, or the position the bonus is taken at."""
     model = harness.target8()
     for sample_drafts, T in ((True, 1.3), (False, 0.8)):
         heads = harness.peaky(BlockHeads(model.config, 4, sample_drafts=sample_drafts), 0.3, 1)
-        hint = '' if sample_drafts else ("for argmax drafts merged_step gives you Q None, a point mass (Q(d) = 1): "
-                                         "the residual is P without the draft's mass, P = softmax(logits / T) at "
-                                         "the T given (0.8 here), for the test and the bonus alike")
+        hint = '' if sample_drafts else ("with argmax drafts (Q None, a point mass) the output is off. What fits: "
+                                         "the point mass taken otherwise than Q(d) = 1 (in the test, or a residual "
+                                         "that keeps the draft's mass), or P at another temperature than the T "
+                                         "given (0.8 here)")
         harness.assert_lossless(model, heads, T, what=f"{'sampled' if sample_drafts else 'argmax'} drafts, T={T}: ",
                                 hint=hint)
 

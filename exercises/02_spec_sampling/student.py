@@ -21,9 +21,10 @@ def verify_sampled(logits, Q, drafts, temperature, generator=None):
     Returns accepted (B, k-1) bool, n_acc (B,) long and bonus (B,) long, as verify_greedy does:
     draft j+1 is accepted with probability min(1, P_j(d) / Q_{j+1}(d)) where P_j = softmax of
     logits[:, j] / T; nothing counts past the first rejection; the bonus is a sample of
-    norm(max(0, P - Q)) at the rejected position, or of P_{k-1} when every draft was accepted.
-    No Python loop over positions or rows, no .item() or other host sync (F.one_hot syncs on a CPU;
-    Tensor.scatter does not), no division by zero.
+    norm(max(0, P - Q)) at the rejected position (of P there, row by row, where that residual is
+    zero everywhere), or of P_{k-1} when every draft was accepted.
+    No Python loop over positions or rows, no .item() or other host sync (F.one_hot reads its
+    input's range on the host), no division by zero, every tensor on the logits' device.
     """
     raise NotImplementedError("exercise 2: write verify_sampled in exercises/02_spec_sampling/student.py "
                               "(speculative sampling runs on it: train.py's DBlast demos, generate.py --drafter)")

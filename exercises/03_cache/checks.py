@@ -4,6 +4,7 @@ import torch
 import decode
 from exercises import harness
 from heads import BlockHeads
+from model import KVCache
 
 NAMES = ('write', 'commit')
 SEAMS = {'model.KVCache.write': 'write', 'model.KVCache.commit': 'commit'}
@@ -123,7 +124,9 @@ def test_nothing_the_size_of_a_layer_is_allocated(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync. Hint: scatter_ (or index_copy_) with the positions as a tensor; no int(), no .item()."""
+    """No host sync, no tensor on another device. write and commit make the host wait for nothing,
+    and make no tensor off the cache's device (run on PyTorch's 'meta' device, which refuses a mix
+    of devices as CUDA does)."""
     model = harness.tiny_target()
     cache = model.new_cache(2, 32)
     k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
@@ -132,7 +135,15 @@ def test_no_host_sync(impl):
     with harness.HostSyncs() as syncs:
         impl.write(cache, 1, k, k, pos)
         impl.commit(cache, n)
-    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none"
+    if syncs.seen:
+        raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
+                           "the ops listed make the host wait for the device: a value read back (.item(), int() of "
+                           "a tensor, a Python loop over positions or rows read from one) or a shape that depends on "
+                           "the data (boolean indexing, nonzero)")
+    cache = KVCache(model.config, 2, 32, 'meta', torch.float64)
+    k, pos, n = (harness.on_meta(t) for t in (k, pos, n))
+    harness.assert_on_the_inputs_device('write', lambda: impl.write(cache, 1, k, k, pos))
+    harness.assert_on_the_inputs_device('commit', lambda: impl.commit(cache, n))
 
 
 def test_decodes_exactly_greedy(impl):

@@ -26,8 +26,8 @@ def random_block(B=400, k=5, V=50, seed=0):
 
 def test_the_greedy_token_always_passes(impl):
     """The greedy token always passes. For flat and peaked distributions and several (epsilon, delta),
-    the target's own argmax is accepted, as the exact rule would. Hint: exp(-H(p)) <= max p, so
-    with delta < 1 the argmax clears delta * exp(-H); compare probabilities, not logits."""
+    the target's own argmax is accepted, as the exact rule would (exp(-H(p)) <= max p, so with
+    delta < 1 the argmax clears delta * exp(-H))."""
     logits, _ = random_block()
     for param in SETTINGS:
         ok = impl.typical(logits, logits[:, :-1].argmax(-1), param)
@@ -54,23 +54,38 @@ def rule(logits, drafts, eps, delta, **how):
 
 
 MISREAD = [   # (how the rule was misread, the hint that says so)
-    (dict(judge=slice(1, None)), "you judged draft j+1 by logits[:, j + 1]: it is judged by logits[:, j], the "
-                                 "target's prediction after the block position before it, so use logits[:, :-1]"),
-    (dict(pick=torch.maximum), "you took the larger of the two bars: the bar is min(epsilon, delta exp(-H))"),
-    (dict(sign=1), "you used exp(+H): the bar is delta exp(-H(p)), lower where the target is unsure"),
+    (dict(judge=slice(1, None)), "your verdicts are exactly the rule's with draft j+1 judged by logits[:, j + 1], "
+                                 "one position late: it is judged by the target's prediction after the block "
+                                 "position before it"),
+    (dict(pick=torch.maximum), "your verdicts are exactly the rule's with the larger of the two bars: the bar is "
+                               "min(epsilon, delta exp(-H))"),
+    (dict(sign=1), "your verdicts are exactly the rule's with exp(+H): the bar is delta exp(-H(p)), lower where "
+                   "the target is unsure"),
 ]
 
 
 def misread(got, logits, drafts, eps, delta):
-    """The hint for verdicts `got` that one of the common misreadings gives exactly ('' if none)."""
-    return next((hint for how, hint in MISREAD if torch.equal(got, rule(logits, drafts, eps, delta, **how))), '')
+    """The hint for verdicts `got`: the common misreading that gives them exactly, else what fits
+    the way they differ from the rule's (more accepted, fewer, or both)."""
+    exact = next((hint for how, hint in MISREAD if torch.equal(got, rule(logits, drafts, eps, delta, **how))), '')
+    if exact:
+        return exact
+    want = rule(logits, drafts, eps, delta)
+    more, fewer = int((got & ~want).sum()), int((~got & want).sum())
+    seen = f"it accepted {more} drafts the rule refuses and refused {fewer} it accepts"
+    if more and not fewer:
+        return f"{seen}: a bar below min(epsilon, delta exp(-H)). What fits: an entropy too large (summed over " \
+               f"more than the vocabulary), the two parameters exchanged, or >= where a tie decides nothing"
+    if fewer and not more:
+        return f"{seen}: a bar above the rule's, or a value below p_j(d). What fits: max for min, exp(+H), an " \
+               f"entropy too small or NaN (0 log 0 unguarded), or a logit or log-probability compared with the bar"
+    return f"{seen}. What fits: drafts judged by other logits than the position before theirs, epsilon and delta " \
+           f"exchanged, or another formula for the bar"
 
 
 def test_the_threshold(impl):
     """The threshold. Against the rule written out: accepted exactly when p_j(d) > min(epsilon,
-    delta * exp(-H(p_j))), judged by the logits after position j. Hint: draft j+1 is judged by
-    logits[:, j] (the target's prediction after the block position before it), so use
-    logits[:, :-1]; H = -sum p log p."""
+    delta * exp(-H(p_j))), judged by the logits after position j."""
     logits, drafts = random_block(seed=1)
     for eps, delta in SETTINGS:
         want = rule(logits, drafts, eps, delta)
@@ -103,21 +118,25 @@ def test_float32_and_huge_gaps(impl):
         raise harness.Fail(
             f"float32 logits with tokens 120 and 1000 below the rest: the argmax was refused in "
             f"{int((~argmax_ok).sum())} of {argmax_ok.numel()} places, want none",
-            "in float32 those tokens' p underflows to 0, and 0 * log 0 is NaN (NaN > anything is False): guard "
-            "the entropy (torch.special.xlogy(p, p), or clamp p at torch.finfo(p.dtype).tiny; 1e-300 is 0 in "
-            "float32), or compute it in float64" if in_float64 else
+            "the same rule passes the argmax in float64, so it is the precision: in float32 those tokens' p is 0. "
+            "What fits: an entropy that turns NaN there (0 * log 0; NaN > anything is False), a guard that is 0 in "
+            "float32 (1e-300 is), or a log of 0 that reaches the bar" if in_float64 else
             "the same logits in float64 are refused too, so it is the rule, not the precision: the checks above "
             "say more")
     got = impl.typical(logits, drafts, (0.09, 0.3))
     bad = int(((got != (p_d > threshold)) & clear).sum())
-    assert bad == 0, f"float32 logits with tokens far below the rest: {bad} of {int(clear.sum())} drafts judged " \
-                     f"otherwise than the rule in float64, want 0"
+    if bad:
+        raise harness.Fail(f"float32 logits with tokens far below the rest: {bad} of {int(clear.sum())} drafts judged "
+                           f"otherwise than the rule in float64, want 0", "the argmax passes, other drafts are judged "
+                           "otherwise in float32. What fits: an entropy that loses the far tokens' terms otherwise "
+                           "than as 0 (NaN, or a guard's own value), or a comparison made in another precision")
 
 
 def test_a_smaller_epsilon_accepts_at_least_as_much(impl):
     """A smaller epsilon accepts at least as much. On the same block, every draft accepted at an
     epsilon is accepted at every smaller one (so no step's tau falls as epsilon falls). Hint:
-    min(epsilon, ...) only grows with epsilon: the bar falls with it."""
+    min(epsilon, ...) falls as epsilon falls; a bar that rises instead fits max for min, or epsilon
+    and delta exchanged."""
     logits, drafts = random_block(seed=2)
     prev = None
     for eps in (0.5, 0.2, 0.05, 0.01, 0.001):
@@ -145,6 +164,15 @@ def test_the_parameter_is_read_and_checked(impl):
     assert fn is impl.typical and tuple(param) == (0.2, 0.5), \
         f"decode.parse_accept('typical:0.2,0.5') gave ({getattr(fn, '__name__', fn)}, {param}), " \
         f"want (typical, (0.2, 0.5))"
+    for edge, want in (('1,0.3', (1.0, 0.3)), ('0.09,0.999', (0.09, 0.999)), ('1e-9,1e-9', (1e-9, 1e-9))):
+        try:
+            got = tuple(decode.parse_accept(f'typical:{edge}', 50, cli=True)[1])
+        except BadInput as e:
+            raise harness.Fail(f"'typical:{edge}' was refused ({e}), want it read as {want}: 0 < EPSILON <= 1 "
+                               f"and 0 < DELTA < 1 allow it", "a value the statement allows was refused: what fits "
+                               "is a bound written otherwise than the statement's (< where it says <=, or the two "
+                               "bounds of epsilon and delta exchanged)")
+        assert got == want, f"'typical:{edge}' gave {got}, want {want}"
     for bad in ('0.09', 'a,b', '0,0.3', '0.09,1', '1.5,0.3', '-1,0.3', 'nan,0.3', '0.1,0.2,0.3', ''):
         try:
             decode.parse_accept(f'typical:{bad}', 50, cli=True)
@@ -152,15 +180,26 @@ def test_the_parameter_is_read_and_checked(impl):
             assert '--accept' in str(e) and '\n' not in str(e), \
                 f"'typical:{bad}': the error {str(e)!r} should be one line naming --accept"
             continue
-        raise AssertionError(f"'typical:{bad}' was accepted; want it refused (0 < EPSILON <= 1, 0 < DELTA < 1)")
+        raise harness.Fail(f"'typical:{bad}' was accepted; want it refused (0 < EPSILON <= 1, 0 < DELTA < 1)",
+                           "a value outside the statement's bounds passed: what fits is a bound written otherwise "
+                           "(<= where it says <), a test nan passes (nan compares False with everything), or "
+                           "extra or missing numbers not counted")
 
 
 def test_no_host_sync(impl):
-    """No host sync. Hint: torch.minimum with a tensor (or clamp) instead of Python's min on a tensor."""
+    """No host sync, no tensor on another device. Nothing makes the host wait for the device, and no
+    tensor is made off the logits' device (run on PyTorch's 'meta' device, which refuses a mix of
+    devices as CUDA does)."""
     logits, drafts = random_block(B=8, seed=3)
     with harness.HostSyncs() as syncs:
         impl.typical(logits, drafts, (0.09, 0.3))
-    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none"
+    if syncs.seen:
+        raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
+                           "the ops listed make the host wait for the device: a value read back (.item(), float() "
+                           "or bool() of a tensor, Python's min or max or an if on one) or a shape that depends on "
+                           "the data (boolean indexing, nonzero)")
+    logits, drafts = harness.on_meta(logits), harness.on_meta(drafts)
+    harness.assert_on_the_inputs_device('typical', lambda: impl.typical(logits, drafts, (0.09, 0.3)))
 
 
 @torch.no_grad()
@@ -168,7 +207,9 @@ def test_every_committed_draft_passes(impl):
     """Through decode.generate, every committed draft passes the rule. Decoding with
     accept='typical:0.3,0.6' and BPD heads: replayed on a full forward over the output, each
     step's bonus is the target's argmax, its committed drafts pass the rule, the first refused one
-    fails it. Hint: if the unit checks pass and this fails, check the rule's shapes: (B, k-1)."""
+    fails it. Hint: the checks above judge the rule alone; what fits a failure here only: a rule that
+    assumes a batch or a block size, verdicts shaped otherwise than (B, k-1), or a parameter read
+    otherwise through decode.parse_accept."""
     model = harness.tiny_target()
     k = 5
     heads = harness.peaky(BlockHeads(model.config, k), 0.1, 1)

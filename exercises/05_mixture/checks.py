@@ -53,8 +53,8 @@ def misread(w, log_prior, log_q, drafts):
 
 def test_the_posterior_by_enumeration(impl):
     """The posterior by enumeration. log w (N, n, K) equals pi'_z prod_{l<i} q~_l(d_l | z),
-    normalised, computed directly. Hint: an exclusive cumulative sum of log q over positions
-    (position 0 sees none, so w at position 0 is the prior), then log_softmax over z."""
+    normalised, computed directly. Hint: position i's posterior weighs each branch by the drafts
+    before i only (position 0 sees none: its posterior is the prior), normalised over the branches."""
     log_prior, log_q, drafts = random_mixture()
     log_qd = log_q.gather(-1, drafts[:, None, :, None].expand(-1, 3, -1, 1)).squeeze(-1)
     log_w = impl.posterior(log_prior, log_qd)
@@ -119,11 +119,20 @@ def test_no_underflow_over_32_tokens(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync."""
+    """No host sync, no tensor on another device. posterior and conditionals make the host wait for
+    nothing, and make no tensor off their inputs' device (run on PyTorch's 'meta' device, which
+    refuses a mix of devices as CUDA does)."""
     log_prior, log_q, drafts = random_mixture(seed=2)
     with harness.HostSyncs() as syncs:
         impl.conditionals(log_prior, log_q, drafts)
-    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none"
+    if syncs.seen:
+        raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
+                           "the ops listed make the host wait for the device: a value read back (.item(), a Python "
+                           "if on a tensor) or a shape that depends on the data (boolean indexing, nonzero)")
+    log_prior, log_q, drafts = (harness.on_meta(t) for t in (log_prior, log_q, drafts))
+    log_qd = log_q.gather(-1, drafts[:, None, :, None].expand(-1, 3, -1, 1)).squeeze(-1)
+    harness.assert_on_the_inputs_device('posterior', lambda: impl.posterior(log_prior, log_qd))
+    harness.assert_on_the_inputs_device('conditionals', lambda: impl.conditionals(log_prior, log_q, drafts))
 
 
 def test_lossless_through_generate(impl):

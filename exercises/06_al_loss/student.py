@@ -18,6 +18,8 @@ def prefix_log_accept(log_prior, log_qx, log_px, verify='mixture'):
     of the block's token at each position; log_px (N, n): the target's log p_i(x_i).
     a_j = sum_{i<=j} min(0, log Q_i(x_i) - log p_i(x_i)), with Q_i the mixture's conditional:
     log Q_i(x_i) = logsumexp_z(log pi'_z + sum_{l<=i} log q~_l) - logsumexp_z(log pi'_z + sum_{l<i} log q~_l).
+    Off every greedy branch's path (log q~ = -inf in every branch) Q_i(x_i) = 0 from there on:
+    a_j = -inf there, never NaN.
     verify='branch' (the ablation) is optional: only the mixture form is checked.
     """
     raise NotImplementedError("exercise 6: write prefix_log_accept in exercises/06_al_loss/student.py (train.py's "

@@ -18,6 +18,7 @@ from model import GPT, GPTConfig, tempered
 NAMES = ('MyDrafter',)
 STUBS = {}   # a new drafter: its answer was only ever in exercises/solutions/
 MAY_USE = ('heads.Drafter', 'heads.BlockHeads', 'model.sample', 'model.tempered', 'model.upcast', 'model.LayerNorm')
+TRY_PAIRED = False     # try_it sets yours beside train.py's independent drafter, not the reference (harness.try_out)
 
 
 def make(impl, config, k=4, seed=0, std=None):
@@ -31,14 +32,19 @@ def test_the_contract(impl):
     """The contract. drafts (N, k-1) long tokens for every k up to drafter.k; under sampling Q is
     (N, k-1, V), non-negative, sums to 1 and gives the drafts mass; the generator decides the
     draws (the same seed, the same drafts, whatever the global RNG; another seed, others); argmax
-    drafting (sample_drafts False) is deterministic, with Q None or one-hot.
-    Hint: heads.BlockHeads.draft is a complete example of the contract."""
+    drafting (sample_drafts False, and at T = 0 whatever sample_drafts says) is deterministic, with
+    Q None or one-hot. Hint: heads.BlockHeads.draft is a complete example of the contract."""
     model = harness.tiny_target()
     d = make(impl, model.config, 4, std=0.3)
     if not (isinstance(d, Drafter) and getattr(d, 'k', None) == 4):
         raise harness.Fail(f"MyDrafter(config, 4) is {'a' if isinstance(d, Drafter) else 'not a'} heads.Drafter, with "
                            f".k = {getattr(d, 'k', None)}, want a heads.Drafter with .k = 4",
                            "subclass heads.Drafter and set self.k = k in __init__")
+    if getattr(d, 'reads_text', False):
+        raise harness.Fail("MyDrafter sets reads_text: this exercise's drafter drafts from the target's state and the "
+                           "bonus, and its checks call draft(h, bonus, target, k, temperature, generator) without the "
+                           "text (a drafter that reads the text is drafters.py's kind: DraftModel, PromptLookup)",
+                           "leave reads_text False (heads.Drafter's) and draft from h and the bonus")
     N, V = 50, model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     h = torch.randn(N, model.config.n_embd, generator=g, dtype=torch.float64)
@@ -53,20 +59,22 @@ def test_the_contract(impl):
     drafts, Q = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1))
     if Q is None or Q.shape != (N, 3, V):
         raise harness.Fail(f"under sampling Q is {None if Q is None else tuple(Q.shape)}, want (N, k-1, V) = "
-                           f"{(N, 3, V)}", "with sample_drafts True and T > 0 the drafts are random: return the "
-                           "distribution each was drawn from, softmax(logits / T)")
+                           f"{(N, 3, V)}", "with sample_drafts True and T > 0 the drafts are random, and the "
+                           "verifier needs the distribution each was drawn from (None says: a point mass)")
     for T in (1.2, 0.25):      # at 0.25 many entries are below 1e-6: a clamp without renormalising shows
         _, Q_T = d.draft(h, bonus, model, 4, T, torch.Generator().manual_seed(1))
         off = (Q_T.sum(-1).double() - 1).abs().max().item()
         if not ((Q_T >= 0).all() and off < 1e-9):
             raise harness.Fail(f"T={T}: Q's rows sum to 1 within {off:.1e} (smallest entry {Q_T.min().item():.3g}), "
                                f"want distributions in float64: non-negative, summing to 1 within 1e-9",
-                               "Q = softmax(logits / T) over the vocabulary, not exp(logits / T); a Q clamped "
-                               "away from 0 must be renormalised (better: keep the softmax as it is, and clamp "
-                               "only inside a log)")
+                               "Q's rows are not probability distributions. What fits: weights left "
+                               "unnormalised (an exp without the softmax's division), a clamp away from 0 not "
+                               "renormalised, or a mixture whose weights do not sum to 1")
     if not (Q.gather(-1, drafts.unsqueeze(-1)) > 0).all():
         raise harness.Fail("a draft has no mass under Q, want every draft drawn from Q",
-                           "draw the drafts from Q itself: model.sample(Q, generator)")
+                           "a draft was drawn where the Q returned gives 0. What fits: drafts drawn from another "
+                           "distribution than Q (another temperature, another position's, a mask or a clamp "
+                           "applied after the draw), or Q's rows in another order than the drafts'")
     with torch.random.fork_rng(devices=[]):                              # the caller's global RNG untouched
         torch.manual_seed(5)
         again, _ = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1))
@@ -74,33 +82,60 @@ def test_the_contract(impl):
     if not torch.equal(drafts, again):
         raise harness.Fail(f"the same generator seed, the global RNG seeded otherwise: "
                            f"{int((drafts != again).any(-1).sum())} of {N} rows of drafts differ, want 0",
-                           "draw from `generator` (model.sample(q, generator)); torch.multinomial or torch.rand "
-                           "without it use the global RNG")
+                           "some draw came from the global RNG, not from `generator`. What fits: torch.multinomial, "
+                           "torch.rand or a sampler called without the generator, or a module that draws (dropout "
+                           "left in training mode)")
     if torch.equal(drafts, other):
         raise harness.Fail(f"generators seeded 1 and 2 gave identical drafts in all {N} rows, want other draws",
-                           "the drafts ignore `generator`: under sampling they are drawn from Q with it")
+                           "two generators gave the same drafts. What fits: no draw at all under sampling (argmax "
+                           "drafts though sample_drafts is True), or a generator of your own, seeded inside draft")
     d.sample_drafts = False
     a1, Q1 = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1))
     a2, _ = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(2))
     if not torch.equal(a1, a2):
         raise harness.Fail(f"argmax drafting (sample_drafts False): {int((a1 != a2).any(-1).sum())} of {N} rows "
-                           f"differ between two generators, want 0", "with sample_drafts False take "
-                           "logits.argmax(-1): no draw, whatever the temperature")
+                           f"differ between two generators, want 0", "with sample_drafts False the drafts are "
+                           "the argmax, whatever the temperature: here something in them is drawn")
     if not (Q1 is None or torch.equal(Q1, F.one_hot(a1, V).to(Q1.dtype))):
         raise harness.Fail("argmax drafts: Q is neither None nor their one-hot, want one of those",
-                           "argmax drafts are a point mass: return None as Q (as heads.BlockHeads.draft does)")
+                           "argmax drafts are a point mass: the statement allows None (as heads.BlockHeads.draft "
+                           "returns) or their one-hot, nothing else")
+    # greedy decoding (T = 0) asks for argmax drafts whatever sample_drafts says: a draw at T = 0
+    # divides by zero, and nothing in the output shows it (greedy verification only compares argmaxes)
+    d.sample_drafts = True
+    greedy, Q0 = d.draft(h, bonus, model, 4, 0.0, torch.Generator().manual_seed(1))
+    if not torch.equal(greedy, a1):
+        raise harness.Fail(f"at T = 0 with sample_drafts True: {int((greedy != a1).any(-1).sum())} of {N} rows of "
+                           f"drafts differ from the argmax drafts (sample_drafts False), want none",
+                           "T = 0 is greedy decoding: the drafts are the argmax whatever sample_drafts says. What "
+                           "fits: a draw at T = 0 (logits / 0 is inf or NaN, and a draw from NaN weights is one "
+                           "fixed token), or another distribution's argmax than sample_drafts False takes")
+    if not (Q0 is None or torch.equal(Q0, F.one_hot(greedy, V).to(Q0.dtype))):
+        nan = Q0 is not None and bool(torch.isnan(Q0).any())
+        raise harness.Fail(f"at T = 0 with sample_drafts True: Q is {'NaN in places' if nan else 'a distribution'}, "
+                           f"want None or the drafts' one-hot", "T = 0 is greedy decoding: the drafts are a point "
+                           "mass there, whatever sample_drafts says")
 
 
 def test_no_host_sync(impl):
-    """No host sync in draft. Hint: model.sample draws by inverse CDF without a sync;
-    torch.multinomial may sync on a GPU."""
+    """No host sync in draft, no tensor on another device. Sampled (T = 1) and greedy (T = 0):
+    nothing makes the host wait for the device, and no tensor is made off the device of h and the
+    target (run on PyTorch's 'meta' device, which refuses a mix of devices as CUDA does)."""
     model = harness.tiny_target()
     d = make(impl, model.config, 4, std=0.3)
+    d.sample_drafts = True
     h, bonus = torch.randn(8, model.config.n_embd, dtype=torch.float64), torch.randint(32, (8,))
     with harness.HostSyncs() as syncs:
         d.draft(h, bonus, model, 4, 1.0, torch.Generator().manual_seed(0))
         d.draft(h, bonus, model, 4, 0.0, None)
-    assert not syncs.seen, f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none"
+    if syncs.seen:
+        raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
+                           "the ops listed make the host wait for the device: a value read back (.item(), int() or "
+                           "bool() of a tensor, a Python if on one), a shape that depends on the data (boolean "
+                           "indexing, nonzero), or a draw that checks its input on the host (torch.multinomial may)")
+    target, drafter, h, bonus = (harness.on_meta(x) for x in (model, d, h, bonus))
+    for T, what in ((1.0, 'sampled drafts, T = 1'), (0.0, 'greedy, T = 0')):
+        harness.assert_on_the_inputs_device(what, lambda: drafter.draft(h, bonus, target, 4, T, None))
 
 
 def grouped_pearson(drafts, Q, V, min_rows=500):
@@ -213,8 +248,9 @@ def test_greedy_output_is_plain_greedy(impl):
 def test_sampling_is_lossless(impl):
     """Sampling is lossless. With sampled drafts (T = 0.5) and argmax drafts (T = 0.8), every
     3-token continuation of the 8-token world comes out with the target's probability
-    (chi-square, 20,000 samples). Hint: Q must be exactly what the drafts were drawn from, at the
-    same temperature: softmax(logits / T), not softmax(logits)."""
+    (chi-square, 20,000 samples). Hint: the verifier trusts Q to be what the drafts were drawn
+    from; if the checks above pass, what fits here is drafts and Q at different temperatures (at
+    T = 0.5 it shows, at T = 1 it would not)."""
     # Not T = 1, where a Q and draws at different temperatures agree; at T = 0.5 drafts drawn at
     # T = 1 against a Q at T (or the reverse) give a chi-square about 10 times the critical value.
     model = harness.target8()
@@ -296,9 +332,14 @@ def trained(cls):
 def test_training_beats_a_uniform_drafter(impl):
     """Training beats a uniform drafter. Trained by its loss for 200 steps on 64 samples of a
     target that learnt a periodic stream, at T = 1.5, your drafter's decoded tau at T = 1.5
-    (k = 4) is well above a uniform drafter's (by more than 0.5). Hint: if the loss goes down but
-    tau does not rise, check that the loss trains what draft proposes: the same positions
-    (x[:, i] is the token i+1 after the bonus) and the same temperature."""
+    (k = 4) is above a uniform drafter's by more than 0.25."""
+    # Measured over 9 initialisations each (the uniform drafter's tau: 1.28): the reference +1.09 to
+    # +1.19; right drafters of other designs +1.05 to +1.17 (the reference with its bonus embedding
+    # rotated), +1.37 to +1.56 (recurrent), +0.97 to +1.17 (heads with their own unembedding), +0.73
+    # to +0.78 (BPD's heads, without the bonus), +0.42 to +0.54 (one linear map and a tanh per head,
+    # the weakest), +0.98 to +1.12 and +1.07 to +1.30 (the reference with a label-smoothed loss, with
+    # dropout); wrong ones, each head trained on the next head's token +0.07 to +0.13, on the token
+    # before its own -0.05 to +0.02.
     d = trained(impl.MyDrafter)
     model, _, _, stream = periodic_world()
     prompts = torch.from_numpy(np.stack([stream[i:i + 16] for i in range(0, 160, 10)]).astype(np.int64))
@@ -307,41 +348,99 @@ def test_training_beats_a_uniform_drafter(impl):
         _, stats = decode.generate(model, prompts, 40, drafter=drafter, k=4, temperature=T_TRAIN,
                                    generator=torch.Generator().manual_seed(2))
         taus[name] = sum(stats['accept_lengths']) / len(stats['accept_lengths'])
-    assert taus['yours'] > taus['uniform'] + 0.5, \
-        f"trained, your drafter's tau is {taus['yours']:.2f}, want above {taus['uniform'] + 0.5:.2f} (a uniform " \
-        f"drafter's {taus['uniform']:.2f} + 0.5)"
+    if not taus['yours'] > taus['uniform'] + 0.25:
+        raise harness.Fail(f"trained, your drafter's tau is {taus['yours']:.2f}, want above "
+                           f"{taus['uniform'] + 0.25:.2f} (a uniform drafter's {taus['uniform']:.2f} + 0.25)",
+                           "200 steps of your loss taught your drafts little of what the target samples. What fits: a "
+                           "loss that trains other positions than draft proposes (x[:, i] is the token i+1 after the "
+                           "bonus), another temperature in the loss than in draft, drafts that do not read h or the "
+                           "bonus, or a loss that hardly moves the parameters draft uses")
 
 
-def test_it_proposes_at_the_temperature_asked(impl):
-    """It proposes at the temperature asked. Trained at T = 1.5 on the target's samples at 1.5 and
-    asked for drafts at T = 1.5, your first draft's Q is neither much flatter nor much sharper
-    than the target's p_T on held-out contexts: what sharpening it would gain in cross-entropy,
-    -d/ds CE(p_T, Q^s / Z) at s = 1 = E_p[log Q] - E_Q[log Q] (positive: Q too flat, negative: too
-    sharp), is within 0.5 nats of 0 (a drafter proposing at T^2 or at 1 after training at T: about
-    0.95 and -0.75; the reference: 0.2).
-    Hint: the temperature is applied once, the same in loss and in draft: q = softmax(logits / T)
-    with logits that do not already carry a 1/T, in both."""
-    d = trained(impl.MyDrafter)
-    model, _, heldout, _ = periodic_world()
+SELF_STEPS, SELF_BATCH = 100, 256
+
+
+def scale(before, after):
+    """How much Q' = `after` sharpened Q = `before` (N, V): in each context, the least-squares slope of
+    log Q' against log Q over its likely tokens (Q > 0.02, and the two likeliest at least), both
+    centred; the median over contexts. 1 when Q' is Q; above 1 when Q' is sharper (its logits
+    scaled up), below when flatter. A uniform smoothing hardly moves it: the likely tokens' odds
+    barely change."""
+    log_before, log_after = before.clamp_min(1e-30).log(), after.clamp_min(1e-30).log()
+    rank = before.argsort(-1, descending=True).argsort(-1)
+    w = ((before > 0.02) | (rank < 2)).double()
+    n = w.sum(-1, keepdim=True)
+    x = (log_before - (log_before * w).sum(-1, keepdim=True) / n) * w
+    y = (log_after - (log_after * w).sum(-1, keepdim=True) / n) * w
+    return float(((x * y).sum(-1) / (x * x).sum(-1).clamp(min=1e-12)).median())
+
+
+def self_trained(cls):
+    """The drafter `trained` made of cls, and a copy of it trained SELF_STEPS steps more by its loss
+    at T_TRAIN on the first one's drafts at T_TRAIN: (its first draft's Q before, after) on 2,000
+    held-out contexts."""
+    d = trained(cls)
+    model, samples, heldout, _ = periodic_world()
     d.sample_drafts = True
+    student = copy.deepcopy(d).train()
+    opt = torch.optim.Adam(student.parameters(), lr=3e-3)
+    lo, hi = samples.positions(4)
+    g = torch.Generator().manual_seed(5)
+    with torch.enable_grad():
+        for _ in range(SELF_STEPS):
+            rows, pos = (torch.randint(len(samples.seqs), (SELF_BATCH,), generator=g),
+                         torch.randint(lo, hi, (SELF_BATCH,), generator=g))
+            h, bonus, _, _ = contexts(samples, 4, rows, pos)
+            with torch.no_grad():
+                x, _ = d.draft(h, bonus, model, 4, T_TRAIN, g)
+            loss = student.loss(h, bonus, model, x, T_TRAIN)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    student.eval().sample_drafts = True
     lo, hi = heldout.positions(4)
     g = torch.Generator().manual_seed(3)
     rows, pos = torch.randint(len(heldout.seqs), (2000,), generator=g), torch.randint(lo, hi, (2000,), generator=g)
     h, bonus, _, _ = contexts(heldout, 4, rows, pos)
     with torch.no_grad():
-        p = F.softmax(tempered(model.lm_head(heldout.H[rows, pos + 1]).double(), T_TRAIN), -1)   # after the bonus
-        _, Q = d.draft(h, bonus, model, 2, T_TRAIN, g)
-    log_q = Q[:, 0].double().clamp_min(1e-30).log()
-    flat = float(((p - Q[:, 0].double()) * log_q).sum(-1).mean())     # E_p[log Q] - E_Q[log Q]
-    if not abs(flat) < 0.5:
+        return (d.draft(h, bonus, model, 2, T_TRAIN, g)[1][:, 0].double(),
+                student.draft(h, bonus, model, 2, T_TRAIN, g)[1][:, 0].double())
+
+
+def test_it_proposes_what_its_loss_trains(impl):
+    """It proposes what its loss trains, at the same temperature. The drafter trained above, trained
+    100 steps more by its loss at T = 1.5 on its own drafts at T = 1.5 (drawn by a copy of it, kept
+    as it was), keeps the scale of its first draft's log Q on 2,000 held-out contexts: fitting
+    log Q' = s log Q over each context's likely tokens (Q before, Q' after), the median s is
+    between 0.8 and 1.25."""
+    # Why its own drafts: a loss and a draft that read the temperature alike are at their optimum on
+    # the drafter's own samples (cross-entropy is minimised by the distribution the samples came
+    # from), whatever the drafter can represent; with the temperature twice in draft, or missing in
+    # the loss, the loss pulls the logits toward a scale of 1/T, and with it missing in draft,
+    # toward T. Measured over 9 initialisations each: right drafters 0.94 to 1.04 (the reference
+    # 0.99 to 1.02, with its bonus embedding rotated 0.97 to 1.02, recurrent 0.97 to 1.02, heads
+    # with their own unembedding 0.96 to 1.02, BPD's heads 0.99 to 1.01, one linear map and a tanh
+    # per head 0.99 to 1.00, the reference with a label-smoothed loss 0.94 to 0.97, with dropout
+    # 1.01 to 1.04); wrong ones, the temperature twice in draft 0.67 to 0.70, the loss without it
+    # 0.67 to 0.69, draft without it 1.39 to 1.51 (each head trained on the next head's token 0.37
+    # to 0.41). A factor of 1.25 each way sits near the middle in log scale: 0.16 (in log) from the
+    # nearest right drafter, 0.11 from the nearest wrong one. Compared with the target's own p_T instead, a right drafter's sharpness
+    # depends on what it can represent (the tanh heads are as flat there as a temperature applied
+    # twice), and a sharpness measured in nats takes a label-smoothed loss's flatter tail for a
+    # temperature.
+    s = scale(*self_trained(impl.MyDrafter))
+    if not 0.8 < s < 1.25:
         raise harness.Fail(
-            f"trained at T = {T_TRAIN}, your Q at T = {T_TRAIN} is {'flatter' if flat > 0 else 'sharper'} than the "
-            f"target's: E_p[log Q] - E_Q[log Q] = {flat:.2f} nats, want within 0.5 of 0",
-            "Q is flatter than what your loss trained: the temperature is divided in twice (logits already over T, "
-            "then tempered again), or the loss ignores it (trained at T = 1); or, if its tau is low too, it has "
-            "learnt little in 200 steps" if flat > 0 else
-            "Q is sharper than what your loss trained: draft ignores the temperature (softmax(logits), not "
-            "softmax(logits / T)), or the loss divides by it twice")
+            f"trained on its own drafts at T = {T_TRAIN} by its loss at {T_TRAIN}, your drafter's first Q went "
+            f"{'flatter' if s < 1 else 'sharper'}: log Q' = {s:.2f} log Q over its likely tokens, want a scale between "
+            f"0.8 and 1.25 (1/T = {1 / T_TRAIN:.2f} or T = {T_TRAIN} when the temperature is applied once too "
+            f"often, or too rarely, on one side)", "its loss is not at its optimum where its drafts come from: what it "
+            "trains is not what draft proposes. What fits: " + (
+                "the temperature applied twice in draft (logits already over T, tempered again), the loss without "
+                "it, a loss that trains other positions than draft proposes, or one that pulls toward flatter "
+                "distributions than its samples (heavy smoothing, a penalty)" if s < 1 else
+                "draft without the temperature (softmax(logits), not at T) while the loss has it, the loss applying "
+                "it twice, or a loss that trains other positions than draft proposes"))
 
 
 def try_it(impl, tryout):

@@ -82,9 +82,7 @@ def single_branch_n_acc(model, prefix, bonus, paths):
 def test_greedy_accepts_the_longest_branch(impl):
     """Greedy: the longest matching branch. For K = 4 branches (some sharing a first token, one the
     target's greedy path), n_acc is the longest accepted prefix among them, the bonus the target's
-    argmax after it, and the cache afterwards equals a fresh prefill of what was committed.
-    Hint: the tree mask lets path z's token i see the prefix, the bonus and path z's tokens < i;
-    its position is the prefix length + 1 + i."""
+    argmax after it, and the cache afterwards equals a fresh prefill of what was committed."""
     model = harness.tiny_target()
     B, n = 3, 3
     prefix = torch.randint(32, (B, 6), generator=torch.Generator().manual_seed(0))
@@ -99,31 +97,54 @@ def test_greedy_accepts_the_longest_branch(impl):
     model.forward_cached(prefix, cache)
     cache.commit(6)
     n_acc, branch, nxt, h = impl.tree_step(model, cache, bonus, paths, torch.ones(B, dtype=torch.bool), 0.0)
-    want = single_branch_n_acc(model, prefix, bonus, paths).max(-1).values
-    assert n_acc.tolist() == want.tolist(), f"n_acc {n_acc.tolist()}, want the longest single branch's {want.tolist()}"
+    alone = single_branch_n_acc(model, prefix, bonus, paths)                      # (B, K)
+    want = alone.max(-1).values
+    if n_acc.tolist() != want.tolist():
+        if any(n_acc.tolist() == alone[:, z].tolist() for z in range(4)):
+            hint = ("n_acc is one fixed branch's in every row: the step keeps the branch that accepts the most, "
+                    "row by row")
+        elif (n_acc > want).any():
+            hint = ("more accepted than any branch accepts alone. What fits: a token judged by logits that saw "
+                    "another branch's tokens (the mask), a draft compared with the logits at its own slot rather "
+                    "than its parent's, or tokens counted past the first mismatch")
+        else:
+            hint = ("fewer accepted than the longest branch accepts alone. What fits: a token judged by another "
+                    "slot's logits than its parent's (the bonus's for the first token), positions other than the "
+                    "prefix length + 1 + depth, or a mask that hides the branch's own earlier tokens")
+        raise harness.Fail(f"n_acc {n_acc.tolist()}, want the longest single branch's {want.tolist()} (each branch "
+                           f"alone: {alone.tolist()})", hint)
     assert branch.tolist() == [1, 1, 1], \
         f"branch {branch.tolist()}, want [1, 1, 1]: branch 1 is the longest in every row"
     committed = [torch.cat([prefix[b], bonus[b:b + 1], paths[b, 1, :int(n_acc[b])]]) for b in range(B)]
     for b in range(B):
         logits = model(committed[b][None])[0][0]
-        assert int(nxt[b]) == int(logits[-1].argmax()), \
-            f"row {b}: the next bonus is {int(nxt[b])}, want the target's argmax {int(logits[-1].argmax())}"
-        assert torch.allclose(h[b], model.hidden(committed[b][None])[0, -1], atol=1e-10), \
-            f"row {b}: h differs from the state at the last committed token by " \
-            f"{(h[b] - model.hidden(committed[b][None])[0, -1]).abs().max().item():.2e}, want below 1e-10"
-    assert cache.lengths.tolist() == [6 + 1 + int(a) for a in n_acc], \
-        f"cache lengths {cache.lengths.tolist()}, want {[6 + 1 + int(a) for a in n_acc]} (the prefix, the bonus, n_acc)"
+        if int(nxt[b]) != int(logits[-1].argmax()):
+            raise harness.Fail(f"row {b}: the next bonus is {int(nxt[b])}, want the target's argmax "
+                               f"{int(logits[-1].argmax())}", "n_acc is right, the bonus after it is not. What "
+                               "fits: the argmax read at another slot than the last accepted token's (the slot after "
+                               "it, or another branch's slot that is not the same node)")
+        err = (h[b] - model.hidden(committed[b][None])[0, -1]).abs().max().item()
+        if not err < 1e-10:
+            raise harness.Fail(f"row {b}: h differs from the state at the last committed token by {err:.2e}, want "
+                               f"below 1e-10", "h is the target's final hidden state (after ln_f) at the last "
+                               "accepted token. What fits: another slot's state, or one before ln_f")
+    want = [6 + 1 + int(a) for a in n_acc]
+    assert cache.lengths.tolist() == want, \
+        f"cache lengths {cache.lengths.tolist()}, want {want} (the prefix, the bonus, n_acc)"
     probe = torch.randint(32, (B, 2), generator=torch.Generator().manual_seed(2))
     got = model.lm_head(model.forward_cached(probe, cache))
     for b in range(B):
         want = model(torch.cat([committed[b], probe[b]])[None])[0][0, -2:]
-        assert (got[b] - want).abs().max() < 1e-10, \
-            f"row {b}: the cache does not hold the committed tokens: logits after it differ by " \
-            f"{(got[b] - want).abs().max().item():.2e}, want below 1e-10"
+        if not (got[b] - want).abs().max() < 1e-10:
+            raise harness.Fail(f"row {b}: the cache does not hold the committed tokens: logits after it differ by "
+                               f"{(got[b] - want).abs().max().item():.2e}, want below 1e-10",
+                               "the committed tokens' keys and values must sit right after the bonus. What fits: "
+                               "the kept branch's left at the slots it was written to (another branch's sit right "
+                               "after the bonus), moved from another branch's slots, or written at other positions")
 
 
 def test_inactive_rows_stay(impl):
-    """Inactive rows do not advance. Hint: commit (n_acc + 1) * active, as merged_step does."""
+    """Inactive rows do not advance."""
     model = harness.tiny_target()
     prefix = torch.randint(32, (2, 6), generator=torch.Generator().manual_seed(3))
     cache = model.new_cache(2, 32)
@@ -131,19 +152,47 @@ def test_inactive_rows_stay(impl):
     cache.commit(6)
     paths = torch.randint(32, (2, 2, 3), generator=torch.Generator().manual_seed(4))
     impl.tree_step(model, cache, prefix[:, -1], paths, torch.tensor([True, False]), 0.0)
-    assert cache.lengths[1] == 6 and cache.lengths[0] > 6, f"cache lengths {cache.lengths.tolist()}, want [>6, 6]"
+    if not (cache.lengths[1] == 6 and cache.lengths[0] > 6):
+        raise harness.Fail(f"cache lengths {cache.lengths.tolist()}, want [>6, 6] (row 1 inactive)",
+                           "an inactive row commits nothing, an active one at least its bonus: " + (
+                               "here the inactive row moved" if cache.lengths[1] != 6 else
+                               "here the active row did not"))
 
 
 def test_decodes_exactly_greedy(impl):
-    """Decodes exactly greedy. Through tree_generate, with a random K = 4 drafter, the output is
-    plain greedy decoding's (float64)."""
+    """Decodes exactly greedy, to the end of the context. Through tree_generate, with a random
+    K = 4 drafter, the output is plain greedy decoding's (float64): 30 tokens, then up to the
+    target's last position (a context of 32: 24 tokens after a prompt of 8), where the last tree
+    blocks reach past the positions the target has."""
     model = harness.tiny_target()
     d = random_drafter(model.config)
     prompts = torch.randint(32, (3, 8), generator=torch.Generator().manual_seed(5))
+    hint = ("if the first check passes and this fails, the step goes wrong later in a decode: what fits: rows at "
+            "different lengths (each row writes at its own cache.lengths), a row whose branches all fail at once, or "
+            "what an inactive row does while the others decode")
     out, _ = tree_generate(model, prompts, 30, drafter=d, step=impl.tree_step)
     ref = harness.plain_greedy(model, prompts, 30)
-    assert torch.equal(out, ref), \
-        f"the output differs from plain greedy decoding at {harness.first_difference(out, ref, 8)}"
+    if not torch.equal(out, ref):
+        raise harness.Fail(f"the output differs from plain greedy decoding at {harness.first_difference(out, ref, 8)}",
+                           hint)
+    short = harness.tiny_target(block_size=32)
+    ref = harness.plain_greedy(short, prompts, 24)
+    try:
+        out, _ = tree_generate(short, prompts, 24, drafter=random_drafter(short.config), step=impl.tree_step)
+    except (IndexError, RuntimeError) as e:
+        raise harness.Fail(f"decoding up to the end of a context of 32 positions: {type(e).__name__}: "
+                           f"{harness.first_line(e)}{harness.where_in_student(e)}", END_HINT)
+    if not torch.equal(out, ref):
+        raise harness.Fail(f"decoding up to the end of a context of 32 positions, the output differs from plain "
+                           f"greedy decoding at {harness.first_difference(out, ref, 8)}",
+                           f"the first decode passed, this one did not. What fits: slots past the last position "
+                           f"handled so that committed ones move too, or something the first decode did not reach: "
+                           f"{hint[hint.index('rows at'):]}; the first check says more where it fails")
+
+
+END_HINT = ("near the end of the context a tree block's slots lie past the last position the target has (its "
+            "position table has block_size rows). They are never committed there, but the call must run, and must "
+            "not change the positions of the slots that are (the statement says what such a slot gets)")
 
 
 # The step checked token by token: bonus 7 after the enumerable world's prompt, in the world whose
@@ -163,11 +212,7 @@ def test_sampling_every_token_of_a_step_follows_p(impl):
     three. The first token committed, the second after a first 1 (a node branches 0 and 2 share),
     the third after 6, 6 and the fourth after 6, 6, 6 (branch 1's own nodes, whose tokens branch 0
     has at the same depths after another first token) each follow the target's conditional: one
-    chi-square over the four, p < 1e-5.
-    Hint: draw one sample per tree node; branches share a node only where they share the whole
-    prefix (the same token at a depth after different tokens is another node, in another context);
-    a branch's token is accepted when it equals the sample at its parent node; the bonus is the
-    sample where the walk stops."""
+    chi-square over the four, p < 1e-5."""
     # Power: the test's statistic is a sum of Pearson statistics, noncentral chi-square with
     # lambda >= n (2 TV)^2 for a term whose n rows follow a distribution at total variation TV from
     # the one tested (Cauchy-Schwarz: (sum |q - p|)^2 <= sum (q - p)^2 / p). A tree that shares the
@@ -198,7 +243,7 @@ def test_sampling_every_token_of_a_step_follows_p(impl):
     tv = 0.5 * (conditionals[0, T0 + 2] - conditionals[1, T0 + 2]).abs().sum()
     assert reach > 0.16 and tv > 0.45, f"the check's world is not the one its power was worked out for " \
                                        f"(reach {float(reach):.3f}, TV {float(tv):.3f})"
-    stat, df, parts = 0.0, 0, []
+    stat, df, parts, off = 0.0, 0, [], []
     for p in TESTED:
         j = len(p)
         rows = (length > j) & (emitted[:, :j] == torch.tensor(p, dtype=torch.long)).all(1)
@@ -206,10 +251,30 @@ def test_sampling_every_token_of_a_step_follows_p(impl):
         s, d = harness.pearson(torch.bincount(emitted[rows, j], minlength=8).double(), want)
         stat, df = stat + s, df + d
         parts.append(f"after {list(p)}: {s:.0f} over {int(rows.sum())} steps")
+        if s > harness.critical(d):
+            off.append(p)
     crit = harness.critical(df)
     if not stat < crit:
         raise harness.Fail(f"the step's tokens are not the target's: chi-square {stat:.0f}, want below {crit:.0f} "
-                           f"(p < {harness.ALPHA:g}); {'; '.join(parts)}")
+                           f"(p < {harness.ALPHA:g}); {'; '.join(parts)}", sampling_hint(off))
+
+
+def sampling_hint(off):
+    """What fits the tested prefixes whose next token is off, for the check above."""
+    if () in off:
+        return ("the first committed token is off already. What fits: a bonus drawn anew rather than the sample "
+                "where the walk stopped, a draft accepted otherwise than by equalling the sample at its parent "
+                "node, or the samples drawn at another temperature")
+    if (1,) in off:
+        return ("the first token is right, the one after the first token 1 (a node branches 0 and 2 share) is not. "
+                "What fits: each branch drawing its own sample at a node it shares with another (one sample per "
+                "node, shared), or a bonus drawn anew")
+    if off:
+        return ("the tokens after [6, 6] or [6, 6, 6], branch 1's own nodes, are off, those after shared prefixes "
+                "are not. What fits: nodes shared by the token at a depth rather than by the whole prefix (branch "
+                "0 has 6 and 6 at those depths after another first token)")
+    return ("no one of the four is off by itself, together they are. What fits: a small bias at every node (a "
+            "temperature slightly off, a bonus drawn anew now and then)")
 
 
 def test_sampling_is_lossless(impl):
@@ -228,9 +293,10 @@ def test_sampling_is_lossless(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync. tree_step, greedy and sampled, makes the host wait for nothing (tree_generate
-    around it reads how far the rows are, as decode.generate does). Hint: no .item(), no boolean
-    indexing, no nonzero: where / gather / scatter over the whole batch."""
+    """No host sync, no tensor on another device. tree_step, greedy and sampled, makes the host wait
+    for nothing (tree_generate around it reads how far the rows are, as decode.generate does), and
+    makes no tensor off the device of its inputs (run on PyTorch's 'meta' device, which refuses a
+    mix of devices as CUDA does)."""
     model = harness.tiny_target()
     prefix = torch.randint(32, (3, 6), generator=torch.Generator().manual_seed(6))
     paths = torch.randint(32, (3, 4, 3), generator=torch.Generator().manual_seed(7))
@@ -242,7 +308,19 @@ def test_no_host_sync(impl):
             impl.tree_step(model, cache, prefix[:, -1], paths, torch.ones(3, dtype=torch.bool), T,
                            torch.Generator().manual_seed(8))
         if syncs.seen:
-            raise harness.Fail(f"T={T}: host syncs {', '.join(sorted(set(syncs.seen)))}, want none")
+            raise harness.Fail(f"T={T}: host syncs {', '.join(sorted(set(syncs.seen)))}, want none",
+                               "the ops listed make the host wait for the device: a value read back (.item(), int() "
+                               "or bool() of a tensor, a Python if or loop bound on one) or a shape that depends on "
+                               "the data (boolean indexing, nonzero)")
+    target = harness.on_meta(model)
+    prefix, paths, active = (harness.on_meta(t) for t in (prefix, paths, torch.ones(3, dtype=torch.bool)))
+    for T in (0.0, 1.0):
+        with harness.autocast_off_on_meta():
+            cache = target.new_cache(3, 32)
+            target.forward_cached(prefix, cache)
+        cache.commit(6)
+        harness.assert_on_the_inputs_device(f"T={T}", lambda: impl.tree_step(target, cache, prefix[:, -1], paths,
+                                                                             active, T, None))
 
 
 def try_it(impl, tryout):

@@ -3,8 +3,8 @@ Write tree_step below; check it with
 
     python -m exercises check 8
 
-The statement is in README.md beside this file; checks.tree_generate is the decoding loop that
-calls your tree_step."""
+The statement is in README.md beside this file, the decoding loop the checks run around your
+tree_step with it."""
 import torch
 import torch.nn.functional as F
 
@@ -23,7 +23,8 @@ def tree_step(model, cache, bonus, paths, active, temperature=0.0, generator=Non
 
     Feed [bonus, path_0, .., path_{K-1}] through the target in one call with a tree attention mask
     (each token sees the committed prefix, the bonus and the earlier tokens of its own path, at
-    the positions it would have in its path). Then:
+    the positions it would have in its path; a slot past the target's last position, near the end
+    of the context, gets that last one). Then:
       n_acc (B,): how many tokens of the accepted branch are committed,
       branch (B,): which branch,
       next_bonus (B,): the target's token after them (argmax, or the lossless sample),

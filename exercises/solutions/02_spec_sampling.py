@@ -70,6 +70,23 @@ def residual_without_its_fallback(logits, Q, drafts, temperature, generator=None
     return accept_prefix(ok, sample(weights, generator))
 
 
+def fallback_over_the_whole_batch(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
+    r = torch.where(r.sum() > 0, r, p[:, :-1])                         # one verdict for every row at once
+    return accept_prefix(ok, sample(torch.cat([r, p[:, -1:]], 1), generator))
+
+
+def coins_off_the_logits_device(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_d = 1.0 if Q is None else Q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    coin = torch.rand(p_d.shape, generator=generator, dtype=p.dtype)  # no device=: the CPU's, wherever p is
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    return accept_prefix(coin * q_d < p_d, sample(weights, generator))
+
+
 CONTROLS = {
     'residual without subtracting Q': dict(verify_sampled=residual_without_Q),
     'temperature on the acceptance test only': dict(verify_sampled=temperature_on_the_test_only),
@@ -79,4 +96,6 @@ CONTROLS = {
     'the bonus drawn from the global RNG': dict(verify_sampled=bonus_from_the_global_rng),
     'a point mass made with F.one_hot (a host sync)': dict(verify_sampled=point_mass_by_one_hot),
     'the residual without its fallback to P': dict(verify_sampled=residual_without_its_fallback),
+    "the residual's fallback decided over the whole batch": dict(verify_sampled=fallback_over_the_whole_batch),
+    "the coins drawn without the logits' device": dict(verify_sampled=coins_off_the_logits_device),
 }

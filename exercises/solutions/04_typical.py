@@ -64,6 +64,13 @@ def parts_swapped(text, vocab_size):
     return delta, epsilon                                           # (delta, epsilon): the rule reads them swapped
 
 
+def epsilon_of_one_refused(text, vocab_size):
+    epsilon, delta = parse_typical(text, vocab_size)
+    if not epsilon < 1:                                             # the statement allows EPSILON = 1
+        raise ValueError("need 0 < EPSILON < 1 and 0 < DELTA < 1")
+    return epsilon, delta
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
@@ -71,4 +78,5 @@ CONTROLS = {
     'an entropy without a guard (NaN in float32)': dict(typical=entropy_without_a_guard),
     "float64's guard 1e-300 in float32 (where it is 0)": dict(typical=float64_guard_in_float32),
     'parse_typical returns its parts swapped': dict(parse_typical=parts_swapped),
+    'parse_typical refuses an epsilon of exactly 1': dict(parse_typical=epsilon_of_one_refused),
 }

@@ -3,6 +3,7 @@ these are the plausible wrong answers its checks must catch."""
 import math
 
 import torch
+import torch.nn.functional as F
 
 import dblast
 from dblast import log_conditionals
@@ -14,9 +15,15 @@ def no_clamp(log_prior, log_qx, log_px, verify='mixture'):
     return (log_conditionals(log_prior, log_qx) - log_px).cumsum(-1)        # ratios above 1 count too
 
 
+def conditionals_without_their_guard(log_prior, log_qx, log_px, verify='mixture'):
+    joint = torch.logsumexp(log_prior.unsqueeze(-1) + log_qx.cumsum(-1), dim=1)        # log Q(x_1..x_i)
+    log_q = joint - F.pad(joint[:, :-1], (1, 0))                 # -inf - (-inf) = NaN once off every path
+    return (log_q - log_px).clamp(max=0.0).cumsum(-1)
+
+
 def tail_without_later_prefixes(a, nll, tau_threshold):
-    log_tau = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
-    keep = a.detach() >= log_tau
+    log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_threshold
     n_keep = keep.sum(-1)
     al = -torch.where(keep, a, 0.0).sum(-1) / n_keep.clamp(min=1)           # a_j where λ_j belongs
     return torch.where(n_keep > 0, al, nll)
@@ -27,8 +34,8 @@ def every_prefix_kept(a, nll, tau_threshold):
 
 
 def strict_threshold(a, nll, tau_threshold):
-    log_tau = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
-    keep = a.detach() > log_tau                                              # > where the rule says >=
+    log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() > log_threshold                                        # > where the rule says >=
     n_keep = keep.sum(-1)
     al = -torch.where(keep, torch.logcumsumexp(a.flip(-1), -1).flip(-1), 0.0).sum(-1) / n_keep.clamp(min=1)
     return torch.where(n_keep > 0, al, nll)
@@ -40,8 +47,9 @@ def guarded_log_of_zero(a, nll, tau_threshold):
 
 CONTROLS = {
     'no clamp at 1': dict(prefix_log_accept=no_clamp),
+    'NaN off every branch, where the answer is -inf': dict(prefix_log_accept=conditionals_without_their_guard),
     'the tail without the later prefixes': dict(al_surrogate=tail_without_later_prefixes),
     'every prefix kept': dict(al_surrogate=every_prefix_kept),
-    'a strict threshold (a_j > log tau)': dict(al_surrogate=strict_threshold),
+    'a strict threshold (a_j > log tau_threshold)': dict(al_surrogate=strict_threshold),
     'tau_threshold 0 guarded as 1e-12': dict(al_surrogate=guarded_log_of_zero),
 }

@@ -126,6 +126,51 @@ class KeepsTheUnembedding(MyDrafter):
         return upcast(self.unembed(self.ln(z)))
 
 
+class SamplesAtZero(MyDrafter):
+    """Draws its drafts whenever sample_drafts is set, at T = 0 too: logits / 0 is inf and NaN there,
+    the drafts one fixed token and Q NaN. Greedy output stays exact (greedy verification compares
+    argmaxes), so nothing but tau shows it: it falls to 1."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        logits = self.logits(h, bonus, target, k - 1)
+        if not self.sample_drafts:
+            return logits.argmax(-1), None
+        q = F.softmax(tempered(logits, temperature), -1)
+        return sample(q, generator), q
+
+
+class ReadsTheText(MyDrafter):
+    """Sets reads_text, the door of drafters.py's kind (a draft model, prompt lookup): decode would
+    hand it the text, which this drafter never reads, and the exercise's checks call it without."""
+    reads_text = True
+
+
+class DrawsOffTheDevice(MyDrafter):
+    """Draws by inverse CDF written out, its uniforms made without the device of h: right on a CPU,
+    an error on a GPU."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        logits = self.logits(h, bonus, target, k - 1)
+        if temperature == 0.0 or not self.sample_drafts:
+            return logits.argmax(-1), None
+        q = F.softmax(tempered(logits, temperature), -1)
+        cdf = q.cumsum(-1)
+        u = torch.rand(q.shape[:-1] + (1,), generator=generator, dtype=q.dtype)     # no device=
+        return torch.searchsorted(cdf, u * cdf[..., -1:]).clamp(max=q.size(-1) - 1).squeeze(-1), q
+
+
+class TrainedOneTokenOn(MyDrafter):
+    """Head i trained on the token after its own (x[:, i + 1]; the last head on the last token):
+    draft proposes positions its loss never trained."""
+
+    def loss(self, h, bonus, target, x, temperature=1.0):
+        logits = self.logits(h, bonus, target, x.size(1))
+        y = torch.cat([x[:, 1:], x[:, -1:]], 1)
+        return F.cross_entropy(tempered(logits, temperature).flatten(0, 1), y.flatten())
+
+
 class Recurrent(Drafter):
     """Another right answer, with positions that depend on each other: a recurrent head whose state
     reads each draft before drafting the next (one loop over the k-1 drafted positions, which the
@@ -203,4 +248,8 @@ CONTROLS = {
     "keeps the target's lm_head as its own submodule": dict(MyDrafter=KeepsTheUnembedding),
     'the temperature applied twice (lossless, at T^2)': dict(MyDrafter=TemperedTwice),
     'the loss without the temperature (trained at T = 1)': dict(MyDrafter=LossAtOne),
+    'samples its drafts at T = 0': dict(MyDrafter=SamplesAtZero),
+    'draws made without the device of h': dict(MyDrafter=DrawsOffTheDevice),
+    'sets reads_text, drafting from the target\'s state': dict(MyDrafter=ReadsTheText),
+    "each head trained on the next head's token": dict(MyDrafter=TrainedOneTokenOn),
 }

@@ -8,13 +8,16 @@ import torch.nn.functional as F
 from model import sample, tempered, upcast
 
 
-def tree_forward(model, cache, tokens, depth, attend):
+def tree_forward(model, cache, tokens, depth, attend, clamp=True):
     """The target over a tree block: tokens (B, L) written at slots lengths + 0..L-1, at positions
     lengths + depth (L,), slot j attending to the committed prefix and to the block's slots i with
-    attend[j, i]. Returns the final hidden states (B, L, C)."""
+    attend[j, i]. Returns the final hidden states (B, L, C). Near the end of the context a slot's
+    position may pass the last the target has: it is never committed, and gets that last one."""
     B, L = tokens.shape
     slots = cache.lengths[:, None] + torch.arange(L, device=tokens.device)           # (B, L)
-    pos = (cache.lengths[:, None] + depth).clamp(max=model.config.block_size - 1)
+    pos = cache.lengths[:, None] + depth
+    if clamp:
+        pos = pos.clamp(max=model.config.block_size - 1)
     rel = torch.arange(cache.max_len, device=tokens.device)[None] - cache.lengths[:, None]   # (B, max_len)
     in_block = (rel >= 0) & (rel < L)
     block_mask = attend[:, rel.clamp(0, L - 1)].permute(1, 0, 2)                      # (B, L, max_len)
@@ -50,7 +53,7 @@ def commit_branch(cache, branch, n, n_acc, active):
 
 @torch.no_grad()
 def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
-                nodes='prefix', move=True):
+                nodes='prefix', move=True, clamp=True, on_device=True):
     """tree_step, and (by its keywords) the wrong answers below: nodes 'prefix' shares a node
     between branches with the same prefix (right), 'none' gives every branch its own, 'token' shares
     it between branches with the same token at that depth, whatever came before."""
@@ -58,12 +61,16 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     dev = paths.device
     depth, attend = tree_layout(K, n, dev)
     tokens = torch.cat([bonus[:, None], paths.flatten(1)], 1)                           # (B, 1 + K n)
-    H = tree_forward(model, cache, tokens, depth, attend)
+    H = tree_forward(model, cache, tokens, depth, attend, clamp)
     logits = upcast(model.lm_head(H))
     if temperature == 0:
         x = logits.argmax(-1)                                     # the target's token after each node
-    else:
+    elif on_device:
         x = sample(F.softmax(tempered(logits, temperature), -1), generator)
+    else:                                                         # by inverse CDF, its uniforms on the CPU
+        cdf = F.softmax(tempered(logits, temperature), -1).cumsum(-1)
+        u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, dtype=cdf.dtype)
+        x = torch.searchsorted(cdf, u * cdf[..., -1:]).clamp(max=cdf.size(-1) - 1).squeeze(-1)
     # node slots: the node after path_z[:i+1] is slot 1 + z n + i; branches with the same prefix share
     # the node, and use the first such branch's slot (and its one sample)
     same = paths[:, :, None, :] == paths[:, None, :, :]                                 # (B, z, z', i)
@@ -99,4 +106,6 @@ CONTROLS = {
     'each branch samples shared nodes anew': wrong(nodes='none'),
     'nodes shared by the token at a depth, not by the prefix': wrong(nodes='token'),
     "branch 0's keys and values committed": wrong(move=False),
+    'positions not clamped near the end of the context': wrong(clamp=False),
+    "the node samples drawn without the logits' device": wrong(on_device=False),
 }

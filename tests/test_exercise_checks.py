@@ -1,0 +1,191 @@
+"""The exercises' checks on answers the negative controls of exercises/solutions/ (which
+tests/test_exercises.py runs) do not cover: a tensor made off the inputs' device, in every exercise
+whose controls have none; right drafters of other designs than the reference's, which exercise 7's
+training checks must pass whatever their initialisation; hints that name no op of the answer; and
+`try` announcing only the rows it prints."""
+import ast
+import os
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from conftest import in_process
+from exercises import harness
+from exercises.__main__ import main as exercises_main
+
+HAVE_SOLUTIONS = all(harness.solution_path(n) for n in harness.exercises())
+needs_solutions = pytest.mark.skipif(not HAVE_SOLUTIONS, reason="a handout: exercises/solutions/ was removed")
+
+
+def verify_greedy_off_device(logits, drafts, accept):
+    rule, param = accept
+    ok = rule(logits, drafts, param)
+    n = drafts.size(1)
+    at = torch.arange(n)                                        # no device=: the CPU's
+    n_acc = torch.where(ok, n, at).min(-1).values
+    return at < n_acc[:, None], n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+
+
+def write_off_device(cache, layer_idx, k, v, pos):
+    shift = torch.zeros(1, 1, 1, 1, dtype=torch.long)           # no device=
+    idx = pos[:, None, :, None].expand(-1, k.size(1), -1, k.size(3)) + shift
+    cache.k[layer_idx].scatter_(2, idx, k.to(cache.k.dtype))
+    cache.v[layer_idx].scatter_(2, idx, v.to(cache.v.dtype))
+    return cache.k[layer_idx], cache.v[layer_idx]
+
+
+def typical_off_device(logits, drafts, param):
+    epsilon, delta = param
+    p = F.softmax(logits[:, :-1].double(), -1)
+    H = -torch.special.xlogy(p, p).sum(-1)
+    bar = torch.minimum(torch.full(H.shape, epsilon, dtype=H.dtype), delta * torch.exp(-H))   # no device=
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > bar
+
+
+def posterior_off_device(log_prior, log_qd):
+    start = torch.zeros(log_qd.shape[:-1] + (1,), dtype=log_qd.dtype)                       # no device=
+    before = torch.cat([start, log_qd.cumsum(-1)[..., :-1]], -1)
+    return F.log_softmax(log_prior.unsqueeze(-1) + before, dim=1).transpose(1, 2)
+
+
+def al_surrogate_off_device(a, nll, tau_threshold):
+    floor = torch.full(a.shape, torch.log(torch.tensor(tau_threshold)).item())              # no device=
+    keep = a.detach() >= floor
+    tail = torch.logcumsumexp(a.flip(-1), -1).flip(-1)
+    n_keep = keep.sum(-1)
+    return torch.where(n_keep > 0, -torch.where(keep, tail, 0.0).sum(-1) / n_keep.clamp(min=1), nll)
+
+
+OFF_DEVICE = [(1, 'verify_greedy', verify_greedy_off_device, 'test_no_host_sync'),
+              (3, 'write', write_off_device, 'test_no_host_sync'),
+              (4, 'typical', typical_off_device, 'test_no_host_sync'),
+              (5, 'posterior', posterior_off_device, 'test_no_host_sync'),
+              (6, 'al_surrogate', al_surrogate_off_device, 'test_no_tensor_on_another_device')]
+
+
+@needs_solutions
+@pytest.mark.parametrize('n,name,wrong,check', OFF_DEVICE, ids=[f"{n}-{name}" for n, name, _, _ in OFF_DEVICE])
+def test_a_tensor_made_off_the_device_fails_on_a_cpu(n, name, wrong, check):
+    """Right on a CPU, an error on a GPU: the device check fails it on a CPU, naming the op and the
+    line; the other checks pass it (it is right otherwise)."""
+    checks = harness.checks_of(n)
+    impl = harness.implementation(n, 'solution')
+    setattr(impl, name, wrong)      # (exercise 5's conditionals calls the posterior plugged into dblast)
+    r = harness.run_check(checks, impl, check, getattr(checks, check))
+    assert not r.passed and 'made a tensor on the CPU' in r.reason and 'want every tensor' in r.reason, r.reason
+
+
+def other_designs():
+    """{name: a right drafter of another design than the reference's}."""
+    from heads import Drafter
+    from model import sample, tempered, upcast
+    solution = harness.load_file(harness.solution_path(7), 'exercise07_solution_designs')
+
+    class RotatedDrafter(solution.MyDrafter):
+        """The reference with the bonus's embedding turned by a fixed random rotation first, and a
+        random draw more in __init__ than the reference makes (another initialisation)."""
+
+        def __init__(self, config, k, sample_drafts=True):
+            torch.rand(1)
+            super().__init__(config, k, sample_drafts)
+            self.register_buffer('turn', torch.linalg.qr(torch.randn(config.n_embd, config.n_embd))[0])
+
+        def logits(self, h, bonus, target, n):
+            u = self.w_in(torch.cat([h, target.transformer.wte(bonus) @ self.turn.to(h.dtype)], -1))
+            return upcast(target.lm_head(self.ln(torch.stack([u + head(u) for head in self.heads[:n]], 1))))
+
+    class TanhDrafter(Drafter):
+        """One linear map of [h; E(bonus)] and a tanh per head, then the target's unembedding: it
+        cannot be as sharp as the target."""
+
+        def __init__(self, config, k, sample_drafts=True):
+            super().__init__()
+            self.k, self.sample_drafts = k, sample_drafts
+            self.heads = nn.ModuleList(nn.Linear(2 * config.n_embd, config.n_embd) for _ in range(k - 1))
+
+        def logits(self, h, bonus, target, n):
+            u = torch.cat([h, target.transformer.wte(bonus)], -1)
+            return upcast(target.lm_head(torch.stack([torch.tanh(head(u)) for head in self.heads[:n]], 1)))
+
+        @torch.no_grad()
+        def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+            logits = self.logits(h, bonus, target, k - 1)
+            if temperature == 0.0 or not self.sample_drafts:
+                return logits.argmax(-1), None
+            q = F.softmax(tempered(logits, temperature), -1)
+            return sample(q, generator), q
+
+        def loss(self, h, bonus, target, x, temperature=1.0):
+            logits = self.logits(h, bonus, target, x.size(1))
+            return F.cross_entropy(tempered(logits, temperature).flatten(0, 1), x.flatten())
+
+    class SmoothedDrafter(solution.MyDrafter):
+        """The reference with a label-smoothed loss: a little flatter than the target's samples, and
+        yet the temperature applied once in loss and draft alike."""
+
+        def loss(self, h, bonus, target, x, temperature=1.0):
+            logits = self.logits(h, bonus, target, x.size(1))
+            return F.cross_entropy(tempered(logits, temperature).flatten(0, 1), x.flatten(), label_smoothing=0.1)
+
+    return {'rotated': RotatedDrafter, 'tanh': TanhDrafter, 'smoothed': SmoothedDrafter}
+
+
+@needs_solutions
+@pytest.mark.slow
+@pytest.mark.second_process   # on the other core (conftest.py)
+@pytest.mark.parametrize('design', ['rotated', 'tanh', 'smoothed'])
+def test_exercise_7_trains_right_drafters_of_other_designs(design):
+    """Exercise 7's training checks pass right drafters other than the reference: one initialised
+    otherwise, one that cannot be as sharp as the target (which a sharpness measured against the
+    target's own p_T refuses), one trained with label smoothing."""
+    checks = harness.checks_of(7)
+    impl = types.SimpleNamespace(MyDrafter=other_designs()[design], which=design)
+    for name in ('test_training_beats_a_uniform_drafter', 'test_it_proposes_what_its_loss_trains'):
+        r = harness.run_check(checks, impl, name, getattr(checks, name))
+        assert r.passed, f"{design}: {r.title}: {r.reason}"
+
+
+DICTATED = {1: ('cumprod', 'cumulative product', 'gather'), 2: ('cumprod', 'cumulative product', 'gather', 'scatter')}
+
+
+def hint_texts(checks_path):
+    """Every string of a checks.py a student reads as a hint: its checks' 'Hint:' paragraphs, what
+    each harness.Fail carries as its hint, and what is assigned to a name with 'hint' in it."""
+    tree = ast.parse(open(checks_path).read())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name.startswith('test_'):
+            found.append((ast.get_docstring(node) or '').partition('Hint:')[2])
+        parts = node.args[1:] if isinstance(node, ast.Call) and getattr(node.func, 'attr', '') == 'Fail' else \
+            [node.value] if isinstance(node, ast.Assign) and any('hint' in getattr(t, 'id', '').lower()
+                                                                 for t in node.targets) else []
+        found += [c.value for part in parts for c in ast.walk(part)
+                  if isinstance(c, ast.Constant) and isinstance(c.value, str)]
+    return found
+
+
+@pytest.mark.parametrize('n', sorted(DICTATED))
+def test_the_hints_of_exercises_1_and_2_name_no_op_of_the_answer(n):
+    """Their hints say what is wrong, not how to write it: the ops the answer is made of are named
+    nowhere a student reads a hint (the statement's hints, the checks' hints, student.py)."""
+    folder = os.path.join(harness.HERE, harness.exercises()[n])
+    readme = open(os.path.join(folder, 'README.md')).read()
+    texts = [readme[readme.index('## Hints'):readme.index('## The checks')],
+             open(os.path.join(folder, 'student.py')).read()] + hint_texts(os.path.join(folder, 'checks.py'))
+    for text in texts:
+        for op in DICTATED[n]:
+            assert op not in text.lower(), f"exercise {n}: a hint names {op!r}: {text[:200]}"
+
+
+@pytest.mark.parametrize('n,paired', [(1, True), (6, False), (7, False)])
+def test_try_announces_only_the_rows_it_prints(n, paired):
+    """`try N` says first what it sets your rows beside: the reference's rows for exercises that
+    pair them, nothing of the kind for 6 and 7, which print their own rows (a missing checkpoint
+    then stops it: the announcement comes first)."""
+    code, out, err = in_process(lambda: exercises_main(['try', str(n), '--out-dir', '/nonexistent/out']))
+    assert code == 2 and 'python train.py' in err, err
+    announced = out.strip().splitlines()[0]
+    assert (("the reference's rows" in announced or 'the target alone' in announced) == paired), announced
