@@ -630,10 +630,14 @@ def finished(d, B, total, max_new_tokens, k):
 
 
 def settings(drafter):
-    """A drafter's own settings (its plain attributes: sample_drafts, verify, Z_T ..): what a
-    compiled loop records with its graphs besides the weights."""
-    return tuple(sorted((n, v) for n, v in vars(drafter).items()
-                        if isinstance(v, (bool, int, float, str)))) if drafter is not None else ()
+    """A drafter's own settings (its plain attributes: sample_drafts, verify, Z_T ..), and those of
+    the drafters inside it (drafters.MixedPaths'): what a compiled loop records with its graphs
+    besides the weights."""
+    if drafter is None:
+        return ()
+    parts = drafter.named_modules() if isinstance(drafter, torch.nn.Module) else [('', drafter)]
+    return tuple((where, n, v) for where, part in parts if part is drafter or isinstance(part, Drafter)
+                 for n, v in sorted(vars(part).items()) if isinstance(v, (bool, int, float, str)))
 
 
 def merged_stats(runs):

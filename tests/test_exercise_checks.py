@@ -81,7 +81,7 @@ def test_a_tensor_made_off_the_device_fails_on_a_cpu(n, name, wrong, check):
 def other_designs():
     """{name: a right drafter of another design than the reference's}."""
     from heads import Drafter
-    from model import sample, tempered, upcast
+    from model import tempered, upcast
     solution = harness.load_file(harness.solution_path(7), 'exercise07_solution_designs')
 
     class RotatedDrafter(solution.MyDrafter):
@@ -97,30 +97,18 @@ def other_designs():
             u = self.w_in(torch.cat([h, target.transformer.wte(bonus) @ self.turn.to(h.dtype)], -1))
             return upcast(target.lm_head(self.ln(torch.stack([u + head(u) for head in self.heads[:n]], 1))))
 
-    class TanhDrafter(Drafter):
+    class TanhDrafter(solution.MyDrafter):
         """One linear map of [h; E(bonus)] and a tanh per head, then the target's unembedding: it
-        cannot be as sharp as the target."""
+        cannot be as sharp as the target (the reference's draft and loss on these logits)."""
 
         def __init__(self, config, k, sample_drafts=True):
-            super().__init__()
+            Drafter.__init__(self)
             self.k, self.sample_drafts = k, sample_drafts
             self.heads = nn.ModuleList(nn.Linear(2 * config.n_embd, config.n_embd) for _ in range(k - 1))
 
         def logits(self, h, bonus, target, n):
             u = torch.cat([h, target.transformer.wte(bonus)], -1)
             return upcast(target.lm_head(torch.stack([torch.tanh(head(u)) for head in self.heads[:n]], 1)))
-
-        @torch.no_grad()
-        def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
-            logits = self.logits(h, bonus, target, k - 1)
-            if temperature == 0.0 or not self.sample_drafts:
-                return logits.argmax(-1), None
-            q = F.softmax(tempered(logits, temperature), -1)
-            return sample(q, generator), q
-
-        def loss(self, h, bonus, target, x, temperature=1.0):
-            logits = self.logits(h, bonus, target, x.size(1))
-            return F.cross_entropy(tempered(logits, temperature).flatten(0, 1), x.flatten())
 
     class SmoothedDrafter(solution.MyDrafter):
         """The reference with a label-smoothed loss: a little flatter than the target's samples, and

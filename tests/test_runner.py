@@ -137,6 +137,11 @@ def test_a_model_moved_or_drafter_changed_records_anew(counted):
     with torch.autocast('cpu', dtype=torch.bfloat16):   # another compute dtype: another cache, its own loop
         generate(model, prompt, 20, drafter=dblast, k=4, temperature=1.0, compile=True)
     assert len(model._static_loops) == 4
+    mixed = MixedPaths([dblast, PromptLookup(2, 4)])       # a setting of a drafter inside another
+    generate(model, prompt, 20, drafter=mixed, k=4, temperature=1.0, paths=2, compile=True)
+    dblast.zt = 1.0
+    generate(model, prompt, 20, drafter=mixed, k=4, temperature=1.0, paths=2, compile=True)
+    assert len(model._static_loops) == 6
 
 
 def test_the_state_a_graph_mutates_has_static_addresses(counted):
