@@ -363,7 +363,8 @@ def paths_table(b, base, args, results):
             for N in args.paths_list:
                 if N == 1 and way == 'branches':   # one path per branch, N = 1: the i.i.d. row in law
                     continue
-                d.paths_from = way
+                d.paths_from = way   # one path per branch is verified against its own branch (generate.py's rule)
+                d.verify = 'branch' if way == 'branches' else 'mixture'
                 r, _, _ = b.row(base, d, kd, temperature=T, against_eager=True, paths=N)
                 r.update(T=T, drafter=name, paths=N, t_block_over_t_k=ratio[N],
                          ceiling=r['tau'] / (ratio[N] * t1))
@@ -374,7 +375,7 @@ def paths_table(b, base, args, results):
                 rows.append(r)
                 print(md_row([T, name, N, f"{r['tau']:.2f}", r['calls'], f"{r['speedup']:.2f}x", f"{ratio[N]:.2f}",
                               f"{r['ceiling']:.2f}x"] + ([f"{r['compile_gain']:.2f}x"] if gains else [])), flush=True)
-    k4.paths_from = 'iid'
+    k4.paths_from, k4.verify = 'iid', 'mixture'
     results['paths'] = dict(mode=mode, precision=str(b.precision), t_k_over_t_1=t1, rows=rows)
     for r in rows:
         if 'split' in r:

@@ -131,3 +131,17 @@ def test_flags_that_mean_nothing_are_one_error_line(tmp_path, flags, needles):
     code, stdout, stderr = cli('bench.py', flags + ['--device', 'cpu', '--out', out])
     assert_clean_error(Proc(code, stdout, stderr), *needles)
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_paths_table_at_tiny_sizes(tmp_path, corpus_file):
+    """Table 5 end to end at tiny sizes: every way of drawing paths runs (one path per DBlast branch
+    is verified against its own branch, as generate.py sets it), and the drafter is left as it was."""
+    out = tmp_path / 'paths'
+    code, _, stderr = cli('bench.py', ['--tables', 'paths', '--repeats', '1', '--paths-temps', '1.5', '--paths-list',
+                                       '1,2', '--out', out, '--data', corpus_file] + TINY)
+    assert code == 0, stderr[-3000:]
+    rows = json.loads((out / 'results.json').read_text())['paths']['rows']
+    assert [(r['drafter'], r['paths']) for r in rows] == [('independent K=1', 1), ('independent K=1', 2),
+                                                         ('DBlast K=4, i.i.d.', 1), ('DBlast K=4, i.i.d.', 2),
+                                                         ('DBlast K=4, per branch', 2)]
