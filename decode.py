@@ -489,8 +489,8 @@ def first_block(model, drafter, cache, prompt, temperature, generator, paths, k,
 
 
 def advance(model, drafter, cache, d, temperature, accept, generator, paths, k=None, nodes=None, state=None):
-    """One step of generate's loop, in place on its state d (Decoding): the merged step, then what
-    the loop keeps of it: the bonus and kept drafts written out, each row advanced, tau recorded.
+    """One step of generate's loop, in place on its state d (Decoding): the merged step (which writes
+    what it commits into d.out), then what the loop keeps of it: each row advanced, tau recorded.
     A step that no row needs any more (each lacks at most its pending bonus) commits nothing and
     leaves each row's pending block as it was, so that a unit of several steps (runner.py) may run
     past the last one needed. With a token tree (d.tree; k and nodes given) the step is tree_step.
@@ -836,15 +836,15 @@ def load_draft_model(path, target, vocab=None, k=6):
     if 'base_fingerprint' in ckpt and ckpt['base_fingerprint'] != target.fingerprint():
         raise BadInput(f"{path} was trained as a draft model for another target (fingerprint "
                        f"{ckpt['base_fingerprint']} != {target.fingerprint()}); retrain it, or use a plain base model")
-    draft = target_from(ckpt, path, target.lm_head.weight.device)
-    why = DraftModel(draft).does_not_fit(target)
+    drafter = DraftModel(target_from(ckpt, path, target.lm_head.weight.device), k=k)
+    why = drafter.does_not_fit(target)
     if why:
         raise BadInput(f"{path} cannot draft for this target: {why}")
-    mine = vocab_for(ckpt, path, draft.config.vocab_size)
+    mine = vocab_for(ckpt, path, drafter.model.config.vocab_size)
     if vocab is not None and mine != vocab:
         raise BadInput(f"{path} has another vocabulary ({mine}) than the target's ({vocab}): its tokens would mean "
                        f"other things")
-    return DraftModel(draft.to(dtype=target.lm_head.weight.dtype).eval(), k=k)
+    return drafter.to(dtype=target.lm_head.weight.dtype).eval()
 
 
 # ------------------------------------------------------------------------- timing

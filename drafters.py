@@ -10,11 +10,13 @@ verified against the conditionals it was drawn from is lossless (MATH.md §4, §
 model's sampled drafts come with its q, and prompt lookup's drafts are a point mass (Q None), as
 argmax drafts are.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from heads import Drafter, Text
-from model import GPT, sample, tempered, upcast
+from heads import Drafter, Text, drafts_from
+from model import GPT
 
 
 class DraftModel(Drafter):
@@ -60,13 +62,6 @@ class DraftModel(Drafter):
         self.model.forward_cached(prompt, cache)
         cache.commit(prompt.size(1))
 
-    def choose(self, logits, temperature, generator):
-        """A draft from the model's logits (B, V): argmax (q None), or a sample of q at T."""
-        if temperature == 0.0 or not self.sample_drafts:
-            return logits.argmax(-1), None
-        q = F.softmax(tempered(upcast(logits), temperature), dim=-1)
-        return sample(q, generator), q
-
     @torch.no_grad()
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None, text=None):
         """The drafter contract (heads.Drafter); h and target are not read: the draft model has its
@@ -88,7 +83,7 @@ class DraftModel(Drafter):
             if i > 0:            # feed the last draft: a draft is fed only when the next is needed
                 logits = self.model.lm_head(self.model.forward_cached(drafts[-1][:, None], cache)[:, -1])
                 cache.commit(1)
-            d, q = self.choose(logits, temperature, generator)
+            d, q = drafts_from(logits, temperature, self.sample_drafts, generator)
             drafts.append(d)
             qs.append(q)
         return torch.stack(drafts, 1), None if qs[0] is None else torch.stack(qs, 1)
@@ -117,9 +112,6 @@ class PromptLookup(Drafter):
         if not (isinstance(ngram, int) and ngram >= 1) or not (isinstance(k, int) and k >= 2):
             raise ValueError(f"ngram={ngram!r}, k={k!r}: prompt lookup wants ngram >= 1 and k >= 2")
         self.ngram, self.k = ngram, k
-
-    def does_not_fit(self, target):
-        return None       # no weights: any target
 
     @torch.no_grad()
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None, text=None):
@@ -164,7 +156,6 @@ class MixedPaths(Drafter):
         self.drafters = torch.nn.ModuleList(drafters)
         self.k = min(d.k for d in drafters)
         self.reads_text = any(getattr(d, 'reads_text', False) for d in drafters)
-        self.sample_drafts = any(d.sample_drafts for d in drafters)
 
     def meaningless(self, temperature, paths):
         N = len(self.drafters)
@@ -197,7 +188,6 @@ class MixedPaths(Drafter):
         drafts = torch.stack([dr for dr, _ in out], 1)                   # (B, N, k-1)
         if all(Q is None for _, Q in out):
             return drafts, None
+        dtype = functools.reduce(torch.promote_types, (Q.dtype for _, Q in out if Q is not None))
         V = target.config.vocab_size
-        Q = [F.one_hot(dr, V).to(torch.float32) if Q is None else Q for dr, Q in out]
-        dtype = torch.promote_types(*(q.dtype for q in Q[:2])) if len(Q) > 1 else Q[0].dtype
-        return drafts, torch.stack([q.to(dtype) for q in Q], 1)
+        return drafts, torch.stack([F.one_hot(dr, V).to(dtype) if Q is None else Q.to(dtype) for dr, Q in out], 1)

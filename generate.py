@@ -8,7 +8,7 @@ decode.py's (`generate`); this script loads the checkpoints, checks the flags an
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --paths 4
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8 --nodes 32      # a token tree a call
-    python generate.py --ckpt out/ckpt.pt --draft-model out/draft/ckpt.pt --k 6     # a small draft model
+    python generate.py --ckpt out/ckpt.pt --draft-model out/draft.pt --k 6          # a small draft model
     python generate.py --ckpt out/ckpt.pt --lookup 2 --k 11                         # prompt lookup
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --lookup 2 --k 8     # both, one path each
 
@@ -38,6 +38,7 @@ from drafters import MixedPaths, PromptLookup
 # the default block of the drafters that can draft any length: gpt-fast drafts 5 tokens with its
 # draft model, Hugging Face's prompt lookup examples 10
 DRAFT_MODEL_K, LOOKUP_K = 6, 11
+ANY_DRAFTER = 'a drafter (--heads, --drafter, --draft-model or --lookup)'
 
 
 def colour_blocks(vocab, tokens, taus, colour):
@@ -129,13 +130,13 @@ def check_cli(args):
         check_number('--threads', args.threads, lo=1, hi=1024)
     parse_accept(args.accept, cli=True)
     meaningless = [   # (given, flag, what it applies to)
-        (args.k is not None and not drafter, '--k', 'a drafter (--heads, --drafter, --draft-model or --lookup)'),
-        (args.accept != 'exact' and not drafter, '--accept', 'a drafter (--heads, --drafter, --draft-model or --lookup)'),
+        (args.k is not None and not drafter, '--k', ANY_DRAFTER),
+        (args.accept != 'exact' and not drafter, '--accept', ANY_DRAFTER),
         (args.paths > 1 and several, '--paths', 'one drafter (several draft one path each, --paths set to their number)'),
         (args.zt is not None and not args.drafter, '--zt', 'a DBlast --drafter'),
         (args.verify is not None and not args.drafter, '--verify', 'a DBlast --drafter'),
-        (args.paths > 1 and not drafter, '--paths', 'a drafter (--heads, --drafter, --draft-model or --lookup)'),
-        (args.nodes is not None and not (args.heads or args.drafter) or args.nodes is not None and several, '--nodes',
+        (args.paths > 1 and not drafter, '--paths', ANY_DRAFTER),
+        (args.nodes is not None and (several or not (args.heads or args.drafter)), '--nodes',
          'one --heads or --drafter (their distributions grow the tree)'),
         (args.paths_from is not None and (not args.drafter or args.paths == 1), '--paths-from',
          'a DBlast --drafter with --paths > 1'),

@@ -185,6 +185,16 @@ def grow_tree(log_q, B, n, nodes, device):
     return token.gather(1, keep), tree
 
 
+def drafts_from(logits, temperature, sample_drafts, generator=None):
+    """Drafts from a drafter's logits (..., V) as the contract asks: their argmax with Q None (a
+    point mass) at temperature 0 or when sample_drafts is False, else a draw from
+    q = softmax(logits / T) with Q = q (the verifier's Q is what the drafts were drawn from)."""
+    if temperature == 0.0 or not sample_drafts:
+        return logits.argmax(-1), None
+    q = F.softmax(tempered(upcast(logits), temperature), dim=-1)
+    return sample(q, generator), q
+
+
 class BlockHeads(Drafter):
     ARGS = ('k', 'd_hidden')   # what a checkpoint records to rebuild it (decode.load_drafter)
 
@@ -292,8 +302,4 @@ class BlockHeads(Drafter):
         """The drafter contract (Drafter). Argmax drafts are a point mass (Q None); sampled, each
         position is drawn from its own q_i = softmax(logits_i / T), and since the positions are
         independent given h, Q_i = q_i whatever was drafted before."""
-        logits = self(h, target.lm_head, k - 1)                             # (B, k-1, V)
-        if temperature == 0.0 or not self.sample_drafts:
-            return logits.argmax(-1), None
-        q = F.softmax(tempered(upcast(logits), temperature), dim=-1)
-        return sample(q, generator), q
+        return drafts_from(self(h, target.lm_head, k - 1), temperature, self.sample_drafts, generator)

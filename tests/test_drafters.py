@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import drafters
 import runner
 from conftest import V8, V8_PROMPT, peaky, tiny_model
 from data import BadInput
@@ -194,12 +195,12 @@ def test_mixed_paths_are_lossless(target8, which, temperature):
 def test_chi_square_catches_a_draft_models_q_at_another_temperature(target8, monkeypatch):
     """Drafts sampled at T = 1.5 but verified with the draft model's q at T = 1: biased, caught."""
     drafter = draft_model8(True)
-    real = drafter.choose
+    real = drafters.drafts_from
 
-    def q_at_t1(logits, temperature, generator):
-        d, q = real(logits, temperature, generator)
+    def q_at_t1(logits, temperature, sample_drafts, generator):
+        d, q = real(logits, temperature, sample_drafts, generator)
         return d, F.softmax(logits.float(), dim=-1)
-    monkeypatch.setattr(drafter, 'choose', q_at_t1)
+    monkeypatch.setattr(drafters, 'drafts_from', q_at_t1)
     stat, crit, _ = chi2_of(target8, drafter, 1.5)
     assert stat > crit, f"q at another temperature passed: chi2 {stat:.1f} < {crit:.1f}"
 

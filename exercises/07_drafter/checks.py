@@ -28,6 +28,11 @@ def make(impl, config, k=4, seed=0, std=None):
     return harness.peaky(d, std, seed) if std else d.double().eval()
 
 
+def is_point_mass(Q, drafts, V):
+    """What argmax drafts may come with: Q None, or their one-hot."""
+    return Q is None or torch.equal(Q, F.one_hot(drafts, V).to(Q.dtype))
+
+
 def test_the_contract(impl):
     """The contract. drafts (N, k-1) long tokens for every k up to drafter.k; under sampling Q is
     (N, k-1, V), non-negative, sums to 1 and gives the drafts mass; the generator decides the
@@ -96,7 +101,7 @@ def test_the_contract(impl):
         raise harness.Fail(f"argmax drafting (sample_drafts False): {int((a1 != a2).any(-1).sum())} of {N} rows "
                            f"differ between two generators, want 0", "with sample_drafts False the drafts are "
                            "the argmax, whatever the temperature: here something in them is drawn")
-    if not (Q1 is None or torch.equal(Q1, F.one_hot(a1, V).to(Q1.dtype))):
+    if not is_point_mass(Q1, a1, V):
         raise harness.Fail("argmax drafts: Q is neither None nor their one-hot, want one of those",
                            "argmax drafts are a point mass: the statement allows None (as heads.BlockHeads.draft "
                            "returns) or their one-hot, nothing else")
@@ -110,7 +115,7 @@ def test_the_contract(impl):
                            "T = 0 is greedy decoding: the drafts are the argmax whatever sample_drafts says. What "
                            "fits: a draw at T = 0 (logits / 0 is inf or NaN, and a draw from NaN weights is one "
                            "fixed token), or another distribution's argmax than sample_drafts False takes")
-    if not (Q0 is None or torch.equal(Q0, F.one_hot(greedy, V).to(Q0.dtype))):
+    if not is_point_mass(Q0, greedy, V):
         nan = Q0 is not None and bool(torch.isnan(Q0).any())
         raise harness.Fail(f"at T = 0 with sample_drafts True: Q is {'NaN in places' if nan else 'a distribution'}, "
                            f"want None or the drafts' one-hot", "T = 0 is greedy decoding: the drafts are a point "

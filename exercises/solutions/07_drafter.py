@@ -152,10 +152,9 @@ class DrawsOffTheDevice(MyDrafter):
 
     @torch.no_grad()
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
-        logits = self.logits(h, bonus, target, k - 1)
-        if temperature == 0.0 or not self.sample_drafts:
-            return logits.argmax(-1), None
-        q = F.softmax(tempered(logits, temperature), -1)
+        drafts, q = super().draft(h, bonus, target, k, temperature, generator)
+        if q is None:
+            return drafts, q
         cdf = q.cumsum(-1)
         u = torch.rand(q.shape[:-1] + (1,), generator=generator, dtype=q.dtype)     # no device=
         return torch.searchsorted(cdf, u * cdf[..., -1:]).clamp(max=q.size(-1) - 1).squeeze(-1), q
