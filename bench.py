@@ -39,7 +39,7 @@ import signal
 import sys
 
 if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    # Ctrl-C while the imports below load (seconds on a busy machine): the one line data.run_script
+    # Ctrl-C while the imports below load (seconds on a busy machine): the one line cli.run_script
     # prints later too, not a traceback from inside torch's import
     signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
 
@@ -54,13 +54,12 @@ from contextlib import redirect_stdout
 import torch
 
 import decode
-import runner
 import train
-from data import (DTYPES, PROMPT_LEN, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number,
-                  decoding_precision, intra_op_threads, load_checkpoint, load_target, num_threads, pick_device,
-                  run_script)
-from decode import generate, load_draft_model, load_drafter
-from drafters import MixedPaths, PromptLookup
+from cli import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number, decoding_precision,
+                 intra_op_threads, num_threads, pick_device, run_script)
+from data import PROMPT_LEN, load_checkpoint, load_target
+from decode import generate
+from drafters import MixedPaths, PromptLookup, load_draft_model, load_drafter
 from heads import BlockHeads
 from measure import (DRAFTING, TINY_TARGET, Bench, Tee, call_costs, command_line, common_flags, forward_ratio, hf_assistant,
                      hf_generate, identical, md_row, md_table, meta, output_nll, parse_list, prepare, results_md,

@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import PROMPT_LEN, BadInput
+from cli import BadInput
+from data import PROMPT_LEN
 from heads import LOGITS_BUDGET, BlockHeads, Drafter
 from model import LayerNorm, sample, tempered, upcast
 
@@ -227,7 +228,7 @@ def expected_tau(drafter, model, samples, k, temperature, sample_drafts, verify,
 # ----------------------------------------------------------------------------- the drafter
 
 class DBlastDrafter(Drafter):
-    ARGS = ('k', 'K', 'd_hidden')   # what a checkpoint records to rebuild it (decode.load_drafter)
+    ARGS = ('k', 'K', 'd_hidden')   # what a checkpoint records to rebuild it (drafters.load_drafter)
 
     def __init__(self, config, k, K, d_hidden=None, sample_drafts=True, verify='mixture', zt=1.0,
                  paths_from='iid'):

@@ -9,26 +9,23 @@ Read in this order (MATH.md has every equation):
   merged_step                          one target call: verify, commit, propose
   the loop                             the prefill, advance (a step and what the loop keeps of
                                        it), generate and its argument checks
-  loading drafters, timing
 What only `compile=True` needs (static buffers, compiled steps, several steps a host call, CUDA
 graphs) is runner.py's: the loop reads the same without it.
-Drafters follow one contract (heads.Drafter; the ones that read the text are drafters.py's). The
-command line is generate.py's; the model's own `GPT.generate` (no cache, full recompute) is the
-reference every greedy path here is tested against token for token, and plain sampling draw for
-draw; speculative sampling is tested by chi-square against the target's enumerated distribution.
+Drafters follow one contract (heads.Drafter); drafters.py holds the ones that read the text, and
+loads any drafter. The command line is generate.py's; the model's own `GPT.generate` (no cache,
+full recompute) is the reference every greedy path here is tested against token for token, and
+plain sampling draw for draw; speculative sampling is tested by chi-square against the target's
+enumerated distribution.
 """
-import time
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
 import runner
-from data import (BadInput, Vocab, check_finite, check_number, decoding_threads, describe, first_line, is_real,
-                  is_whole, load_checkpoint, num_threads, target_from, vocab_for)
-from dblast import DBlastDrafter
-from drafters import DraftModel
-from heads import BlockHeads, Drafter, Text, grow_tree
+from cli import BadInput, check_number, decoding_threads, num_threads
+from data import describe, is_real, is_whole
+from heads import Drafter, Text, grow_tree
 from model import GPT, sample, tempered, upcast
 
 
@@ -542,7 +539,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     generator: the source of every random draw (where nothing is drawn, as in greedy decoding with
     BPD heads, it is not used).
     threads: torch's CPU threads for the length of the call, then as the caller had them: 'auto'
-    what the scripts choose (data.decoding_threads: one for a model under 20M parameters on a CPU,
+    what the scripts choose (cli.decoding_threads: one for a model under 20M parameters on a CPU,
     many times faster beside a busy process; else the caller's), N that many, None the caller's.
 
     stats: calls (target calls, the prefill included: a call's last bonus is written without one
@@ -585,7 +582,7 @@ def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, 
     with runner.global_rng_from(generator if compile else None, prompt.device):
         if compile:
             context = model.config.block_size
-            loop = runner.Compiled(model, drafter, B, room, (k, paths, nodes, temperature, accept, settings(drafter)),
+            loop = runner.Compiled(model, drafter, B, room, (k, paths, nodes, temperature, accept),
                                    prefill, step, lambda block, Q, tree: Decoding.like(
                                        block, Q, tree, context + 2 * k, context + runner.largest_unit()),
                                    lambda: drafter_state(context + 2 * k))
@@ -627,17 +624,6 @@ def finished(d, B, total, max_new_tokens, k):
                  mean_tau=float(tau.float().mean()) if len(tau) else float('nan'), accept_lengths=tau.tolist(),
                  accept_rate=accepted.float().mean(0).tolist() if k > 1 and len(tau) else [])
     return d.out[:, :total].clone(), stats
-
-
-def settings(drafter):
-    """A drafter's own settings (its plain attributes: sample_drafts, verify, Z_T ..), and those of
-    the drafters inside it (drafters.MixedPaths'): what a compiled loop records with its graphs
-    besides the weights."""
-    if drafter is None:
-        return ()
-    parts = drafter.named_modules() if isinstance(drafter, torch.nn.Module) else [('', drafter)]
-    return tuple((where, n, v) for where, part in parts if part is drafter or isinstance(part, Drafter)
-                 for n, v in sorted(vars(part).items()) if isinstance(v, (bool, int, float, str)))
 
 
 def merged_stats(runs):
@@ -725,7 +711,7 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
         weights = next(drafter.parameters(), None) if isinstance(drafter, torch.nn.Module) else None
         if weights is not None and weights.device != device:
             raise BadInput(f"the drafter is on {weights.device}, the model on {device}: load it with "
-                           f"decode.load_drafter(path, model), or move it")
+                           f"drafters.load_drafter(path, model), or move it")
         why = drafter.does_not_fit(model) if isinstance(drafter, Drafter) else None
         if why:
             raise BadInput(f"the drafter does not fit this target: {why}")
@@ -763,105 +749,3 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
 
 MAX_PATHS = 64   # drafted paths per call: the block is 1 + paths * (k-1) tokens
 MAX_NODES = 1024   # drafted tokens of a tree per call: the block is 1 + nodes tokens
-
-
-# ------------------------------------------------------------------------- loading drafters
-
-# A drafter checkpoint's 'kind' -> its class; the class's ARGS name the checkpoint fields its
-# constructor takes after the target's config. A new kind of drafter is one more entry.
-DRAFTERS = {'heads': BlockHeads, 'dblast': DBlastDrafter}
-WHAT = {'heads': 'BPD heads', 'dblast': 'DBlast drafter'}
-
-
-def load_drafter(path, target, kind=None, vocab=None):
-    """A drafter checkpoint of any kind in DRAFTERS, checked against the target it was trained for
-    (weights fingerprint, and the vocabulary when both record one). kind: the one kind to accept.
-    Its weights' names and shapes are checked against the drafter its fields describe, built on
-    the meta device (no memory), before any tensor is made: a crafted size is refused, not
-    allocated."""
-    if not isinstance(target, GPT):
-        raise BadInput(f"target is {describe(target)}; want the model.GPT the drafter was trained for "
-                       f"(data.load_target)")
-    if kind is not None and kind not in DRAFTERS:
-        raise BadInput(f"kind={kind!r}: want one of {', '.join(map(repr, DRAFTERS))}, or None for any")
-    if vocab is not None and not isinstance(vocab, Vocab):
-        raise BadInput(f"vocab is {describe(vocab)}; want a data.Vocab (data.load_vocab) or None")
-    ckpt = load_checkpoint(path)       # every field it carries checked for type and range (data.FIELDS)
-    have = ckpt.get('kind')
-    if have not in DRAFTERS or (kind is not None and have != kind):
-        raise BadInput(f"{path} is not a {WHAT.get(kind, 'drafter')} checkpoint (it is a "
-                       f"{WHAT.get(have, have or 'target model')} checkpoint)")
-    if ckpt.get('base_fingerprint') != target.fingerprint():
-        raise BadInput(f"{path} was trained for another base model (fingerprint "
-                       f"{ckpt.get('base_fingerprint')} != {target.fingerprint()}); retrain it")
-    trained_with = ckpt.get('vocab') and Vocab.from_state(ckpt['vocab'], path)
-    if vocab is not None and trained_with and trained_with != vocab:
-        raise BadInput(f"{path} was trained with a different vocabulary ({trained_with}) than the "
-                       f"target's ({vocab}); give the target's --meta or retrain the drafter")
-    cls = DRAFTERS[have]
-    missing = [a for a in ('drafter',) + cls.ARGS if a not in ckpt]
-    if missing:
-        raise BadInput(f"drafter checkpoint {path} is malformed (it has no {missing[0]!r})")
-    # built for the target the fingerprint names, whatever config the file says
-    args = {a: ckpt[a] for a in cls.ARGS}
-    with torch.device('meta'):
-        shapes = {n: tuple(t.shape) for n, t in cls(target.config, **args).state_dict().items()}
-    held = {n: tuple(t.shape) for n, t in ckpt['drafter'].items()}
-    if held != shapes:
-        odd = sorted(set(shapes) ^ set(held)) or [n for n in shapes if shapes[n] != held[n]]
-        raise BadInput(f"drafter checkpoint {path} is malformed: its {', '.join(f'{a}={v}' for a, v in args.items())} "
-                       f"do not fit its weights ({odd[0]}: {held.get(odd[0], 'missing')}, want "
-                       f"{shapes.get(odd[0], 'none')})")
-    try:
-        drafter = cls(target.config, **args)
-        drafter.load_state_dict(ckpt['drafter'])
-    except Exception as e:  # anything the checks above did not foresee
-        raise BadInput(f"drafter checkpoint {path} is malformed ({first_line(e, type(e).__name__)})")
-    check_finite(drafter, path)
-    p = target.lm_head.weight
-    return drafter.to(p.device, p.dtype).eval()
-
-
-def load_draft_model(path, target, vocab=None, k=6):
-    """A draft model (drafters.DraftModel) from any target checkpoint of this project or nanoGPT's,
-    on the target's device. Its vocabulary and context are checked against the target's always
-    (DraftModel.does_not_fit, and the vocabularies where both record one); its target's fingerprint
-    only where it was trained for one (train.py --stages draft records it)."""
-    if not isinstance(target, GPT):
-        raise BadInput(f"target is {describe(target)}; want the model.GPT the draft model drafts for")
-    ckpt = load_checkpoint(path)
-    if ckpt.get('kind') in DRAFTERS:
-        raise BadInput(f"{path} is a {WHAT[ckpt['kind']]} checkpoint, not a model's: give it with "
-                       f"{'--heads' if ckpt['kind'] == 'heads' else '--drafter'}")
-    if 'base_fingerprint' in ckpt and ckpt['base_fingerprint'] != target.fingerprint():
-        raise BadInput(f"{path} was trained as a draft model for another target (fingerprint "
-                       f"{ckpt['base_fingerprint']} != {target.fingerprint()}); retrain it, or use a plain base model")
-    drafter = DraftModel(target_from(ckpt, path, target.lm_head.weight.device), k=k)
-    why = drafter.does_not_fit(target)
-    if why:
-        raise BadInput(f"{path} cannot draft for this target: {why}")
-    mine = vocab_for(ckpt, path, drafter.model.config.vocab_size)
-    if vocab is not None and mine != vocab:
-        raise BadInput(f"{path} has another vocabulary ({mine}) than the target's ({vocab}): its tokens would mean "
-                       f"other things")
-    return drafter.to(dtype=target.lm_head.weight.dtype).eval()
-
-
-# ------------------------------------------------------------------------- timing
-
-def timed_generate(*args, **kw):
-    """generate() and its wall-clock seconds (synchronising CUDA so the time is real)."""
-    prompt = args[1]
-    if prompt.is_cuda:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out, stats = generate(*args, **kw)
-    if prompt.is_cuda:
-        torch.cuda.synchronize()
-    return out, stats, time.perf_counter() - t0
-
-
-def agreement(out, base, T0):
-    """'n/m tokens': how many generated tokens of `out` equal plain decoding's `base` (B, T)."""
-    same = (out[:, T0:] == base[:, T0:])
-    return f"{int(same.sum())}/{same.numel()} tokens"

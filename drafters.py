@@ -9,13 +9,20 @@ None of them reads the target's hidden state. They read the text instead: a draf
 verified against the conditionals it was drawn from is lossless (MATH.md §4, §9), so a draft
 model's sampled drafts come with its q, and prompt lookup's drafts are a point mass (Q None), as
 argmax drafts are.
+
+At the end, loading any drafter from its checkpoint: `load_drafter` (BPD heads, DBlast: a kind of
+drafter is one entry of DRAFTERS) and `load_draft_model` (a draft model from a target checkpoint),
+each checked against the target it drafts for before any weight is made.
 """
 import functools
 
 import torch
 import torch.nn.functional as F
 
-from heads import Drafter, Text, drafts_from
+from cli import BadInput, first_line
+from data import Vocab, check_finite, describe, load_checkpoint, target_from, vocab_for
+from dblast import DBlastDrafter
+from heads import BlockHeads, Drafter, Text, drafts_from
 from model import GPT
 
 
@@ -191,3 +198,85 @@ class MixedPaths(Drafter):
         dtype = functools.reduce(torch.promote_types, (Q.dtype for _, Q in out if Q is not None))
         V = target.config.vocab_size
         return drafts, torch.stack([F.one_hot(dr, V).to(dtype) if Q is None else Q.to(dtype) for dr, Q in out], 1)
+
+
+# ------------------------------------------------------------------------- loading drafters
+
+# A drafter checkpoint's 'kind' -> its class; the class's ARGS name the checkpoint fields its
+# constructor takes after the target's config. A new kind of drafter is one more entry.
+DRAFTERS = {'heads': BlockHeads, 'dblast': DBlastDrafter}
+WHAT = {'heads': 'BPD heads', 'dblast': 'DBlast drafter'}
+
+
+def load_drafter(path, target, kind=None, vocab=None):
+    """A drafter checkpoint of any kind in DRAFTERS, checked against the target it was trained for
+    (weights fingerprint, and the vocabulary when both record one). kind: the one kind to accept.
+    Its weights' names and shapes are checked against the drafter its fields describe, built on
+    the meta device (no memory), before any tensor is made: a crafted size is refused, not
+    allocated."""
+    if not isinstance(target, GPT):
+        raise BadInput(f"target is {describe(target)}; want the model.GPT the drafter was trained for "
+                       f"(data.load_target)")
+    if kind is not None and kind not in DRAFTERS:
+        raise BadInput(f"kind={kind!r}: want one of {', '.join(map(repr, DRAFTERS))}, or None for any")
+    if vocab is not None and not isinstance(vocab, Vocab):
+        raise BadInput(f"vocab is {describe(vocab)}; want a data.Vocab (data.load_vocab) or None")
+    ckpt = load_checkpoint(path)       # every field it carries checked for type and range (data.FIELDS)
+    have = ckpt.get('kind')
+    if have not in DRAFTERS or (kind is not None and have != kind):
+        raise BadInput(f"{path} is not a {WHAT.get(kind, 'drafter')} checkpoint (it is a "
+                       f"{WHAT.get(have, have or 'target model')} checkpoint)")
+    if ckpt.get('base_fingerprint') != target.fingerprint():
+        raise BadInput(f"{path} was trained for another base model (fingerprint "
+                       f"{ckpt.get('base_fingerprint')} != {target.fingerprint()}); retrain it")
+    trained_with = ckpt.get('vocab') and Vocab.from_state(ckpt['vocab'], path)
+    if vocab is not None and trained_with and trained_with != vocab:
+        raise BadInput(f"{path} was trained with a different vocabulary ({trained_with}) than the "
+                       f"target's ({vocab}); give the target's --meta or retrain the drafter")
+    cls = DRAFTERS[have]
+    missing = [a for a in ('drafter',) + cls.ARGS if a not in ckpt]
+    if missing:
+        raise BadInput(f"drafter checkpoint {path} is malformed (it has no {missing[0]!r})")
+    # built for the target the fingerprint names, whatever config the file says
+    args = {a: ckpt[a] for a in cls.ARGS}
+    with torch.device('meta'):
+        shapes = {n: tuple(t.shape) for n, t in cls(target.config, **args).state_dict().items()}
+    held = {n: tuple(t.shape) for n, t in ckpt['drafter'].items()}
+    if held != shapes:
+        odd = sorted(set(shapes) ^ set(held)) or [n for n in shapes if shapes[n] != held[n]]
+        raise BadInput(f"drafter checkpoint {path} is malformed: its {', '.join(f'{a}={v}' for a, v in args.items())} "
+                       f"do not fit its weights ({odd[0]}: {held.get(odd[0], 'missing')}, want "
+                       f"{shapes.get(odd[0], 'none')})")
+    try:
+        drafter = cls(target.config, **args)
+        drafter.load_state_dict(ckpt['drafter'])
+    except Exception as e:  # anything the checks above did not foresee
+        raise BadInput(f"drafter checkpoint {path} is malformed ({first_line(e, type(e).__name__)})")
+    check_finite(drafter, path)
+    p = target.lm_head.weight
+    return drafter.to(p.device, p.dtype).eval()
+
+
+def load_draft_model(path, target, vocab=None, k=6):
+    """A draft model (drafters.DraftModel) from any target checkpoint of this project or nanoGPT's,
+    on the target's device. Its vocabulary and context are checked against the target's always
+    (DraftModel.does_not_fit, and the vocabularies where both record one); its target's fingerprint
+    only where it was trained for one (train.py --stages draft records it)."""
+    if not isinstance(target, GPT):
+        raise BadInput(f"target is {describe(target)}; want the model.GPT the draft model drafts for")
+    ckpt = load_checkpoint(path)
+    if ckpt.get('kind') in DRAFTERS:
+        raise BadInput(f"{path} is a {WHAT[ckpt['kind']]} checkpoint, not a model's: give it with "
+                       f"{'--heads' if ckpt['kind'] == 'heads' else '--drafter'}")
+    if 'base_fingerprint' in ckpt and ckpt['base_fingerprint'] != target.fingerprint():
+        raise BadInput(f"{path} was trained as a draft model for another target (fingerprint "
+                       f"{ckpt['base_fingerprint']} != {target.fingerprint()}); retrain it, or use a plain base model")
+    drafter = DraftModel(target_from(ckpt, path, target.lm_head.weight.device), k=k)
+    why = drafter.does_not_fit(target)
+    if why:
+        raise BadInput(f"{path} cannot draft for this target: {why}")
+    mine = vocab_for(ckpt, path, drafter.model.config.vocab_size)
+    if vocab is not None and mine != vocab:
+        raise BadInput(f"{path} has another vocabulary ({mine}) than the target's ({vocab}): its tokens would mean "
+                       f"other things")
+    return drafter.to(dtype=target.lm_head.weight.dtype).eval()

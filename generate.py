@@ -20,26 +20,49 @@ import signal
 import sys
 
 if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    # Ctrl-C while the imports below load (seconds on a busy machine): the one line data.run_script
+    # Ctrl-C while the imports below load (seconds on a busy machine): the one line cli.run_script
     # prints later too, not a traceback from inside torch's import
     signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
 
 import argparse
+import time
 
 import torch
 
-from data import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number, decoding_precision,
-                  intra_op_threads, load_checkpoint, pick_device, run_script, target_from, vocab_for)
+from cli import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number, decoding_precision,
+                 intra_op_threads, pick_device, run_script)
+from data import load_checkpoint, target_from, vocab_for
 from dblast import PATHS_FROM, VERIFY
-from decode import (MAX_NODES, MAX_PATHS, agreement, check_args, load_draft_model, load_drafter, parse_accept,
-                    timed_generate)
-from drafters import MixedPaths, PromptLookup
+from decode import MAX_NODES, MAX_PATHS, check_args, generate, parse_accept
+from drafters import MixedPaths, PromptLookup, load_draft_model, load_drafter
 
 # the default block of the drafters that can draft any length: gpt-fast drafts 5 tokens with its
 # draft model, Hugging Face's prompt lookup examples 10
 DRAFT_MODEL_K, LOOKUP_K = 6, 11
 ANY_DRAFTER = 'a drafter (--heads, --drafter, --draft-model or --lookup)'
 
+
+# ------------------------------------------------------------------------- timing
+
+def timed_generate(*args, **kw):
+    """generate() and its wall-clock seconds (synchronising CUDA so the time is real)."""
+    prompt = args[1]
+    if prompt.is_cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out, stats = generate(*args, **kw)
+    if prompt.is_cuda:
+        torch.cuda.synchronize()
+    return out, stats, time.perf_counter() - t0
+
+
+def agreement(out, base, T0):
+    """'n/m tokens': how many generated tokens of `out` equal plain decoding's `base` (B, T)."""
+    same = (out[:, T0:] == base[:, T0:])
+    return f"{int(same.sum())}/{same.numel()} tokens"
+
+
+# ------------------------------------------------------------------------- the command line
 
 def colour_blocks(vocab, tokens, taus, colour):
     """Text with each step's committed block in alternating colours (ANSI)."""

@@ -27,7 +27,7 @@ import signal
 import sys
 
 if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    # Ctrl-C while the imports below load (seconds on a busy machine): the one line data.run_script
+    # Ctrl-C while the imports below load (seconds on a busy machine): the one line cli.run_script
     # prints later too, not a traceback from inside torch's import
     signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
 
@@ -48,9 +48,10 @@ import model
 import runner
 import train
 from bench import dblast_tag, heads_tag, settle, speed_table, trainings
-from data import (ArgumentParser, BadInput, Precision, check_compiler, check_out_dir, first_line, intra_op_threads,
-                  load_checkpoint, load_target, pick_dtype, run_script)
-from decode import load_drafter
+from cli import (ArgumentParser, BadInput, Precision, check_compiler, first_line, intra_op_threads, pick_dtype,
+                 run_script)
+from data import check_out_dir, load_checkpoint, load_target
+from drafters import load_drafter
 from measure import (Bench, call_costs, command_line, common_flags, device_name, identical, md_table, meta, parse_list,
                      prepare, runner_settings, sync, timed, train_args, ways_of_calling, write_json, write_text)
 

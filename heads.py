@@ -196,7 +196,7 @@ def drafts_from(logits, temperature, sample_drafts, generator=None):
 
 
 class BlockHeads(Drafter):
-    ARGS = ('k', 'd_hidden')   # what a checkpoint records to rebuild it (decode.load_drafter)
+    ARGS = ('k', 'd_hidden')   # what a checkpoint records to rebuild it (drafters.load_drafter)
 
     def __init__(self, config, k, d_hidden=None, sample_drafts=True):
         super().__init__()

@@ -25,7 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 import decode
 import runner
 import train
-from data import PROMPT_LEN, BadInput, check_out_dir, heldout_prompts, load_dataset, newline_id, write_atomically
+from cli import BadInput, write_atomically
+from data import PROMPT_LEN, check_out_dir, heldout_prompts, load_dataset, newline_id
 from dblast import expected_tau
 from decode import generate, merged_stats
 from model import GPT, GPTConfig, KVCache
@@ -120,7 +121,7 @@ DRAFTING = {'sampled': (True, 'mixture'), 'argmax': (False, 'mixture'),
 
 
 class Bench:
-    """Decodes the prompts with args.compile; `precision` (data.Precision) is what the caller
+    """Decodes the prompts with args.compile; `precision` (cli.Precision) is what the caller
     enters around the tables (named in their headings), not entered here."""
 
     def __init__(self, args, device, prompts, val, precision):
@@ -386,7 +387,7 @@ def write_json(obj, path):
 
 
 def write_text(text, path):
-    """Atomically (data.write_atomically): a reader never sees half a file, and an interrupted or
+    """Atomically (cli.write_atomically): a reader never sees half a file, and an interrupted or
     failed write leaves no temporary file."""
     def write(tmp):
         with open(tmp, 'w') as f:

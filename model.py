@@ -4,7 +4,7 @@ decoding from day one, and the sampling primitives every decoder and drafter sha
 
 The module layout and parameter names follow nanoGPT (transformer.wte / wpe / h.N.attn.c_attn /
 ... / ln_f, lm_head tied to wte), so a nanoGPT `ckpt.pt` loads with `GPT.from_checkpoint`
-(files, errors and checks live in data.py).
+(files and their checks live in data.py, one-line errors in cli.py).
 
 Two ways to run the network:
   model(idx, targets)            full causal forward over (B, T), used for training and as reference

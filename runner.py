@@ -25,6 +25,8 @@ from contextlib import contextmanager
 
 import torch
 
+from heads import Drafter
+
 # Steps per host call: on CUDA, graphs of 1, 2, 4 .. UNIT['cuda'] steps (capture is cheap, so the
 # steps needed are run exactly); on a CPU one compiled unit of UNIT['cpu'] steps, whose compile time
 # grows with the unit: at 608893a on the README's 2-core Xeon, a tiny target's (measure.TINY_TARGET)
@@ -118,9 +120,9 @@ class Compiled:
     not restored after capture's warm-up step: it must be rebuilt from the text at every step, as a
     draft model's catch-up window does (drafters.DraftModel). `key` names every setting they bind: the first
     call with a key keeps them, its compiled functions and its graphs, and later calls with that key
-    reuse them (a graph replays what it recorded). The runner adds to the key the static cache (one
-    per batch size and compute dtype) and the addresses of the model's and the drafter's weights (a
-    model moved or reloaded records anew)."""
+    reuse them (a graph replays what it recorded). The runner adds to the key the drafter's own
+    settings (settings), the static cache (one per batch size and compute dtype) and the addresses of
+    the model's and the drafter's weights (a model moved or reloaded records anew)."""
 
     def __init__(self, model, drafter, B, room, key, prefill, step, new_state, drafter_state):
         self.device = model.lm_head.weight.device
@@ -130,7 +132,7 @@ class Compiled:
         self.cache = static_cache(model, B, room)
         weights = tuple(t.data_ptr() for m in (model, drafter) if isinstance(m, torch.nn.Module)
                         for t in list(m.parameters()) + list(m.buffers()))
-        full = (key, id(drafter), id(self.cache), weights, self.mode, self.unit, BACKEND)   # the cache: B, dtype
+        full = (key, settings(drafter), id(drafter), id(self.cache), weights, self.mode, self.unit, BACKEND)
         self.kept = kept = model.__dict__.setdefault('_static_loops', {}).setdefault(full, {})
         if not kept:   # the first call of this configuration: learn its shapes from a prefill
             own = drafter_state()
@@ -180,6 +182,17 @@ class Compiled:
         if key not in self.kept:
             self.kept[key] = capture(fn, n, self.tensors, self.device)
         self.kept[key].replay()
+
+
+def settings(drafter):
+    """A drafter's own settings (its plain attributes: sample_drafts, verify, Z_T ..), and those of
+    the drafters inside it (drafters.MixedPaths'): what a compiled loop records with its graphs
+    besides the weights."""
+    if drafter is None:
+        return ()
+    parts = drafter.named_modules() if isinstance(drafter, torch.nn.Module) else [('', drafter)]
+    return tuple((where, n, v) for where, part in parts if part is drafter or isinstance(part, Drafter)
+                 for n, v in sorted(vars(part).items()) if isinstance(v, (bool, int, float, str)))
 
 
 def tensors_of(state):

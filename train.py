@@ -19,7 +19,7 @@ import signal
 import sys
 
 if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    # Ctrl-C while the imports below load (seconds on a busy machine): the one line data.run_script
+    # Ctrl-C while the imports below load (seconds on a busy machine): the one line cli.run_script
     # prints later too, not a traceback from inside torch's import
     signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
 
@@ -39,12 +39,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import runner
-from data import (DEMO_PROMPTS, DTYPES, PROMPT_LEN, ArgumentParser, BadInput, Precision, Vocab, check_compiler,
-                  check_finite, check_fits, check_number, check_out_dir, check_replaceable, decoding_precision, first_line,
-                  heldout_prompts, intra_op_threads, is_whole, load_checkpoint, load_dataset, newline_id, pick_device,
-                  pick_dtype, run_script, save_checkpoint, target_from, vocab_for, weight_count, windows)
+from cli import (DTYPES, ArgumentParser, BadInput, Precision, check_compiler, check_number, check_replaceable,
+                 decoding_precision, first_line, intra_op_threads, pick_device, pick_dtype, run_script)
+from data import (DEMO_PROMPTS, PROMPT_LEN, Vocab, check_finite, check_fits, check_out_dir, heldout_prompts, is_whole,
+                  load_checkpoint, load_dataset, newline_id, save_checkpoint, target_from, vocab_for, weight_count,
+                  windows)
 from dblast import LOSSES, DBlastDrafter, TargetSamples, contexts, expected_tau
-from decode import agreement, generate, load_drafter, merged_stats, timed_generate
+from decode import generate, merged_stats
+from drafters import load_drafter
+from generate import agreement, timed_generate
 from heads import BlockHeads
 from model import GPT, GPTConfig
 

@@ -12,7 +12,7 @@ import signal
 import sys
 
 if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    # Ctrl-C while the imports below load (seconds on a busy machine): the one line data.run_script
+    # Ctrl-C while the imports below load (seconds on a busy machine): the one line cli.run_script
     # prints later too, not a traceback from inside torch's import
     signal.signal(signal.SIGINT, lambda *_: (sys.stderr.write('\ninterrupted\n'), os._exit(130)))
 
@@ -22,7 +22,7 @@ import time
 import torch
 
 from exercises import handout, harness, worker
-from data import ArgumentParser, BadInput, check_number, intra_op_threads, pick_device, run_script
+from cli import ArgumentParser, BadInput, check_number, intra_op_threads, pick_device, run_script
 
 
 def print_list():
@@ -90,7 +90,7 @@ def check_flags(args):
 
 
 def try_device(name):
-    """--device for try: one this machine has (data.pick_device), and a CPU without an index."""
+    """--device for try: one this machine has (cli.pick_device), and a CPU without an index."""
     name = pick_device('cpu' if name is None else name)
     if torch.device(name).type == 'cpu' and torch.device(name).index not in (None, 0):
         raise BadInput(f"--device {name}: a CPU has no device {torch.device(name).index}; use cpu")

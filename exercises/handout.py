@@ -18,7 +18,7 @@ what the student may read:
 
 The copy leaves out exercises/solutions/ (the reference answers and negative controls), and an
 exercise not yet written stops a script with one line, `not written yet: exercise N: ...`
-(data.run_script).
+(cli.run_script).
 """
 import ast
 import fnmatch
@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import textwrap
 
-from data import BadInput
+from cli import BadInput
 from exercises import harness
 
 LEFT_OUT = 'exercises/solutions/'    # the reference answers: never in a handout

@@ -38,9 +38,11 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from data import (PROMPT_LEN, BadInput, first_line, heldout_prompts, load_checkpoint, load_dataset,  # noqa: E402
-                  newline_id, target_from, vocab_for)
-from decode import generate, load_drafter  # noqa: E402
+from cli import BadInput, first_line  # noqa: E402
+from data import (PROMPT_LEN, heldout_prompts, load_checkpoint, load_dataset, newline_id, target_from,  # noqa: E402
+                  vocab_for)
+from decode import generate  # noqa: E402
+from drafters import load_drafter  # noqa: E402
 from heads import Drafter  # noqa: E402
 from model import GPT, GPTConfig, upcast  # noqa: E402
 import train  # noqa: E402

@@ -59,13 +59,16 @@ class Watch:
 
     def __init__(self, checks):
         import builtins
+        import cli
+        import data
         import dblast
         import decode
+        import drafters
         import heads
         import model
-        import data
+        import runner
         import train
-        modules = [harness, checks, decode, model, dblast, heads, data, train]
+        modules = [harness, checks, decode, model, dblast, heads, drafters, runner, cli, data, train]
         owners = [(m.__name__, m) for m in modules] + [
             (c.__module__ + '.' + c.__name__, c) for m in modules for c in vars(m).values()
             if isinstance(c, type) and c.__module__ == m.__name__]

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from data import run_script  # noqa: E402
+from cli import run_script  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 # one intra-op thread: on a busy 2-core machine a thread pool mostly waits on itself
@@ -111,7 +111,7 @@ def randomise(heads, seed, std=1.0):
 # ----------------------------------------------------------------------------- command lines
 # A real process per case costs a Python start and a torch import (a refused `python train.py`: 1.9 s
 # on the README's 2-core AMD EPYC), so most command-line cases run a script's main(argv) in this
-# process (`in_process`, `cli`), wrapped in the same run_script that turns BadInput into
+# process (`in_process`, `run_main`), wrapped in the same run_script that turns BadInput into
 # `error: ...` and exit code 2. A few cases also run as real processes (`run_py`), to pin the exit
 # code and stderr end to end.
 
@@ -139,8 +139,8 @@ def sigint_at_default(argv):
 
 def in_process(main, cwd=ROOT):
     """Run main() in this process, in the folder cwd, the way a script's `__main__` block runs it
-    (data.run_script) -> (exit code, stdout, stderr). CUDA is hidden, so that '--device cuda' is
-    refused on any machine. Without --threads a script reads the machine's load (data.busy_cores,
+    (cli.run_script) -> (exit code, stdout, stderr). CUDA is hidden, so that '--device cuda' is
+    refused on any machine. Without --threads a script reads the machine's load (cli.busy_cores,
     0.2 s asleep at each call); here it reads what the suite knows instead: every core but this
     test's is busy (the second pytest process keeps one), so the script trains on one thread, as
     the tests do (tests/test_data.py checks the real reading). The RNGs, torch's threads, the
@@ -154,7 +154,7 @@ def in_process(main, cwd=ROOT):
         with redirect_stdout(out), redirect_stderr(err), torch.random.fork_rng(devices=[]), \
                 mock.patch('torch.cuda.is_available', return_value=False), \
                 mock.patch('torch.cuda.device_count', return_value=0), \
-                mock.patch('data.busy_cores', lambda cores, window=0.2: cores - 1):
+                mock.patch('cli.busy_cores', lambda cores, window=0.2: cores - 1):
             os.chdir(cwd)
             try:
                 run_script(main)
@@ -171,7 +171,7 @@ def in_process(main, cwd=ROOT):
     return code, out.getvalue(), err.getvalue()
 
 
-def cli(script, args, cwd=ROOT):
+def run_main(script, args, cwd=ROOT):
     """`python script args`, run from cwd, in this process -> (exit code, stdout, stderr)."""
     module = importlib.import_module(script.removesuffix('.py'))
     return in_process(lambda: module.main([str(a) for a in args]), cwd)

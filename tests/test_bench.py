@@ -2,9 +2,6 @@
 the speed table at another precision; the profiler's split reads the CPU-side rows; flags that mean
 nothing are one error line."""
 import json
-import subprocess
-import sys
-import time
 import types
 
 import pytest
@@ -12,7 +9,8 @@ import torch
 
 import bench
 import measure
-from conftest import ROOT, Proc, assert_clean_error, cli, env
+import runner
+from conftest import Proc, assert_clean_error, run_main
 
 
 TINY = ['--device', 'cpu', '--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64',
@@ -24,7 +22,7 @@ TINY = ['--device', 'cpu', '--n-layer', '1', '--n-head', '2', '--n-embd', '16', 
 @pytest.mark.second_process   # balances the two processes (conftest.py)
 def test_bench_quick_tiny(tmp_path, corpus_file):
     out = tmp_path / 'bench'
-    code, _, stderr = cli('bench.py', ['--quick', '--out', out, '--data', corpus_file] + TINY)
+    code, _, stderr = run_main('bench.py', ['--quick', '--out', out, '--data', corpus_file] + TINY)
     assert code == 0, stderr[-3000:]
     res = json.loads((out / 'results.json').read_text())
     assert res['meta']['torch'] and res['meta']['device'] == 'cpu' and res['meta']['precision'] == 'float32'
@@ -59,7 +57,7 @@ def test_calls_table_times_every_way_of_running_the_steps(monkeypatch, capsys):
     """Table 7 on the CPU (traced by dynamo alone: the ways, not inductor's code, are what is tested):
     plain and k = 8 for eager, one step and a unit of steps a host call, each with its time,
     operations and tau per call; the unit's calls are the eager loop's."""
-    monkeypatch.setattr(bench.runner, 'BACKEND', 'eager')
+    monkeypatch.setattr(runner, 'BACKEND', 'eager')
     monkeypatch.setattr(bench, 'CALLS_TOKENS', 24)
     monkeypatch.setattr(bench, 'CALLS_BEST_OF', 1)
     results = {}
@@ -78,8 +76,8 @@ def test_trees_table_at_tiny_sizes(tmp_path, corpus_file):
     call and the block's cost over one path's; greedy trees are exact (their output is checked by
     tests/test_trees.py), and a tree's tau is measured against its own drafter's one path."""
     out = tmp_path / 'trees'
-    code, _, stderr = cli('bench.py', ['--tables', 'trees', '--repeats', '1', '--paths-temps', '1.5', '--out', out,
-                                       '--data', corpus_file] + TINY)
+    code, _, stderr = run_main('bench.py', ['--tables', 'trees', '--repeats', '1', '--paths-temps', '1.5', '--out', out,
+                                            '--data', corpus_file] + TINY)
     assert code == 0, stderr[-3000:]
     rows = json.loads((out / 'results.json').read_text())['trees']['rows']
     trees = [f'tree of {n}' for n in bench.TREE_NODES]
@@ -108,8 +106,8 @@ def test_step_times_reads_the_cpu_side_rows():
 @pytest.mark.slow
 def test_speed_table_in_bfloat16_on_cpu(tmp_path, corpus_file):
     out = tmp_path / 'bf16'
-    code, stdout, stderr = cli('bench.py', ['--tables', 'speed', '--dtype', 'bfloat16', '--repeats', '1',
-                                            '--out', out, '--data', corpus_file] + TINY)
+    code, stdout, stderr = run_main('bench.py', ['--tables', 'speed', '--dtype', 'bfloat16', '--repeats', '1',
+                                                 '--out', out, '--data', corpus_file] + TINY)
     assert code == 0, stderr[-3000:]
     res = json.loads((out / 'results.json').read_text())
     assert res['meta']['precision'] == res['speed']['precision'] == 'bfloat16 autocast'
@@ -128,7 +126,7 @@ def test_speed_table_in_bfloat16_on_cpu(tmp_path, corpus_file):
 def test_flags_that_mean_nothing_are_one_error_line(tmp_path, flags, needles):
     """Refused before any work: nothing is written."""
     out = tmp_path / 'out'
-    code, stdout, stderr = cli('bench.py', flags + ['--device', 'cpu', '--out', out])
+    code, stdout, stderr = run_main('bench.py', flags + ['--device', 'cpu', '--out', out])
     assert_clean_error(Proc(code, stdout, stderr), *needles)
     assert not out.exists()
 
@@ -138,8 +136,8 @@ def test_paths_table_at_tiny_sizes(tmp_path, corpus_file):
     """Table 5 end to end at tiny sizes: every way of drawing paths runs (one path per DBlast branch
     is verified against its own branch, as generate.py sets it), and the drafter is left as it was."""
     out = tmp_path / 'paths'
-    code, _, stderr = cli('bench.py', ['--tables', 'paths', '--repeats', '1', '--paths-temps', '1.5', '--paths-list',
-                                       '1,2', '--out', out, '--data', corpus_file] + TINY)
+    code, _, stderr = run_main('bench.py', ['--tables', 'paths', '--repeats', '1', '--paths-temps', '1.5',
+                                            '--paths-list', '1,2', '--out', out, '--data', corpus_file] + TINY)
     assert code == 0, stderr[-3000:]
     rows = json.loads((out / 'results.json').read_text())['paths']['rows']
     assert [(r['drafter'], r['paths']) for r in rows] == [('independent K=1', 1), ('independent K=1', 2),

@@ -1,4 +1,4 @@
-"""data.py: the scripts' thread count, vocabularies (bytes, nanoGPT characters, GPT-2 BPE), safe
+"""data.py, and the scripts' thread count (cli.py): vocabularies (bytes, nanoGPT characters, GPT-2 BPE), safe
 meta.pkl reading, corpora and nanoGPT datasets; and a nanoGPT user's whole path: a character-level
 checkpoint in nanoGPT's format decodes, trains BPD heads and DBlast drafters on its own dataset, and
 stays exact."""
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import Proc, cli, corpus_text
-from data import (DEMO_PROMPTS, PROMPT_LEN, BadInput, Vocab, busy_cores, check_replaceable, heldout_prompts,
-                  heldout_prompts_of, intra_op_threads, load_dataset, load_target, load_vocab, read_meta,
-                  regular_files, save_checkpoint, vocab_for)
-from decode import generate, load_drafter
+from conftest import Proc, corpus_text, run_main
+from cli import BadInput, busy_cores, check_replaceable, intra_op_threads
+from data import (DEMO_PROMPTS, PROMPT_LEN, Vocab, heldout_prompts, heldout_prompts_of, load_dataset, load_target,
+                  load_vocab, read_meta, regular_files, save_checkpoint, vocab_for)
+from decode import generate
+from drafters import load_drafter
 from model import GPT, GPTConfig
 
 pytestmark = pytest.mark.second_process   # balances the two processes (conftest.py)
@@ -65,7 +66,7 @@ def nanogpt_checkpoint(path, vocab_size, dataset, steps=150, ids=None):
 
 def run(script, *args, cwd):
     """`python script args` from the folder cwd, as a user in nanoGPT's folder runs it (in-process)."""
-    return Proc(*cli(script, args, cwd))
+    return Proc(*run_main(script, args, cwd))
 
 
 def one_error_line(proc, *needles):

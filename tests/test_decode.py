@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, Proc, assert_clean_error, cli, naive_greedy, randomise, tiny_model
-from data import BadInput, save_checkpoint
-from data import Precision, pick_dtype
+from cli import BadInput, Precision, pick_dtype
+from conftest import ROOT, Proc, assert_clean_error, naive_greedy, randomise, run_main, tiny_model
+from data import save_checkpoint
 import decode
 from dblast import DBlastDrafter
-from decode import generate, load_drafter, merged_step
+from decode import generate, merged_step
+from drafters import load_drafter
 from runner import static_cache
 from heads import BlockHeads, Text
 from model import GPT, GPTConfig
@@ -630,7 +631,7 @@ def test_merged_step_inactive_rows_do_not_advance(model, prompts):
 @pytest.fixture
 def decode_cli():
     def run(ckpt, *extra):
-        return Proc(*cli('generate.py', ['--ckpt', ckpt, '--device', 'cpu', '--max-new-tokens', '4', *extra]))
+        return Proc(*run_main('generate.py', ['--ckpt', ckpt, '--device', 'cpu', '--max-new-tokens', '4', *extra]))
     return run
 
 
@@ -703,7 +704,7 @@ def test_the_readme_python_example_runs_as_pasted(tmp_path, corpus_file, capsys)
             '--block-size', '160', '--max-iters', '10', '--batch-size', '4', '--eval-iters', '1', '--warmup-iters', '2',
             '--heads-iters', '4', '--distill-samples', '4', '--dblast-iters', '4', '--dblast-samples', '4',
             '--dblast-eval-samples', '2', '--no-demo']
-    exit_code, _, err = cli('train.py', tiny, cwd=tmp_path)
+    exit_code, _, err = run_main('train.py', tiny, cwd=tmp_path)
     assert exit_code == 0, err[-2000:]
     home = os.getcwd()
     os.chdir(tmp_path)

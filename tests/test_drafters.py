@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import drafters
 import runner
-from conftest import V8, V8_PROMPT, peaky, tiny_model
-from data import BadInput
+from conftest import V8, peaky, tiny_model
+from cli import BadInput
 from decode import generate
 from drafters import DraftModel, MixedPaths, PromptLookup
 from heads import BlockHeads, Text

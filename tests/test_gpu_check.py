@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gpu_check
-from conftest import ROOT, Proc, assert_clean_error, cli, env
+from conftest import ROOT, Proc, assert_clean_error, env, run_main
 
 
 @pytest.mark.slow
@@ -20,7 +20,7 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
     """gpu_check.py --quick: every part runs (those that need CUDA, and compiled training, are
     skipped with the reason), passes, is printed and lands in gpu_check.json."""
     out, backend_before = tmp_path / 'gc', gpu_check.runner.BACKEND
-    code, stdout, stderr = cli('gpu_check.py', ['--quick', '--device', 'cpu', '--out', out,
+    code, stdout, stderr = run_main('gpu_check.py', ['--quick', '--device', 'cpu', '--out', out,
                                             '--data', corpus_file, '--parts', 'a,h,k,j,c,d,e,f,g,i,b'])
     assert code == 0, stderr[-3000:]
     res = json.loads((out / 'gpu_check.json').read_text())
@@ -81,11 +81,11 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
 def quick_run(tmp_path, corpus_file):
     """A folder of a finished train.py run, every stage at gpu_check --quick's sizes."""
     out = tmp_path / 'run'
-    code, _, stderr = cli('train.py', ['--device', 'cpu', '--data', corpus_file, '--out-dir', out, '--no-demo',
-                                       '--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64',
-                                       '--batch-size', '4', '--max-iters', '20', '--heads-iters', '4',
-                                       '--dblast-iters', '4', '--distill-samples', '4', '--dblast-samples', '4',
-                                       '--dblast-eval-samples', '4'])
+    code, _, stderr = run_main('train.py', ['--device', 'cpu', '--data', corpus_file, '--out-dir', out, '--no-demo',
+                                            '--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64',
+                                            '--batch-size', '4', '--max-iters', '20', '--heads-iters', '4',
+                                            '--dblast-iters', '4', '--distill-samples', '4', '--dblast-samples', '4',
+                                            '--dblast-eval-samples', '4'])
     assert code == 0, stderr[-2000:]
     return out
 
@@ -96,7 +96,7 @@ def test_gpu_check_on_the_checkpoints_train_py_made(tmp_path, corpus_file, quick
     their own temperature), part a is skipped saying so, and nothing is trained or written there."""
     before = sorted(os.listdir(quick_run))
     out = tmp_path / 'gc'
-    code, stdout, stderr = cli('gpu_check.py', ['--quick', '--device', 'cpu', '--out', out, '--data', corpus_file,
+    code, stdout, stderr = run_main('gpu_check.py', ['--quick', '--device', 'cpu', '--out', out, '--data', corpus_file,
                                             '--trained', quick_run, '--parts', 'a,e'])
     assert code == 0, stderr[-3000:]
     parts = json.loads((out / 'gpu_check.json').read_text())['parts']
@@ -161,6 +161,6 @@ def test_a_killed_gpu_check_keeps_the_parts_it_finished(tmp_path, corpus_file):
 def test_bad_flags_are_one_error_line(tmp_path, flags, needles):
     """Refused before any work: nothing is written."""
     out = tmp_path / 'out'
-    code, stdout, stderr = cli('gpu_check.py', flags + ['--quick', '--device', 'cpu', '--out', out])
+    code, stdout, stderr = run_main('gpu_check.py', flags + ['--quick', '--device', 'cpu', '--out', out])
     assert_clean_error(Proc(code, stdout, stderr), *needles)
     assert not out.exists()

@@ -82,7 +82,7 @@ for n in harness.exercises():
 PROBE = TINY + DECODES + """
 import contextlib, inspect, io
 import decode, model
-from data import run_script
+from cli import run_script
 from exercises import handout, harness
 from exercises.__main__ import main
 
@@ -280,7 +280,7 @@ def test_plain_and_one_path_decoding_need_only_their_exercises(handout, tmp_path
     for n in (1, 2, 3):
         drop_in(course, n)
     script = TINY + DECODES + """
-from data import run_script
+from cli import run_script
 print(json.dumps(decodes()))
 run_script(lambda: decode.generate(tiny(), PROMPT, M, drafter=heads(), k=4, paths=2, temperature=1.0))
 """

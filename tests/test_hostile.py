@@ -6,7 +6,7 @@ that fails halfway (a full disk), a file name the file system cannot hold, SIGTE
 where a checkpoint file goes. Each ends as a Unix tool does: one line and a nonzero exit (a closed
 pipe: quietly, exit code 141), nothing half-written, no checkpoint changed.
 
-Most cases run in this process, through the data.run_script every script's `__main__` runs. The
+Most cases run in this process, through the cli.run_script every script's `__main__` runs. The
 end to end cases (`scripts`, slow tier) run the scripts themselves, as `python script.py args` runs
 them, in child processes forked from one driver process that imported torch and the scripts' modules
 once (`python tests/test_hostile.py CASES RESULTS`, at the end of this file): each child gets its own
@@ -37,12 +37,14 @@ if ROOT not in sys.path:
 import pytest
 import torch
 
+import cli
 import data
 import gpu_check
 import train
 from bench import trainings
+from cli import BadInput, OutputLost, check_replaceable, run_script
 from conftest import corpus_text, env, in_process
-from data import BadInput, OutputLost, check_replaceable, heldout_prompts_of, load_checkpoint, run_script, save_checkpoint
+from data import heldout_prompts_of, load_checkpoint, save_checkpoint
 from heads import BlockHeads
 from measure import SIZES
 from model import GPT, GPTConfig
@@ -173,13 +175,13 @@ def test_a_closed_stdout_is_refused_before_any_work_and_a_closed_stderr_drops_wh
 
 
 def test_a_closed_pipe_ends_the_run_even_inside_a_gpu_check_part(tmp_path):
-    """A failed write through a script's stream (data.GuardedOutput) passes every `except Exception`
+    """A failed write through a script's stream (cli.GuardedOutput) passes every `except Exception`
     on its way: a gpu_check part whose table cannot be printed ends the run (run_script then ends it
     quietly), it is not recorded as a failed part, and the next part does not run."""
     pipe = io.TextIOWrapper(io.BufferedWriter(Failing(errno.EPIPE)), write_through=True)
 
     def part(c):
-        print('| a row |', file=data.GuardedOutput(pipe, 'stdout'), flush=True)
+        print('| a row |', file=cli.GuardedOutput(pipe, 'stdout'), flush=True)
     try:
         with pytest.raises(OutputLost) as e:
             gpu_check.run_parts(types.SimpleNamespace(device='cpu'), [('a', 'prints', part, 10),

@@ -7,7 +7,8 @@ import pytest
 
 from conftest import ROOT
 
-ORDER = ['model', 'data', 'heads', 'drafters', 'dblast', 'runner', 'decode', 'generate', 'train', 'measure', 'bench', 'gpu_check']
+ORDER = ['model', 'cli', 'data', 'heads', 'dblast', 'drafters', 'runner', 'decode', 'generate', 'train', 'measure', 'bench',
+         'gpu_check']
 
 
 def project_imports(name):

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_model
-from data import BadInput, load_target, save_checkpoint
+from cli import BadInput
+from data import load_target, save_checkpoint
 from decode import generate
 from model import GPT, GPTConfig, KVCache, cached_attention, manual_attention
 

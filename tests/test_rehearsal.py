@@ -13,9 +13,9 @@ import functools
 import pytest
 import torch
 
-from conftest import cli, corpus_text
+from conftest import corpus_text, run_main
 from data import load_checkpoint, load_target
-from decode import load_drafter
+from drafters import load_drafter
 
 # training at the GPU preset's shapes: slow, and on the other core (conftest.py)
 pytestmark = [pytest.mark.slow, pytest.mark.second_process]
@@ -35,7 +35,7 @@ def test_every_stage_at_the_gpu_preset_shapes_under_bf16_and_compile(tmp_path, m
             '--out-dir', out, '--batch-size', '1', '--max-iters', '1', '--eval-iters', '1', '--heads-iters', '1',
             '--distill-samples', '1', '--dblast-iters', '1', '--dblast-samples', '1',
             '--dblast-eval-samples', '1', '--no-demo']
-    code, stdout, stderr = cli('train.py', args)
+    code, stdout, stderr = run_main('train.py', args)
     assert code == 0, stdout[-2000:] + stderr[-2000:]
     assert 'preset gpu on cpu, training in bfloat16 autocast, decoding in float32' in stdout
 
@@ -56,8 +56,8 @@ def test_every_stage_at_the_gpu_preset_shapes_under_bf16_and_compile(tmp_path, m
     # decoding with both drafters: the heads greedy in float32, DBlast sampling in bf16 (the
     # compiled step at these shapes: tests/test_compiled.py and gpu_check.py)
     common = ['--ckpt', out / 'ckpt.pt', '--max-new-tokens', '12', '--device', 'cpu']
-    code, stdout, stderr = cli('generate.py', common + ['--heads', out / 'heads.pt'])
+    code, stdout, stderr = run_main('generate.py', common + ['--heads', out / 'heads.pt'])
     assert code == 0 and '(float32)' in stdout and 'same as plain greedy decoding: ' in stdout, stderr[-2000:]
-    code, stdout, stderr = cli('generate.py', common + ['--drafter', out / 'dblast_K4.pt', '--temperature', '1.5',
+    code, stdout, stderr = run_main('generate.py', common + ['--drafter', out / 'dblast_K4.pt', '--temperature', '1.5',
                                                       '--dtype', 'bfloat16'])
     assert code == 0 and '(bfloat16 autocast)' in stdout and 'mean tau' in stdout, stderr[-2000:]

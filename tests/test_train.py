@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (ROOT, Proc, assert_clean_error, cli, corpus_text, env, naive_greedy, run_py, sigint_at_default,
-                      tiny_model)
+from conftest import (ROOT, Proc, assert_clean_error, corpus_text, env, naive_greedy, run_main, run_py,
+                      sigint_at_default, tiny_model)
 import train
-from data import PROMPT_LEN, BadInput, load_checkpoint, load_target, save_checkpoint, windows
+from cli import BadInput
+from data import PROMPT_LEN, load_checkpoint, load_target, save_checkpoint, windows
 from decode import generate
 from heads import BlockHeads
 from model import GPT, GPTConfig
@@ -313,7 +314,7 @@ def test_a_run_into_a_file_writes_few_progress_updates(tmp_path, corpus_file):
     FILE_BAR_SECONDS, and at its end, not at every update, each draw a line of its own (no '\r'). A
     300-step stage of a few seconds writes four bar lines at most (drawn at every tenth step, as on
     a terminal, it wrote 31 or more), and its last state is its last line."""
-    code, _, err = cli('train.py', [*TINY, '--data', corpus_file, '--out-dir', tmp_path, '--max-iters', '300'])
+    code, _, err = run_main('train.py', [*TINY, '--data', corpus_file, '--out-dir', tmp_path, '--max-iters', '300'])
     assert code == 0, err[-2000:]
     bars = [line for line in err.splitlines() if '/300 [' in line]
     assert '\r' not in err and 2 <= len(bars) <= 4, err
@@ -345,14 +346,14 @@ def free_port():
 
 
 # Two ranks under torchrun, started once for the module (three interpreters: the launcher and its
-# ranks). Each rank runs train.py's main as `torchrun train.py ...` does (data.run_script, its
+# ranks). Each rank runs train.py's main as `torchrun train.py ...` does (cli.run_script, its
 # process group and teardown); in that group, before training, it checks that a loss non-finite on
 # one rank stops every rank (an all-reduce that draws nothing: the training is as it would be).
 RANKS = """import sys
 import torch
 sys.path.insert(0, {root!r})
 import train
-from data import run_script
+from cli import run_script
 
 def train_all(rt, args):
     loss = torch.tensor(float('nan') if rt.rank == 1 else 1.0)
@@ -434,7 +435,7 @@ def test_target_data_is_made_at_decoding_precision():
 @pytest.fixture
 def train_cli():
     def run(*args):
-        return Proc(*cli('train.py', [*TINY, *args]))
+        return Proc(*run_main('train.py', [*TINY, *args]))
     return run
 
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import decode
-from data import BadInput
+from cli import BadInput
 from exercises import harness
 from heads import BlockHeads
 
