@@ -66,6 +66,8 @@ def check_number(flag, value, lo=None, hi=None, open_lo=False, open_hi=False, no
     return value
 
 
+# ----------------------------------------------------------------------------- threads
+
 # A model this small decodes one token in operations too small to split between threads
 # (bench/threads/RESULTS.md): one thread is as fast on a quiet machine, and many times faster beside
 # a busy one.
