@@ -334,7 +334,8 @@ def part_calls(c):
     k = 8, the prompts one at a time: wall time per call (CUDA-synchronised; the best of --repeats
     runs), the first call's seconds (compiling and capturing), and on CUDA the GPU's busy time,
     kernels and launches per call (the profiler), and the GPU time of a step of the captured
-    unit replayed back to back (CUDA events; graph_us)."""
+    unit replayed back to back (CUDA events; graph_us). On CUDA also the compiled units with TF32
+    matmuls and in bf16 autocast, where the products of a k-token call run on tensor cores."""
     rows = []
     for way, (compile, setting) in ways_of_calling(c.device).items():
         for name in (PLAIN, HEADS):
@@ -349,6 +350,14 @@ def part_calls(c):
                 if c.cuda and compile and setting.get('mode') is None:
                     r['graph_us'] = replayed_step_us(c.base, kw.get('k') or 1, runner.UNIT['cuda'])
             rows.append(dict(way=way, config=name, first_call_s=first, **r))
+    if c.cuda:   # is a wider call free on tensor cores? float32 8-row products run on CUDA cores
+        for precision in (Precision('float32', c.device, tf32=True), Precision('bfloat16', c.device)):
+            for name in (PLAIN, HEADS):
+                with precision:
+                    r = call_costs(lambda: c.eager.decode_all(c.base, compile=True, **c.configs[name]), c.device,
+                                   max(2, c.args.repeats))
+                rows.append(dict(way=f"compiled, {runner.UNIT['cuda']} steps a host call, {precision}", config=name,
+                                 **r))
     return dict(ok=True, rows=rows, attention=attention_kernels(c) if c.cuda else None)
 
 
@@ -417,7 +426,7 @@ PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 2
          'g': ('memory decoding adds (CUDA)', part_decode_memory, 60),
          'h': ('speed tables: eager and compiled float32, eager bfloat16', part_speed, 200),
          'i': ("the loop's host syncs: as they are against one every step", part_host_syncs, 60),
-         'j': ("what a target call costs, each way of running the steps", part_calls, 240),
+         'j': ("what a target call costs, each way of running the steps", part_calls, 300),
          'k': ('token trees against one path and several, compiled on CUDA', part_trees, 150)}
 PART_ORDER = 'a,h,k,j,c,d,e,f,g,i'   # the speed figures early; b (compiled training, the slowest) when asked
 
@@ -504,8 +513,9 @@ def run_parts(c, parts, report, path):
                     os.fsync(f.fileno())
             except OSError as e:
                 raise BadInput(f"cannot write the part's record to {lines} ({e.strerror or e}); {path} holds it")
-        if res.get('rows'):
-            print(md_table(list(res['rows'][0]), [[short(v) for v in r.values()] for r in res['rows']]))
+        if res.get('rows'):   # rows may differ in what they hold: one column per key of any row
+            cols = list(dict.fromkeys(col for r in res['rows'] for col in r))
+            print(md_table(cols, [[short(r[col]) if col in r else '' for col in cols] for r in res['rows']]))
         note = res.get('skipped') or res.get('error')
         print(f"{key}: {status}{': ' + note if note else ''} ({record['seconds']:.1f}s)", flush=True)
     print(f"\ngpu check -> {path} and {lines}: " + ', '.join(f"{k} {p['status']}" for k, p in report['parts'].items()))

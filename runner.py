@@ -121,8 +121,9 @@ class Compiled:
     draft model's catch-up window does (drafters.DraftModel). `key` names every setting they bind: the first
     call with a key keeps them, its compiled functions and its graphs, and later calls with that key
     reuse them (a graph replays what it recorded). The runner adds to the key the drafter's own
-    settings (settings), the static cache (one per batch size and compute dtype) and the addresses of
-    the model's and the drafter's weights (a model moved or reloaded records anew)."""
+    settings (settings), the static cache (one per batch size and compute dtype), the addresses of
+    the model's and the drafter's weights (a model moved or reloaded records anew) and the matmuls'
+    precision (numerics: a CUDA graph replays the kernels it recorded, TF32 or not)."""
 
     def __init__(self, model, drafter, B, room, key, prefill, step, new_state, drafter_state):
         self.device = model.lm_head.weight.device
@@ -132,7 +133,7 @@ class Compiled:
         self.cache = static_cache(model, B, room)
         weights = tuple(t.data_ptr() for m in (model, drafter) if isinstance(m, torch.nn.Module)
                         for t in list(m.parameters()) + list(m.buffers()))
-        full = (key, settings(drafter), id(drafter), id(self.cache), weights, self.mode, self.unit, BACKEND)
+        full = (key, settings(drafter), id(drafter), id(self.cache), weights, numerics(), self.mode, self.unit, BACKEND)
         self.kept = kept = model.__dict__.setdefault('_static_loops', {}).setdefault(full, {})
         if not kept:   # the first call of this configuration: learn its shapes from a prefill
             own = drafter_state()
@@ -193,6 +194,14 @@ def settings(drafter):
     parts = drafter.named_modules() if isinstance(drafter, torch.nn.Module) else [('', drafter)]
     return tuple((where, n, v) for where, part in parts if part is drafter or isinstance(part, Drafter)
                  for n, v in sorted(vars(part).items()) if isinstance(v, (bool, int, float, str)))
+
+
+def numerics():
+    """The global settings that choose a matmul's kernels: float32's precision (TF32 or not:
+    cli.Precision sets it) and the reduced-precision reductions of half types. A CUDA graph
+    captured by hand replays the kernels it recorded whatever these say now."""
+    return (torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
 
 
 def tensors_of(state):

@@ -121,9 +121,9 @@ def test_buffers_are_reused_and_hold_nothing_of_the_last_call(counted):
 
 
 def test_a_model_moved_or_drafter_changed_records_anew(counted):
-    """Graphs replay the addresses they recorded: a model moved to another dtype (new weights), a
-    drafter given another setting, or decoding under autocast (another cache) is a configuration of
-    its own, not the old one's buffers."""
+    """Graphs replay the addresses and kernels they recorded: a model moved to another dtype (new
+    weights), a drafter given another setting, decoding under autocast (another cache) or with TF32
+    matmuls (cli.Precision's tf32: other kernels) is a configuration of its own, not the old one's."""
     model, dblast = target(dtype=torch.float32), drafter_of('dblast', dtype=torch.float32)
     prompt = torch.randint(64, (2, 6), generator=torch.Generator().manual_seed(4))
     generate(model, prompt, 20, drafter=dblast, k=4, compile=True)
@@ -142,6 +142,13 @@ def test_a_model_moved_or_drafter_changed_records_anew(counted):
     dblast.zt = 1.0
     generate(model, prompt, 20, drafter=mixed, k=4, temperature=1.0, paths=2, compile=True)
     assert len(model._static_loops) == 6
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision('high' if before == 'highest' else 'highest')
+        generate(model, prompt, 20, drafter=mixed, k=4, temperature=1.0, paths=2, compile=True)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert len(model._static_loops) == 7
 
 
 def test_the_state_a_graph_mutates_has_static_addresses(counted):
