@@ -427,6 +427,7 @@ def trees_table(b, base, args, results):
 
 
 LOOKUP_NGRAM, LOOKUP_K, DRAFT_K = 2, 11, 6   # table 9: Hugging Face's default n-gram, 10 drafts; gpt-fast's 5
+LOOKUP_NODES = 16   # table 9's tree of the text's repeats
 
 
 def drafters_table(b, base, args, results):
@@ -440,10 +441,13 @@ def drafters_table(b, base, args, results):
     draft = load_draft_model(os.path.join(args.ckpt_dir, 'draft.pt'), base, k=DRAFT_K)
     lookup = PromptLookup(LOOKUP_NGRAM, LOOKUP_K)
     hf = to_hf(base)
-    rows_of = [('draft model', draft, DRAFT_K, 1, dict(assistant_model=hf and hf_assistant(draft.model, DRAFT_K))),
-               ('prompt lookup', lookup, LOOKUP_K, 1, dict(prompt_lookup_num_tokens=LOOKUP_K - 1,
-                                                           max_matching_ngram_size=LOOKUP_NGRAM)),
-               ('BPD heads', heads, 8, 1, None), ('BPD heads + lookup', MixedPaths([heads, lookup]), 8, 2, None)]
+    # (name, drafter, k, paths, nodes, Hugging Face's equivalent)
+    rows_of = [('draft model', draft, DRAFT_K, 1, None, dict(assistant_model=hf and hf_assistant(draft.model, DRAFT_K))),
+               ('prompt lookup', lookup, LOOKUP_K, 1, None, dict(prompt_lookup_num_tokens=LOOKUP_K - 1,
+                                                                 max_matching_ngram_size=LOOKUP_NGRAM)),
+               (f'prompt lookup, a tree of {LOOKUP_NODES}', lookup, LOOKUP_K, 1, LOOKUP_NODES, None),
+               ('BPD heads', heads, 8, 1, None, None),
+               ('BPD heads + lookup', MixedPaths([heads, lookup]), 8, 2, None, None)]
     mode = 'compiled' if args.compile else 'eager'
     print(f"\n### 9. Every drafter behind one verifier ({mode}, {b.precision}, {args.n_prompts} prompts x "
           f"{args.max_new} tokens)\n")
@@ -467,8 +471,8 @@ def drafters_table(b, base, args, results):
                       f"{r['tok_s']:.0f}", f"{r['speedup']:.2f}x", same]), flush=True)
 
     for T in (0.0, 1.0):
-        for name, d, k, paths, how in rows_of:
-            r, out, base_out = b.row(base, d, k, temperature=T, paths=paths)
+        for name, d, k, paths, nodes, how in rows_of:
+            r, out, base_out = b.row(base, d, k, temperature=T, paths=paths, nodes=nodes)
             show(name, T, k, r['tau'], r['calls'], r['seconds'], r['plain_seconds'], out, base_out)
             if hf is not None and how is not None:
                 (dt, dt0), ((hf_out, calls), (base_out, _)) = timed(

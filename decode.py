@@ -343,17 +343,20 @@ def tree_step(model, drafter, cache, text, block, tree, active, temperature, gen
     n_acc, last, slots = walk_down(choice, block, tree, attend, k - 1)
     cache.keep_path(slots)                                                  # the path's keys and values
     cache.commit((n_acc + 1) * active)                                      # b, then the path's n_acc
-    commit_text(text, torch.cat([block[:, :1], block.gather(1, slots)], dim=1), (n_acc + 1) * active)
+    text = commit_text(text, torch.cat([block[:, :1], block.gather(1, slots)], dim=1), (n_acc + 1) * active)
     bonus = choice.gather(1, last[:, None]).squeeze(1)                      # the target's own, at the end
     h_last = h.gather(1, last[:, None, None].expand(B, 1, h.size(-1))).squeeze(1)
-    drafts, next_tree = propose_tree(drafter, h_last, bonus, model, k, nodes, temperature)
+    drafts, next_tree = propose_tree(drafter, h_last, bonus, model, k, nodes, temperature, text)
     return n_acc, torch.cat([bonus[:, None], drafts], dim=1), next_tree
 
 
-def propose_tree(drafter, h, bonus, target, k, nodes, temperature):
+def propose_tree(drafter, h, bonus, target, k, nodes, temperature, text):
     """The next tree: tokens (B, m) and its shape (B, 2, 1 + m), grown from the drafter's
-    distributions after the state h and the bonus (heads.grow_tree)."""
-    return grow_tree(drafter.next_log_q(h, bonus, target, k, temperature), h.size(0), k - 1, nodes, h.device)
+    distributions after the state h and the bonus (heads.grow_tree). A drafter that reads the text
+    gets it (heads.Text)."""
+    own = {'text': text} if getattr(drafter, 'reads_text', False) else {}
+    log_q = drafter.next_log_q(h, bonus, target, k, temperature, **own)
+    return grow_tree(log_q, h.size(0), k - 1, nodes, h.device)
 
 
 # ------------------------------------------------------------------------- the merged step
@@ -474,13 +477,13 @@ def first_block(model, drafter, cache, prompt, temperature, generator, paths, k,
     bonus = target_choice(upcast(model.lm_head(h)), temperature, generator)
     if drafter is None:
         return bonus[:, None], None, None
-    if nodes:
-        drafts, tree = propose_tree(drafter, h, bonus, model, k, nodes, temperature)
-        return torch.cat([bonus[:, None], drafts], dim=1), None, tree
     if state is not None:
         drafter.read_prompt(state, prompt.repeat_interleave(paths, 0))   # one row per path
     B, T0 = prompt.shape
     text = Text(F.pad(prompt, (0, 1)), torch.full((B,), T0, device=prompt.device), state)   # room for the bonus
+    if nodes:
+        drafts, tree = propose_tree(drafter, h, bonus, model, k, nodes, temperature, text)
+        return torch.cat([bonus[:, None], drafts], dim=1), None, tree
     drafts, Q = propose(drafter, h, bonus, model, k, paths, temperature, generator, text)
     return torch.cat([bonus[:, None], drafts], dim=1), Q, None
 

@@ -120,30 +120,59 @@ class PromptLookup(Drafter):
             raise ValueError(f"ngram={ngram!r}, k={k!r}: prompt lookup wants ngram >= 1 and k >= 2")
         self.ngram, self.k = ngram, k
 
-    @torch.no_grad()
-    def draft(self, h, bonus, target, k, temperature=0.0, generator=None, text=None):
-        """The drafter contract (heads.Drafter): drafts (B, k-1), Q None."""
+    def occurrences(self, text, bonus, k):
+        """Where the text's last n-gram occurred before, and what followed each occurrence:
+        hit (B, W) bool, an occurrence of the longest n-gram size with any (ending inside the text,
+        with something after it) starting at each position; cont (B, W, k-1), the k-1 tokens after
+        each, periodic past the text's end (the class's docstring)."""
         tokens, n = text.tokens, text.n                                   # (B, W), (B,)
         B, W = tokens.shape
         dev = tokens.device
         cur = tokens.scatter(1, n[:, None], bonus[:, None])             # the text so far: n + 1 tokens
-        found = torch.zeros(B, dtype=torch.bool, device=dev)
-        start = torch.zeros(B, dtype=torch.long, device=dev)             # where the continuation begins
+        hit = torch.zeros(B, W, dtype=torch.bool, device=dev)
+        size = torch.zeros(B, 1, dtype=torch.long, device=dev)           # the n-gram size each row matched
         for g in range(self.ngram, 0, -1):       # the longest n-gram first
             if g > W - 1:
                 continue
             last = cur.gather(1, (n[:, None] + 1 - g + torch.arange(g, device=dev)).clamp(min=0))   # (B, g)
-            windows = cur.unfold(1, g, 1)                                # (B, W-g+1, g)
             i = torch.arange(W - g + 1, device=dev)
             # a match with at least one token after it, inside the text (the n-gram itself ends at n)
-            hit = (windows == last[:, None, :]).all(-1) & (i + g <= n[:, None]) & (n[:, None] + 1 >= g)
-            new = hit.any(-1) & ~found
-            start = torch.where(new, hit.long().argmax(-1) + g, start)   # argmax: the earliest
-            found |= new
-        period = (n + 1 - start).clamp(min=1)                            # tokens from the match's end to the text's
+            at = (cur.unfold(1, g, 1) == last[:, None, :]).all(-1) & (i + g <= n[:, None]) & (n[:, None] + 1 >= g)
+            new = at.any(-1, keepdim=True) & (size == 0)                  # (B, 1) the first size with a match
+            hit = torch.where(new, F.pad(at, (0, g - 1)), hit)
+            size = torch.where(new, g, size)
+        start = torch.arange(W, device=dev) + size                        # (B, W) where each continuation begins
+        period = (n[:, None] + 1 - start).clamp(min=1)                    # tokens from there to the text's end
         j = torch.arange(k - 1, device=dev)
-        drafts = cur.gather(1, (start[:, None] + j % period[:, None]).clamp(max=W - 1))
-        return torch.where(found[:, None], drafts, bonus[:, None]), None
+        at = (start[..., None] + j % period[..., None]).clamp(max=W - 1)   # (B, W, k-1)
+        return hit, cur.gather(1, at.flatten(1)).view(B, W, k - 1)
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None, text=None):
+        """The drafter contract (heads.Drafter): drafts (B, k-1), Q None: the continuation of the
+        earliest occurrence, or the bonus repeated where there is none."""
+        hit, cont = self.occurrences(text, bonus, k)
+        first = cont.gather(1, hit.long().argmax(-1)[:, None, None].expand(-1, 1, k - 1)).squeeze(1)  # argmax: earliest
+        return torch.where(hit.any(-1, keepdim=True), first, bonus[:, None]), None
+
+    @torch.no_grad()
+    def next_log_q(self, h, bonus, target, k, temperature=0.0, text=None):
+        """heads.Drafter.next_log_q, for token trees (MATH.md §10): every occurrence of the matched
+        n-gram proposes its continuation, and a node's children are scored by how many occurrences
+        that continue the node's prefix continue with each token (log of that share; -inf for a
+        token none continues with, which grow_tree pads). A tree then holds the continuations the
+        text repeats most, where one path holds the earliest's. The temperature plays no part: the
+        walk follows the target's own choices, whatever the tree."""
+        hit, cont = self.occurrences(text, bonus, k)                      # (B, W), (B, W, k-1)
+        V = target.config.vocab_size
+
+        def log_q(d, prefix):                                             # prefix (B, M, d)
+            B, M, _ = prefix.shape
+            on = hit[:, None, :] & (cont[:, None, :, :d] == prefix[:, :, None, :]).all(-1)   # (B, M, W)
+            count = torch.zeros(B, M, V, device=on.device).scatter_add_(
+                2, cont[:, None, :, d].expand(B, M, -1), on.float())       # (B, M, V) occurrences per next token
+            return count.log() - on.sum(-1, keepdim=True).float().clamp(min=1).log()   # none: -inf, not NaN
+        return log_q
 
 
 class MixedPaths(Drafter):

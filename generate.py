@@ -10,6 +10,7 @@ decode.py's (`generate`); this script loads the checkpoints, checks the flags an
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8 --nodes 32      # a token tree a call
     python generate.py --ckpt out/ckpt.pt --draft-model out/draft.pt --k 6          # a small draft model
     python generate.py --ckpt out/ckpt.pt --lookup 2 --k 11                         # prompt lookup
+    python generate.py --ckpt out/ckpt.pt --lookup 2 --k 11 --nodes 32              # every repeat, a tree
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --lookup 2 --k 8     # both, one path each
 
 Several drafters (any of --heads, --drafter, --draft-model, --lookup) draft one path each, all
@@ -113,7 +114,8 @@ def main(argv=None):
                     help=f'drafted paths verified per call (default 1; up to {MAX_PATHS})')
     ap.add_argument('--nodes', type=int, default=None,
                     help=f'a token tree of at most N drafted tokens verified per call, grown from the drafter\'s '
-                         f'distributions and walked with the target\'s own choices (up to {MAX_NODES})')
+                         f'distributions (--lookup: from every earlier occurrence of the n-gram) and walked with the '
+                         f'target\'s own choices (up to {MAX_NODES})')
     ap.add_argument('--paths-from', default=None, choices=PATHS_FROM,
                     help="DBlast, --paths > 1: i.i.d. samples of the mixture (default), or one path per branch, "
                          "the branches drawn without replacement from the prior")
@@ -159,8 +161,8 @@ def check_cli(args):
         (args.zt is not None and not args.drafter, '--zt', 'a DBlast --drafter'),
         (args.verify is not None and not args.drafter, '--verify', 'a DBlast --drafter'),
         (args.paths > 1 and not drafter, '--paths', ANY_DRAFTER),
-        (args.nodes is not None and (several or not (args.heads or args.drafter)), '--nodes',
-         'one --heads or --drafter (their distributions grow the tree)'),
+        (args.nodes is not None and (several or not (args.heads or args.drafter or args.lookup is not None)),
+         '--nodes', 'one --heads, --drafter or --lookup (their distributions, or the text\'s repeats, grow the tree)'),
         (args.paths_from is not None and (not args.drafter or args.paths == 1), '--paths-from',
          'a DBlast --drafter with --paths > 1'),
         (args.verify is not None and args.paths_from == 'branches', '--verify',

@@ -125,8 +125,8 @@ class Drafter(nn.Module):
         children. Returns a function log_q(d, prefix) -> (B, rows, V): the log-probability it gives
         each token at drafted position d (0-based) after the drafted prefix (B, rows, d) of each node
         of a depth, one a row, at `temperature` (greedy decoding: at 1). grow_tree scores a node by
-        the sum along its prefix. A drafter that grows no trees leaves this as it is (generate refuses
-        nodes= for it)."""
+        the sum along its prefix. A drafter that reads the text gets text= too, as in draft. A drafter
+        that grows no trees leaves this as it is (generate refuses nodes= for it)."""
         raise NotImplementedError(f"{type(self).__name__} grows no token trees (Drafter.next_log_q)")
 
     def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None, text=None):

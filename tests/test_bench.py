@@ -143,3 +143,23 @@ def test_paths_table_at_tiny_sizes(tmp_path, corpus_file):
     assert [(r['drafter'], r['paths']) for r in rows] == [('independent K=1', 1), ('independent K=1', 2),
                                                          ('DBlast K=4, i.i.d.', 1), ('DBlast K=4, i.i.d.', 2),
                                                          ('DBlast K=4, per branch', 2)]
+
+
+@pytest.mark.slow
+def test_drafters_table_at_tiny_sizes(tmp_path, corpus_file):
+    """Table 9 end to end at tiny sizes: every drafter greedy and at T = 1.0, the lookup's tree
+    among them, each with its tau and tokens per call; our greedy rows are the target's own tokens
+    (Hugging Face's rows, where transformers is installed, say how many of theirs are)."""
+    out = tmp_path / 'drafters'
+    code, _, stderr = run_main('bench.py', ['--tables', 'drafters', '--repeats', '1', '--out', out,
+                                            '--data', corpus_file] + TINY)
+    assert code == 0, stderr[-3000:]
+    rows = json.loads((out / 'results.json').read_text())['drafters']['rows']
+    ours = ['draft model', 'prompt lookup', f'prompt lookup, a tree of {bench.LOOKUP_NODES}', 'BPD heads',
+            'BPD heads + lookup']
+    assert [r['drafter'] for r in rows if r['T'] == 0 and not r['drafter'].startswith('Hugging Face')] == ours
+    for r in rows:
+        assert r['tokens_per_call'] == pytest.approx(2 * 16 / r['calls']) and r['tok_s'] > 0
+        assert r['tau'] is None or 1 <= r['tau'] <= r['k']
+        hf = r['drafter'].startswith('Hugging Face')
+        assert r['same'] == '-' if r['T'] else (0 <= r['same'] <= 1 if hf else r['same'] == 1.0)

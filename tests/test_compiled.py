@@ -79,8 +79,9 @@ STEP_CASES += [('heads', 0.0, 'topk:2', 3), ('heads-sampled', 1.0, 'exact', 2), 
 # the drafters that read the text: a draft model greedy and with two sampled paths, prompt lookup, a mix
 STEP_CASES += [('draft-model', 0.0, 'exact', 1), ('draft-model', 1.0, 'exact', 2), ('lookup', 1.0, 'exact', 1),
                ('heads+draft-model', 1.0, 'exact', 2)]
-# and a token tree (nodes), greedy and sampled
-STEP_CASES = [c + (None,) for c in STEP_CASES] + [('heads', 0.0, 'exact', 1, 10), ('dblast', 1.0, 'exact', 1, 10)]
+# and a token tree (nodes), greedy and sampled, and one of the text's repeats (prompt lookup)
+STEP_CASES = [c + (None,) for c in STEP_CASES] + [('heads', 0.0, 'exact', 1, 10), ('dblast', 1.0, 'exact', 1, 10),
+                                                  ('lookup', 0.0, 'exact', 1, 10)]
 
 
 @torch.no_grad()

@@ -4,6 +4,7 @@ draft model's drafts against a full recompute at batch > 1 with ragged acceptanc
 against Hugging Face's rule written out in Python, losslessness by chi-square with negative
 controls, and the refusals."""
 import copy
+import math
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from drafters import DraftModel, MixedPaths, PromptLookup
 from heads import BlockHeads, Text
 from model import GPT
 from test_paths import chi2_paths
-from test_sampling import chi2_of, make_drafter
+from test_sampling import chi2_of, chi_square, continuation_probs, make_drafter
+from test_trees import tree_counts
 
 
 # ----------------------------------------------------------------------------- prompt lookup
@@ -59,6 +61,52 @@ def test_prompt_lookup_ignores_what_lies_past_the_text():
     tokens = torch.tensor([[1, 2, 3, 9, 5, 7, 5, 7, 6, 6]])
     drafts, _ = PromptLookup(2, 4).draft(None, torch.tensor([7]), None, 4, text=Text(tokens, torch.tensor([3])))
     assert drafts.tolist() == [[7, 7, 7]]
+
+
+def occurrences_reference(text, ngram, n_drafts):
+    """Every occurrence lookup_reference could have taken (the longest n-gram size with any, each
+    occurrence with something after it), as the list of their continuations, in text order."""
+    L = len(text)
+    for g in range(min(ngram, L - 1), 0, -1):
+        conts = [text[i + g:] for i in range(L - g + 1) if text[i:i + g] == text[L - g:] and i + g < L]
+        if conts:
+            return [[c[j % len(c)] for j in range(n_drafts)] for c in conts]
+    return []
+
+
+@pytest.mark.parametrize('ngram', [1, 2])
+def test_a_lookup_tree_scores_children_by_the_occurrences_that_continue_so(ngram):
+    """PromptLookup.next_log_q against counting written out: after a node's prefix, token x scores
+    log(occurrences continuing with prefix + x / occurrences continuing with prefix), -inf where
+    none does (a row without a match: every token); stale tokens past each row's end never count.
+    Its one path (draft) is the earliest occurrence's continuation."""
+    g = torch.Generator().manual_seed(10 + ngram)
+    B, W, k, V = 48, 20, 5, 3
+    tokens = torch.randint(V, (B, W), generator=g)
+    n = torch.randint(0, W - 1, (B,), generator=g)
+    n[:3] = torch.tensor([0, 1, W - 2])
+    bonus = torch.randint(V, (B,), generator=g)
+    lookup, target = PromptLookup(ngram, k), tiny_model(vocab_size=V)
+    text = Text(tokens, n)
+    log_q = lookup.next_log_q(None, bonus, target, k, text=text)
+    for d in range(k - 1):
+        prefix = torch.randint(V, (B, 6, d), generator=g)
+        conts = [occurrences_reference(tokens[b, :n[b]].tolist() + [int(bonus[b])], ngram, k - 1) for b in range(B)]
+        for b in range(B):           # the first row of each: a prefix some occurrence has, where one exists
+            if conts[b]:
+                prefix[b, 0] = torch.tensor(conts[b][int(torch.randint(len(conts[b]), (1,), generator=g))][:d])
+        got = log_q(d, prefix)                                            # (B, 6, V)
+        for b in range(B):
+            for r in range(6):
+                p = prefix[b, r].tolist()
+                after = [c[d] for c in conts[b] if c[:d] == p]
+                want = torch.tensor([math.log(after.count(x) / len(after)) if x in after else -math.inf
+                                     for x in range(V)])
+                assert torch.allclose(got[b, r].double(), want.double(), atol=1e-6, equal_nan=False), (b, r, p)
+    drafts, _ = lookup.draft(None, bonus, None, k, text=text)
+    for b in range(B):
+        conts = occurrences_reference(tokens[b, :n[b]].tolist() + [int(bonus[b])], ngram, k - 1)
+        assert drafts[b].tolist() == (conts[0] if conts else [int(bonus[b])] * (k - 1))
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -106,6 +154,19 @@ def test_greedy_output_is_plain_greedy_decodings(world, name, compile, monkeypat
     assert torch.equal(out, base), name
     taus = torch.tensor(stats['accept_lengths'])
     assert (taus > 1).any() and (taus < 5).any(), (name, stats['mean_tau'])
+
+
+@pytest.mark.parametrize('nodes', [1, 6, 24])
+@pytest.mark.parametrize('compile', [False, True])
+def test_lookup_trees_decode_exactly_greedy(world, nodes, compile, monkeypatch):
+    """A tree of the text's repeats (PromptLookup.next_log_q), walked with the target's argmax:
+    plain greedy decoding's tokens, batch 3, eager and through the compiled loop (as Python)."""
+    target, prompt, base = world
+    if compile:
+        monkeypatch.setattr(runner, 'compiled', lambda fn, mode=None: fn)
+    out, stats = generate(target, prompt, 40, drafter=PromptLookup(2, 5), nodes=nodes, compile=compile)
+    assert torch.equal(out, base)
+    assert any(t > 1 for t in stats['accept_lengths'])
 
 
 class Recomputed(DraftModel):
@@ -192,6 +253,15 @@ def test_mixed_paths_are_lossless(target8, which, temperature):
     assert (taus > 1).any() and (taus < 4).any()
 
 
+def test_a_lookup_tree_is_lossless(target8):
+    """A tree of the text's repeats walked with the target's own samples (test_trees' chi-square):
+    the target's distribution, with some drafts taken."""
+    counts, stats = tree_counts(target8, PromptLookup(1, 4), 1.5, 4, 6)
+    stat, crit = chi_square(counts, continuation_probs(1.5), 20000)
+    assert stat < crit, f"lookup tree: chi2 {stat:.1f} >= {crit:.1f}"
+    assert any(t > 1 for t in stats['accept_lengths'])
+
+
 def test_chi_square_catches_a_draft_models_q_at_another_temperature(target8, monkeypatch):
     """Drafts sampled at T = 1.5 but verified with the draft model's q at T = 1: biased, caught."""
     drafter = draft_model8(True)
@@ -236,7 +306,7 @@ def test_refusals_of_text_drafters(world):
     with pytest.raises(BadInput, match='paths=2 means nothing here'):
         generate(target, prompt, 4, drafter=PromptLookup(2, 4), paths=2)
     with pytest.raises(BadInput, match='grows no token trees'):
-        generate(target, prompt, 4, drafter=PromptLookup(2, 4), nodes=8)
+        generate(target, prompt, 4, drafter=DraftModel(near(target, 0.3, 1), k=4), nodes=8)
     with pytest.raises(BadInput, match='use paths=2'):
         generate(target, prompt, 4, drafter=MixedPaths([PromptLookup(1, 4), PromptLookup(2, 4)]))
     with pytest.raises(ValueError, match='ngram >= 1'):
