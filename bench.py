@@ -427,7 +427,7 @@ def trees_table(b, base, args, results):
 
 
 LOOKUP_NGRAM, LOOKUP_K, DRAFT_K = 2, 11, 6   # table 9: Hugging Face's default n-gram, 10 drafts; gpt-fast's 5
-LOOKUP_NODES = 16   # table 9's tree of the text's repeats
+TREE_OF = 16   # table 9's trees: the draft model's, and of the text's repeats
 
 
 def drafters_table(b, base, args, results):
@@ -443,9 +443,10 @@ def drafters_table(b, base, args, results):
     hf = to_hf(base)
     # (name, drafter, k, paths, nodes, Hugging Face's equivalent)
     rows_of = [('draft model', draft, DRAFT_K, 1, None, dict(assistant_model=hf and hf_assistant(draft.model, DRAFT_K))),
+               (f'draft model, a tree of {TREE_OF}', draft, DRAFT_K, 1, TREE_OF, None),
                ('prompt lookup', lookup, LOOKUP_K, 1, None, dict(prompt_lookup_num_tokens=LOOKUP_K - 1,
                                                                  max_matching_ngram_size=LOOKUP_NGRAM)),
-               (f'prompt lookup, a tree of {LOOKUP_NODES}', lookup, LOOKUP_K, 1, LOOKUP_NODES, None),
+               (f'prompt lookup, a tree of {TREE_OF}', lookup, LOOKUP_K, 1, TREE_OF, None),
                ('BPD heads', heads, 8, 1, None, None),
                ('BPD heads + lookup', MixedPaths([heads, lookup]), 8, 2, None, None)]
     mode = 'compiled' if args.compile else 'eager'

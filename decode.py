@@ -570,6 +570,9 @@ def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, 
     # still runs (and writes) one block of 1 + paths(k-1) (or 1 + nodes) slots per step until every
     # row is done; none of it is kept
     room = k + 1 + max(paths * (k - 1), nodes or 0)
+    # a drafter's own state past the text: the bonus and k-1 drafts, or a tree's chains of drafts
+    # (a draft model feeds every node's prefix at each depth: drafters.DraftModel.next_log_q)
+    own_room = 2 * k + (nodes or 0) * k
     g = None if compile else generator
 
     def prefill(cache, state, prompt):
@@ -588,10 +591,10 @@ def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, 
             loop = runner.Compiled(model, drafter, B, room, (k, paths, nodes, temperature, accept),
                                    prefill, step, lambda block, Q, tree: Decoding.like(
                                        block, Q, tree, context + 2 * k, context + runner.largest_unit()),
-                                   lambda: drafter_state(context + 2 * k))
+                                   lambda: drafter_state(context + own_room))
             d, run = loop.start(prompt, total), loop.steps
         else:
-            cache, state = model.new_cache(B, total + room), drafter_state(total + 2 * k)
+            cache, state = model.new_cache(B, total + room), drafter_state(total + own_room)
             block, Q, tree = prefill(cache, state, prompt)
             d = Decoding.like(block, Q, tree, total + 2 * k, max_new_tokens)
             d.restart(block, Q, tree, prompt)

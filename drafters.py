@@ -23,7 +23,7 @@ from cli import BadInput, first_line
 from data import Vocab, check_finite, describe, load_checkpoint, target_from, vocab_for
 from dblast import DBlastDrafter
 from heads import BlockHeads, Drafter, Text, drafts_from
-from model import GPT
+from model import GPT, tempered, upcast
 
 
 class DraftModel(Drafter):
@@ -37,7 +37,8 @@ class DraftModel(Drafter):
     that is the last draft (which the cache never saw, since a draft is not fed until the next is
     needed) and the new bonus. The cache is rolled back by length, as the target's is: its length is
     set to n - k before the window, so what lies past it (rejected drafts, another path's) is never
-    read. Then k-2 calls of one token draft the rest. Static shapes, no host sync.
+    read. Then k-2 calls of one token draft the rest (a token tree: one call a depth, next_log_q).
+    Static shapes, no host sync.
 
     model: a GPT of the target's vocabulary and at least its context (decode.check_args checks).
     k: the largest block a call drafts for (any k from 2; generate's k= picks it per call).
@@ -69,10 +70,10 @@ class DraftModel(Drafter):
         self.model.forward_cached(prompt, cache)
         cache.commit(prompt.size(1))
 
-    @torch.no_grad()
-    def draft(self, h, bonus, target, k, temperature=0.0, generator=None, text=None):
-        """The drafter contract (heads.Drafter); h and target are not read: the draft model has its
-        own states. Row i of Q is the model's q after the bonus and drafts 1..i-1."""
+    def catch_up(self, bonus, k, text):
+        """Feed the window of the last k committed tokens and the bonus (the class's docstring) and
+        return the model's logits after the bonus (B, V); the cache then holds the text and the
+        bonus (length n + 1)."""
         cache, n = text.state, text.n                                    # n (B,): committed tokens
         first = (n - k).clamp(min=0)                                     # (B,) the window's first position
         pos = first[:, None] + torch.arange(k + 1, device=n.device)      # (B, k+1)
@@ -83,8 +84,15 @@ class DraftModel(Drafter):
         cache.lengths.copy_(first)
         hs = self.model.forward_cached(window, cache)                     # (B, k+1, C)
         at = (n - first)[:, None, None].expand(-1, 1, hs.size(-1))       # the bonus's slot
-        logits = self.model.lm_head(hs.gather(1, at).squeeze(1))         # (B, V)
         cache.lengths.copy_(n + 1)
+        return self.model.lm_head(hs.gather(1, at).squeeze(1))           # (B, V)
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None, text=None):
+        """The drafter contract (heads.Drafter); h and target are not read: the draft model has its
+        own states. Row i of Q is the model's q after the bonus and drafts 1..i-1."""
+        cache = text.state
+        logits = self.catch_up(bonus, k, text)
         drafts, qs = [], []
         for i in range(k - 1):   # k is fixed per graph: a compiled step unrolls this
             if i > 0:            # feed the last draft: a draft is fed only when the next is needed
@@ -94,6 +102,29 @@ class DraftModel(Drafter):
             drafts.append(d)
             qs.append(q)
         return torch.stack(drafts, 1), None if qs[0] is None else torch.stack(qs, 1)
+
+    @torch.no_grad()
+    def next_log_q(self, h, bonus, target, k, temperature=0.0, text=None):
+        """heads.Drafter.next_log_q, for token trees (MATH.md §10): the model's own log q at the
+        temperature (greedy: 1) after each node's prefix. After the catch-up, each depth d is one
+        call of the model: every node's prefix (B, M, d) fed as M chains after the bonus, each chain
+        seeing the text, the bonus and its own earlier tokens (written to the cache past the bonus,
+        and overwritten by the next depth's). Its state needs room for the chains: new_state's
+        max_len includes nodes * k (decode's loop gives it)."""
+        cache = text.state
+        log_q0 = F.log_softmax(tempered(upcast(self.catch_up(bonus, k, text)), temperature or 1.0), dim=-1)
+
+        def log_q(d, prefix):                                             # prefix (B, M, d)
+            B, M, _ = prefix.shape
+            if d == 0:
+                return log_q0[:, None].expand(B, M, -1)
+            slot = torch.arange(M * d, device=prefix.device)
+            depth, chain = slot % d, slot.div(d, rounding_mode='floor')     # (M d,) token j of chain m
+            attend = (chain[:, None] == chain[None, :]) & (depth[None, :] <= depth[:, None])
+            hs = self.model.forward_cached(prefix.flatten(1), cache, (depth, attend))   # (B, M d, C)
+            logits = self.model.lm_head(hs[:, d - 1::d])                 # (B, M, V) after each chain
+            return F.log_softmax(tempered(upcast(logits), temperature or 1.0), dim=-1)
+        return log_q
 
 
 class PromptLookup(Drafter):

@@ -1,7 +1,8 @@
 """
-Decode from the command line: plain, blockwise parallel (BPD heads) or speculative sampling with a
-DBlast drafter, timed against plain decoding of the same target and prompt. The decoding itself is
-decode.py's (`generate`); this script loads the checkpoints, checks the flags and prints.
+Decode from the command line: plain, blockwise parallel (BPD heads), or with a DBlast drafter, a
+draft model or prompt lookup, greedy or sampled, timed against plain decoding of the same target
+and prompt. The decoding itself is decode.py's (`generate`); this script loads the checkpoints
+(drafters.load_drafter, load_draft_model), checks the flags and prints.
 
     python generate.py --ckpt out/ckpt.pt --prompt "def " --max-new-tokens 200
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8
@@ -9,8 +10,9 @@ decode.py's (`generate`); this script loads the checkpoints, checks the flags an
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --paths 4
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8 --nodes 32      # a token tree a call
     python generate.py --ckpt out/ckpt.pt --draft-model out/draft.pt --k 6          # a small draft model
+    python generate.py --ckpt out/ckpt.pt --draft-model out/draft.pt --k 6 --nodes 16  # its tree
     python generate.py --ckpt out/ckpt.pt --lookup 2 --k 11                         # prompt lookup
-    python generate.py --ckpt out/ckpt.pt --lookup 2 --k 11 --nodes 32              # every repeat, a tree
+    python generate.py --ckpt out/ckpt.pt --lookup 2 --k 11 --nodes 16              # every repeat, a tree
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --lookup 2 --k 8     # both, one path each
 
 Several drafters (any of --heads, --drafter, --draft-model, --lookup) draft one path each, all
@@ -114,8 +116,8 @@ def main(argv=None):
                     help=f'drafted paths verified per call (default 1; up to {MAX_PATHS})')
     ap.add_argument('--nodes', type=int, default=None,
                     help=f'a token tree of at most N drafted tokens verified per call, grown from the drafter\'s '
-                         f'distributions (--lookup: from every earlier occurrence of the n-gram) and walked with the '
-                         f'target\'s own choices (up to {MAX_NODES})')
+                         f'distributions (--lookup: what followed every earlier occurrence of the n-gram) and walked '
+                         f'with the target\'s own choices (up to {MAX_NODES})')
     ap.add_argument('--paths-from', default=None, choices=PATHS_FROM,
                     help="DBlast, --paths > 1: i.i.d. samples of the mixture (default), or one path per branch, "
                          "the branches drawn without replacement from the prior")
@@ -161,8 +163,8 @@ def check_cli(args):
         (args.zt is not None and not args.drafter, '--zt', 'a DBlast --drafter'),
         (args.verify is not None and not args.drafter, '--verify', 'a DBlast --drafter'),
         (args.paths > 1 and not drafter, '--paths', ANY_DRAFTER),
-        (args.nodes is not None and (several or not (args.heads or args.drafter or args.lookup is not None)),
-         '--nodes', 'one --heads, --drafter or --lookup (their distributions, or the text\'s repeats, grow the tree)'),
+        (args.nodes is not None and (several or not drafter), '--nodes',
+         'one drafter (--heads, --drafter, --draft-model or --lookup: its distributions grow the tree)'),
         (args.paths_from is not None and (not args.drafter or args.paths == 1), '--paths-from',
          'a DBlast --drafter with --paths > 1'),
         (args.verify is not None and args.paths_from == 'branches', '--verify',

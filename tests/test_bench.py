@@ -147,16 +147,16 @@ def test_paths_table_at_tiny_sizes(tmp_path, corpus_file):
 
 @pytest.mark.slow
 def test_drafters_table_at_tiny_sizes(tmp_path, corpus_file):
-    """Table 9 end to end at tiny sizes: every drafter greedy and at T = 1.0, the lookup's tree
-    among them, each with its tau and tokens per call; our greedy rows are the target's own tokens
+    """Table 9 end to end at tiny sizes: every drafter greedy and at T = 1.0, the draft model's and
+    the lookup's trees among them, each with its tau and tokens per call; our greedy rows are the target's own tokens
     (Hugging Face's rows, where transformers is installed, say how many of theirs are)."""
     out = tmp_path / 'drafters'
     code, _, stderr = run_main('bench.py', ['--tables', 'drafters', '--repeats', '1', '--out', out,
                                             '--data', corpus_file] + TINY)
     assert code == 0, stderr[-3000:]
     rows = json.loads((out / 'results.json').read_text())['drafters']['rows']
-    ours = ['draft model', 'prompt lookup', f'prompt lookup, a tree of {bench.LOOKUP_NODES}', 'BPD heads',
-            'BPD heads + lookup']
+    ours = ['draft model', f'draft model, a tree of {bench.TREE_OF}', 'prompt lookup',
+            f'prompt lookup, a tree of {bench.TREE_OF}', 'BPD heads', 'BPD heads + lookup']
     assert [r['drafter'] for r in rows if r['T'] == 0 and not r['drafter'].startswith('Hugging Face')] == ours
     for r in rows:
         assert r['tokens_per_call'] == pytest.approx(2 * 16 / r['calls']) and r['tok_s'] > 0

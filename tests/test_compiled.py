@@ -60,7 +60,7 @@ def first_state(model, drafter, B, k, temperature, g, paths=1, nodes=None):
     before step 1, with room for 40 more tokens a row."""
     prompt = torch.randint(64, (B, 8), device=DEV, generator=g)
     cache = model.new_cache(B, 64 + paths * k + (nodes or 0))
-    state = None if drafter is None else drafter.new_state(B * paths, 64)
+    state = None if drafter is None else drafter.new_state(B * paths, 64 + (nodes or 0) * k)   # a tree's chains
     block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes, state)
     d = Decoding.like(block, q, tree, 64, 40)
     d.restart(block, q, tree, prompt)
@@ -79,9 +79,10 @@ STEP_CASES += [('heads', 0.0, 'topk:2', 3), ('heads-sampled', 1.0, 'exact', 2), 
 # the drafters that read the text: a draft model greedy and with two sampled paths, prompt lookup, a mix
 STEP_CASES += [('draft-model', 0.0, 'exact', 1), ('draft-model', 1.0, 'exact', 2), ('lookup', 1.0, 'exact', 1),
                ('heads+draft-model', 1.0, 'exact', 2)]
-# and a token tree (nodes), greedy and sampled, and one of the text's repeats (prompt lookup)
+# and a token tree (nodes), greedy and sampled, one of the text's repeats (prompt lookup) and one of
+# a draft model's q
 STEP_CASES = [c + (None,) for c in STEP_CASES] + [('heads', 0.0, 'exact', 1, 10), ('dblast', 1.0, 'exact', 1, 10),
-                                                  ('lookup', 0.0, 'exact', 1, 10)]
+                                                  ('lookup', 0.0, 'exact', 1, 10), ('draft-model', 1.0, 'exact', 1, 10)]
 
 
 @torch.no_grad()

@@ -769,9 +769,10 @@ def test_kv_cache_is_in_the_compute_dtype_under_autocast():
 
 def test_decode_cli_runs_a_draft_model_prompt_lookup_and_both(good_ckpt, decode_cli, tmp_path):
     """generate.py --draft-model (any target checkpoint of the vocabulary: here the target itself)
-    and --lookup, alone and together (one path each): exact greedy decoding. A draft model of
-    another vocabulary is one line naming it."""
-    for extra in (['--draft-model', str(good_ckpt)], ['--lookup', '2'], ['--draft-model', str(good_ckpt), '--lookup', '1']):
+    and --lookup, alone, together (one path each) and each growing a tree (--nodes): exact greedy
+    decoding. A draft model of another vocabulary is one line naming it."""
+    for extra in (['--draft-model', str(good_ckpt)], ['--lookup', '2'], ['--draft-model', str(good_ckpt), '--lookup', '1'],
+                  ['--draft-model', str(good_ckpt), '--nodes', '6'], ['--lookup', '2', '--nodes', '6']):
         proc = decode_cli(good_ckpt, '--prompt', 'def ', '--k', '3', *extra)
         assert proc.returncode == 0, proc.stderr
         assert 'same as plain greedy decoding: 4/4 tokens' in proc.stdout, proc.stdout

@@ -156,15 +156,18 @@ def test_greedy_output_is_plain_greedy_decodings(world, name, compile, monkeypat
     assert (taus > 1).any() and (taus < 5).any(), (name, stats['mean_tau'])
 
 
+@pytest.mark.parametrize('kind', ['lookup', 'draft model'])
 @pytest.mark.parametrize('nodes', [1, 6, 24])
 @pytest.mark.parametrize('compile', [False, True])
-def test_lookup_trees_decode_exactly_greedy(world, nodes, compile, monkeypatch):
-    """A tree of the text's repeats (PromptLookup.next_log_q), walked with the target's argmax:
-    plain greedy decoding's tokens, batch 3, eager and through the compiled loop (as Python)."""
+def test_text_drafters_trees_decode_exactly_greedy(world, kind, nodes, compile, monkeypatch):
+    """A tree of the text's repeats (PromptLookup.next_log_q) or of a draft model's q
+    (DraftModel.next_log_q), walked with the target's argmax: plain greedy decoding's tokens,
+    batch 3, eager and through the compiled loop (as Python)."""
     target, prompt, base = world
     if compile:
         monkeypatch.setattr(runner, 'compiled', lambda fn, mode=None: fn)
-    out, stats = generate(target, prompt, 40, drafter=PromptLookup(2, 5), nodes=nodes, compile=compile)
+    drafter = PromptLookup(2, 5) if kind == 'lookup' else DraftModel(near(target, 0.3, 1), k=5)
+    out, stats = generate(target, prompt, 40, drafter=drafter, nodes=nodes, compile=compile)
     assert torch.equal(out, base)
     assert any(t > 1 for t in stats['accept_lengths'])
 
@@ -185,6 +188,44 @@ class Recomputed(DraftModel):
                 q = F.softmax(logits / temperature, dim=-1)
                 Recomputed.worst = max(Recomputed.worst, float((q - Q[r]).abs().max()))
         return drafts, Q
+
+
+class RecomputedTree(DraftModel):
+    """A draft model that checks every score it gives a tree's nodes against a full recompute (its
+    log q at the temperature, greedy at 1, after the row's committed text, the bonus and the node's
+    prefix, no cache)."""
+    worst, scored = 0.0, 0
+
+    def next_log_q(self, h, bonus, target, k, temperature=0.0, text=None):
+        log_q = super().next_log_q(h, bonus, target, k, temperature, text)
+        n = text.n.clone()                     # the text as it is now: the walk writes it later
+
+        def checked(d, prefix):
+            got = log_q(d, prefix)
+            for r in range(bonus.size(0)):
+                for m in range(prefix.size(1)):
+                    seq = torch.cat([text.tokens[r, :int(n[r])], bonus[r:r + 1], prefix[r, m]])
+                    want = F.log_softmax(self.model(seq[None])[0][0, -1] / (temperature or 1.0), dim=-1)
+                    RecomputedTree.worst = max(RecomputedTree.worst, float((got[r, m] - want).abs().max()))
+                    RecomputedTree.scored += 1
+            return got
+        return checked
+
+
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_a_draft_models_tree_scores_are_a_full_recomputes(world, temperature):
+    """At batch 3 with ragged acceptance, every node the draft model scores (its catch-up, then one
+    call a depth feeding every node's prefix as a chain after the bonus) gets the log q a full
+    recompute gives, to 1e-9 in float64. A chain that saw another chain's tokens, or a depth whose
+    chains were not fed past the bonus, fails this."""
+    target, prompt, _ = world
+    RecomputedTree.worst, RecomputedTree.scored = 0.0, 0
+    d = RecomputedTree(near(target, 0.3, 1), k=5)
+    _, stats = generate(target, prompt, 30, drafter=d, temperature=temperature, nodes=7,
+                        generator=torch.Generator().manual_seed(0))
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus > 1).any() and (taus < 5).any()
+    assert RecomputedTree.scored > 100 and RecomputedTree.worst < 1e-9
 
 
 @pytest.mark.parametrize('temperature,paths', [(0.0, 1), (1.0, 2)])
@@ -253,12 +294,14 @@ def test_mixed_paths_are_lossless(target8, which, temperature):
     assert (taus > 1).any() and (taus < 4).any()
 
 
-def test_a_lookup_tree_is_lossless(target8):
-    """A tree of the text's repeats walked with the target's own samples (test_trees' chi-square):
-    the target's distribution, with some drafts taken."""
-    counts, stats = tree_counts(target8, PromptLookup(1, 4), 1.5, 4, 6)
+@pytest.mark.parametrize('which', ['prompt lookup', 'draft model'])
+def test_text_drafters_trees_are_lossless(target8, which):
+    """A tree of the text's repeats, or of a draft model's q, walked with the target's own samples
+    (test_trees' chi-square): the target's distribution, with some drafts taken."""
+    drafter = PromptLookup(1, 4) if which == 'prompt lookup' else draft_model8()
+    counts, stats = tree_counts(target8, drafter, 1.5, 4, 6)
     stat, crit = chi_square(counts, continuation_probs(1.5), 20000)
-    assert stat < crit, f"lookup tree: chi2 {stat:.1f} >= {crit:.1f}"
+    assert stat < crit, f"{which} tree: chi2 {stat:.1f} >= {crit:.1f}"
     assert any(t > 1 for t in stats['accept_lengths'])
 
 
@@ -306,7 +349,7 @@ def test_refusals_of_text_drafters(world):
     with pytest.raises(BadInput, match='paths=2 means nothing here'):
         generate(target, prompt, 4, drafter=PromptLookup(2, 4), paths=2)
     with pytest.raises(BadInput, match='grows no token trees'):
-        generate(target, prompt, 4, drafter=DraftModel(near(target, 0.3, 1), k=4), nodes=8)
+        generate(target, prompt, 4, drafter=MixedPaths([PromptLookup(1, 4), PromptLookup(2, 4)]), nodes=8)
     with pytest.raises(BadInput, match='use paths=2'):
         generate(target, prompt, 4, drafter=MixedPaths([PromptLookup(1, 4), PromptLookup(2, 4)]))
     with pytest.raises(ValueError, match='ngram >= 1'):

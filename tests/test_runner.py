@@ -54,7 +54,7 @@ CONFIGS = [(None, 0.0, 'exact', 1), (None, 1.0, 'exact', 1), ('heads', 0.0, 'exa
            ('draft-model', 0.0, 'exact', 1), ('draft-model', 1.5, 'exact', 2), ('lookup', 0.0, 'exact', 1),
            ('heads+lookup', 1.0, 'exact', 2)]
 CONFIGS = [c + (None,) for c in CONFIGS] + [('heads', 0.0, 'exact', 1, 12), ('dblast', 1.5, 'exact', 1, 20),
-                                            ('lookup', 0.0, 'exact', 1, 12)]
+                                            ('lookup', 0.0, 'exact', 1, 12), ('draft-model', 1.5, 'exact', 1, 12)]
 
 
 @pytest.fixture
