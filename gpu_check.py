@@ -47,11 +47,11 @@ import decode
 import model
 import runner
 import train
-from bench import dblast_tag, heads_tag, settle, speed_table, trainings
+from bench import LOOKUP_K, LOOKUP_NGRAM, TREE_OF, dblast_tag, heads_tag, settle, speed_table, trainings
 from cli import (ArgumentParser, BadInput, Precision, check_compiler, first_line, intra_op_threads, pick_dtype,
                  run_script)
 from data import check_out_dir, load_checkpoint, load_target
-from drafters import load_drafter
+from drafters import PromptLookup, load_drafter
 from measure import (Bench, call_costs, command_line, common_flags, device_name, identical, md_table, meta, parse_list,
                      prepare, runner_settings, sync, timed, train_args, ways_of_calling, write_json, write_text)
 
@@ -401,12 +401,15 @@ def part_trees(c):
     """k: token trees against one path and several (MATH.md §10), compiled on CUDA (eager on a CPU,
     where a wider block is not free anyway): BPD heads greedy at k = 8 with 1 path and trees of 8, 32
     and 64 nodes; the DBlast K = 4 drafter sampling at its own temperature with 1 path, 8 paths and a
-    tree of 24 nodes (as many drafted tokens). tau, calls, speedup over plain decoding, timed
+    tree of 24 nodes (as many drafted tokens); prompt lookup greedy (bench table 9's: a 2-gram, 10
+    drafts) with 1 path and a tree of 16. tau, calls, speedup over plain decoding, timed
     interleaved with it."""
     heads, _, k4, T, kd = c.drafters
     b, rows = c.compiled if c.cuda else c.eager, []
     for name, d, k, temperature, shapes in (('BPD heads', heads, 8, 0.0, [(1, None), (1, 8), (1, 32), (1, 64)]),
-                                             ('DBlast K=4', k4, kd, T, [(1, None), (8, None), (1, 24)])):
+                                             ('DBlast K=4', k4, kd, T, [(1, None), (8, None), (1, 24)]),
+                                             ('prompt lookup', PromptLookup(LOOKUP_NGRAM, LOOKUP_K), LOOKUP_K, 0.0,
+                                              [(1, None), (1, TREE_OF)])):
         for paths, nodes in shapes:
             r, _, _ = b.row(c.base, d, k, temperature=temperature, paths=paths, nodes=nodes)
             rows.append(dict(drafter=name, T=temperature, paths=paths, nodes=nodes, tau=r['tau'], calls=r['calls'],
@@ -427,7 +430,7 @@ PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 2
          'h': ('speed tables: eager and compiled float32, eager bfloat16', part_speed, 200),
          'i': ("the loop's host syncs: as they are against one every step", part_host_syncs, 60),
          'j': ("what a target call costs, each way of running the steps", part_calls, 300),
-         'k': ('token trees against one path and several, compiled on CUDA', part_trees, 150)}
+         'k': ('token trees against one path and several, compiled on CUDA', part_trees, 200)}
 PART_ORDER = 'a,h,k,j,c,d,e,f,g,i'   # the speed figures early; b (compiled training, the slowest) when asked
 
 

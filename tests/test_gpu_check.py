@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 
+import bench
 import gpu_check
 from conftest import ROOT, Proc, assert_clean_error, env, run_main
 
@@ -59,7 +60,8 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
     # k: one path, trees and paths, each with its tau and speedup
     assert [(r['drafter'], r['paths'], r['nodes']) for r in parts['k']['rows']] == [
         ('BPD heads', 1, None), ('BPD heads', 1, 8), ('BPD heads', 1, 32), ('BPD heads', 1, 64),
-        ('DBlast K=4', 1, None), ('DBlast K=4', 8, None), ('DBlast K=4', 1, 24)]
+        ('DBlast K=4', 1, None), ('DBlast K=4', 8, None), ('DBlast K=4', 1, 24),
+        ('prompt lookup', 1, None), ('prompt lookup', 1, bench.TREE_OF)]
     assert all(r['tau'] >= 1 and r['speedup'] > 0 for r in parts['k']['rows'])
     assert all(0 <= r['identical_tokens'] <= 1 for r in parts['d']['rows'])
     assert [r['mode'] for r in parts['e']['rows']] == ['eager', 'compiled']
