@@ -1,8 +1,9 @@
 """The drafters that read the text (drafters.py): a draft model with its own KV cache, prompt
-lookup, and several drafters' paths in one call. Exactness against plain greedy decoding, the
-draft model's drafts against a full recompute at batch > 1 with ragged acceptance, prompt lookup
-against Hugging Face's rule written out in Python, losslessness by chi-square with negative
-controls, and the refusals."""
+lookup, and several drafters' paths in one call; the token trees of the first two. Exactness
+against plain greedy decoding, the draft model's drafts and tree scores against a full recompute at
+batch > 1 with ragged acceptance, prompt lookup and its tree scores against Hugging Face's rule and
+counting written out in Python, losslessness by chi-square with negative controls, and the
+refusals."""
 import copy
 import math
 
