@@ -728,6 +728,13 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
             raise BadInput(f"{say('k', k)}: a drafter needs k >= 2 (1 bonus + at least one draft)")
         if k > drafter.k:
             raise BadInput(f"{say('k', k)}: the drafter was trained for k <= {drafter.k}")
+        if k > limit:   # a drafter that drafts any length (prompt lookup, a draft model) is given its k
+            raise BadInput(f"{say('k', k)}: a block of k tokens would be longer than the model's context of {limit} "
+                           f"tokens")
+        if nodes is not None and nodes * (k - 1) > MAX_TREE:
+            raise BadInput(f"{say('nodes', nodes)} at {say('k', k)}: growing a tree scores up to nodes x (k-1) = "
+                           f"{nodes * (k - 1)} drafted positions a call, more than {MAX_TREE}; use fewer nodes or a "
+                           f"smaller k")
         if rule is min_block and param > k:   # it would take every draft and still not reach N
             raise BadInput(f"{say('accept', accept)} at {say('k', k)}: a step commits at most k = {k} tokens, so "
                            f"at least {param} cannot be kept; use minblock:N with N <= k (N = k takes every draft "
@@ -755,3 +762,6 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
 
 MAX_PATHS = 64   # drafted paths per call: the block is 1 + paths * (k-1) tokens
 MAX_NODES = 1024   # drafted tokens of a tree per call: the block is 1 + nodes tokens
+# nodes x (k-1): the drafted positions a tree's growth may score per call, up to `nodes` at each of
+# its k-1 depths (a draft model feeds each depth's prefixes as chains, drafters.DraftModel.next_log_q)
+MAX_TREE = 16 * MAX_NODES

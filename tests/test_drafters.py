@@ -355,6 +355,13 @@ def test_refusals_of_text_drafters(world):
         generate(target, prompt, 4, drafter=MixedPaths([PromptLookup(1, 4), PromptLookup(2, 4)]))
     with pytest.raises(ValueError, match='ngram >= 1'):
         PromptLookup(0, 4)
+    context = target.config.block_size           # a drafter that drafts any length is given its k
+    for drafter in (PromptLookup(2, context + 1), DraftModel(near(target, 0.3, 1), k=context + 1)):
+        with pytest.raises(BadInput, match=rf"^k={context + 1}: a block of k tokens would be longer than the model's "
+                                           rf"context of {context} tokens$"):
+            generate(target, prompt, 4, drafter=drafter)
+    with pytest.raises(BadInput, match=r"^nodes=1024 at k=20: growing a tree scores up to nodes x \(k-1\) = 19456"):
+        generate(target, prompt, 4, drafter=PromptLookup(2, 20), nodes=1024)
 
 
 def test_the_exact_evaluator_refuses_a_drafter_that_reads_the_text(world):
