@@ -334,29 +334,44 @@ def runner_settings(device, unit=None, mode=None):
         yield
 
 
-def call_costs(decode_once, device, repeats):
+def call_costs(decode_once, device, repeats, decode_shorter=None):
     """What one target call costs while decode_once() (-> generate's output and stats) decodes: the
     wall time per call, the best of `repeats` runs after a warm-up (the host's cost, where the
     device computes next to nothing), and from one profiled run: on CUDA the GPU's busy time per
     call (its kernels' durations, summed), kernels and host launches per call (a CUDA graph's replay
     is one launch) and the kernels that take the most of it (top_kernels: name, us per call); on a
     CPU the operations per call (top-level aten operators, and inductor's kernels where it compiled
-    with their profiling on)."""
+    with their profiling on).
+
+    With decode_shorter (the same decoding, fewer new tokens) also the cost of one more call, the
+    prefill and what a generate() call does once left out (us_per_further_call): the difference of
+    the two best times over the difference of their calls. A block of k makes fewer calls, so the
+    fixed costs weigh more in its us_per_call than in plain decoding's."""
     cuda = torch.device(device).type == 'cuda'
-    decode_once()
-    best = float('inf')
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        _, stats = decode_once()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
+
+    def best_of(decode):
+        decode()
+        best = float('inf')
+        for _ in range(repeats):
+            sync(device)
+            t0 = time.perf_counter()
+            _, stats = decode()
+            sync(device)
+            best = min(best, time.perf_counter() - t0)
+        return best, stats
+
+    best, stats = best_of(decode_once)
     calls = stats['calls']
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         decode_once()
         sync(device)
     events = prof.events()
     r = dict(us_per_call=best / calls * 1e6, tokens_per_s=stats['tokens'] / best, calls=calls, tau=stats['mean_tau'])
+    if decode_shorter is not None:
+        best_short, short = best_of(decode_shorter)
+        if short['calls'] >= calls:
+            raise ValueError(f"the shorter decoding makes {short['calls']} calls, not fewer than {calls}")
+        r['us_per_further_call'] = (best - best_short) / (calls - short['calls']) * 1e6
     if cuda:
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         by_name = {}

@@ -13,7 +13,8 @@ most of the time (gpu_check.py's part j measures it). Three things take the host
   several steps a     the loop knows how many steps it needs whatever they accept (decode_loop),
   host call           so it runs them in units: on CUDA a unit is n calls of the compiled step
                       captured by hand as one CUDA graph (capture) and replayed with one launch; a
-                      CPU has no graphs to replay, so there UNIT steps are compiled as one graph
+                      CPU has no graphs to replay, so there UNIT steps are compiled as one graph,
+                      whose kernels one C++ function calls (CPU_OPTIONS)
 
 The host reads the device once per batch of needed steps (how far the slowest row is) and once at
 the end (the stats). Random draws inside a graph come from the device's global RNG, forked and
@@ -41,16 +42,22 @@ CUDA_MODE = 'captured'
 # torch.compile's backend: None is inductor; the tests trace with 'aot_eager' (dynamo's graphs and
 # AOT autograd's functionalization without code generation: seconds instead of a C++ compile)
 BACKEND = None
+# Inductor's settings on a CPU: its kernels called from one C++ function (cpp_wrapper) rather than
+# one Python call each. On the README's 2-core Xeon it took a tiny target's compiled step from 48 to
+# 37 us (k = 8: 122 to 85; bench.py's table 7, fixed costs apart), compiling in the same time.
+CPU_OPTIONS = {'cpp_wrapper': True}
 
 
 # ----------------------------------------------------------------------------- compiling
 
-def compiled(fn, mode=None):
-    """fn under torch.compile with static shapes. Each k, temperature, acceptance rule and drafter
-    class is a graph of its own; a sweep such as bench.py's needs a few dozen, past dynamo's default
-    limit of 8, after which it would run eager with no more than a logged warning."""
+def compiled(fn, mode=None, options=None):
+    """fn under torch.compile with static shapes, inductor given `options` (a dict of its config).
+    Each k, temperature, acceptance rule and drafter class is a graph of its own; a sweep such as
+    bench.py's needs a few dozen, past dynamo's default limit of 8, after which it would run eager
+    with no more than a logged warning."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    return torch.compile(fn, mode=mode, dynamic=False, **({} if BACKEND is None else dict(backend=BACKEND)))
+    how = dict(backend=BACKEND) if BACKEND is not None else dict(options=options) if options else {}
+    return torch.compile(fn, mode=mode, dynamic=False, **how)
 
 
 def repeated(step, n):
@@ -145,7 +152,8 @@ class Compiled:
                     torch._dynamo.mark_static_address(t)
             kept.update(state=state, drafter_state=own, prefill=prefill, step=step)
             if not self.cuda or self.mode == 'reduce-overhead':
-                kept['unit'] = compiled(repeated(step, self.unit), 'reduce-overhead' if self.cuda else None)
+                kept['unit'] = (compiled(repeated(step, self.unit), 'reduce-overhead') if self.cuda else
+                                compiled(repeated(step, self.unit), options=CPU_OPTIONS))
             elif self.mode == 'captured':
                 kept['step'] = compiled(step)
         self.state, self.drafter_state = kept['state'], kept['drafter_state']

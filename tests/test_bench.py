@@ -2,6 +2,7 @@
 the speed table at another precision; the profiler's split reads the CPU-side rows; flags that mean
 nothing are one error line."""
 import json
+import math
 import types
 
 import pytest
@@ -59,12 +60,14 @@ def test_calls_table_times_every_way_of_running_the_steps(monkeypatch, capsys):
     operations and tau per call; the unit's calls are the eager loop's."""
     monkeypatch.setattr(runner, 'BACKEND', 'eager')
     monkeypatch.setattr(bench, 'CALLS_TOKENS', 24)
+    monkeypatch.setattr(bench, 'CALLS_FEWER', 8)
     monkeypatch.setattr(bench, 'CALLS_BEST_OF', 1)
     results = {}
     bench.calls_table(types.SimpleNamespace(device='cpu'), None, types.SimpleNamespace(seed=0, repeats=1), results)
     rows = results['calls']['rows']
     assert [(r['way'], r['k']) for r in rows] == [(w, k) for w in measure.ways_of_calling('cpu') for k in (1, 8)]
     assert all(r['us_per_call'] > 0 and r['ops_per_call'] > 0 and 1 <= r['tau'] <= r['k'] for r in rows)
+    assert all(math.isfinite(r['us_per_further_call']) for r in rows)   # a difference of two timings
     assert len({(r['k'], r['calls']) for r in rows}) == 2     # every way makes the same calls
     assert '### 7. What a call costs' in capsys.readouterr().out
 

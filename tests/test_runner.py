@@ -64,7 +64,7 @@ def counted(monkeypatch):
     'behind' (each read of the device)."""
     seen = dict(units=[], steps=[], behind=[])
 
-    def fake_compiled(fn, mode=None):
+    def fake_compiled(fn, *how, **options):
         def unit(*a):
             seen['units'].append(fn)
             return fn(*a)
