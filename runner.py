@@ -43,8 +43,9 @@ CUDA_MODE = 'captured'
 # AOT autograd's functionalization without code generation: seconds instead of a C++ compile)
 BACKEND = None
 # Inductor's settings on a CPU: its kernels called from one C++ function (cpp_wrapper) rather than
-# one Python call each. On the README's 2-core Xeon it took a tiny target's compiled step from 48 to
-# 37 us (k = 8: 122 to 85; bench.py's table 7, fixed costs apart), compiling in the same time.
+# one Python call each. On the README's 2-core Xeon, in one run of both, it took a tiny target's
+# compiled step from 52 to 39 us (k = 8: 134 to 93; past generate's fixed costs, measure.call_costs),
+# and a unit of 4 steps compiled in the same time.
 CPU_OPTIONS = {'cpp_wrapper': True}
 
 
