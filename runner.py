@@ -30,8 +30,8 @@ from heads import Drafter
 
 # Steps per host call: on CUDA, graphs of 1, 2, 4 .. UNIT['cuda'] steps (capture is cheap, so the
 # steps needed are run exactly); on a CPU one compiled unit of UNIT['cpu'] steps, whose compile time
-# grows with the unit: at 608893a on the README's 2-core Xeon, a tiny target's (measure.TINY_TARGET)
-# plain unit of 4 steps compiled in 25 s and ran at 54 us a step, one of 8 in 143 s for 52 us.
+# grows with the unit: at b82362a on the README's 2-core Xeon, a tiny target's (measure.TINY_TARGET)
+# plain unit of 4 steps compiled cold in 22 s and ran at 46 us a step, one of 8 in 132 s for 35 us.
 UNIT = {'cuda': 16, 'cpu': 4}
 # How CUDA runs a unit: 'captured' (the compiled step, captured by hand), 'captured-eager' (the eager
 # step, captured by hand: no compile), or 'reduce-overhead' (torch.compile's own CUDA graphs of the
