@@ -1,14 +1,15 @@
 """
-What a first run on one GPU has to show, in parts a-k: every stage trains (eager, and compiled
+What a first run on one GPU has to show, in parts a-l: every stage trains (eager, and compiled
 with --parts b), compiled decoding compiles and captures once and skips no CUDA graph, its greedy
 tokens match eager ones, seeds reproduce, no host sync inside a step, the memory decoding adds, the
 speed tables (eager and compiled float32, eager bfloat16), token trees against paths, what the
 loop's few host syncs save, and where a target call's time goes (each way of running the steps:
-wall time, GPU busy time, kernels and launches per call).
+wall time, GPU busy time, kernels and launches per call); with --parts l, what inductor's
+coordinate-descent tuning changes in a compiled call.
 
     python gpu_check.py --device cuda               # -> bench/gpu/parts.jsonl and gpu_check.json
     python gpu_check.py --device cuda --trained out  # on train.py's checkpoints in out/ (no part a)
-    python gpu_check.py --device cuda --parts a,h,b  # chosen parts, in this order (b only when asked)
+    python gpu_check.py --device cuda --parts a,h,b  # chosen parts, in this order (b and l only when asked)
     python gpu_check.py --quick                      # the same at tiny sizes, on any machine (a CPU)
 
 Each part prints as it runs and is recorded (status pass / fail / skipped, and its figures) the
@@ -417,6 +418,30 @@ def part_trees(c):
     return dict(ok=True, rows=rows)
 
 
+def part_tuned(c):
+    """l (only when asked: how long it compiles is unmeasured): the compiled units with inductor's
+    coordinate-descent tuning (gpt-fast's setting) against the same units without it, plain greedy
+    and BPD heads at k = 8, the prompts one at a time: the first call's seconds (compiling, tuning,
+    capturing), wall and GPU time, kernels per call. With it, on CUDA, inductor writes a matrix
+    product with one row as a reduction, which it can fuse with the kernels around it, and tunes
+    each kernel's launch shape by timing it; a plain call's products have one row."""
+    rows = []
+    for tuned in (False, True):
+        for name in (PLAIN, HEADS):
+            c.base.__dict__.pop('_static_loops', None)      # compile and capture anew under this setting:
+            torch._dynamo.reset()                           # dynamo's guards do not look at inductor's config
+            with torch._inductor.config.patch(coordinate_descent_tuning=tuned):
+                t0 = time.perf_counter()
+                c.eager.decode_all(c.base, compile=True, **c.configs[name])
+                sync(c.device)
+                first = time.perf_counter() - t0
+                r = call_costs(lambda: c.eager.decode_all(c.base, compile=True, **c.configs[name]), c.device,
+                               max(2, c.args.repeats))
+            rows.append(dict(coordinate_descent_tuning=tuned, config=name, first_call_s=first, **r))
+    c.base.__dict__.pop('_static_loops', None)
+    return dict(ok=True, rows=rows)
+
+
 # key -> (title, part, time limit in seconds). The limits are about twice the README's estimate
 # of each part on one H200, cold: a part past its limit fails, and the next one runs.
 PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 200),
@@ -430,8 +455,10 @@ PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 2
          'h': ('speed tables: eager and compiled float32, eager bfloat16', part_speed, 200),
          'i': ("the loop's host syncs: as they are against one every step", part_host_syncs, 60),
          'j': ("what a target call costs, each way of running the steps", part_calls, 300),
-         'k': ('token trees against one path and several, compiled on CUDA', part_trees, 200)}
-PART_ORDER = 'a,h,k,j,c,d,e,f,g,i'   # the speed figures early; b (compiled training, the slowest) when asked
+         'k': ('token trees against one path and several, compiled on CUDA', part_trees, 200),
+         'l': ("compiled with inductor's coordinate-descent tuning, against without", part_tuned, 300)}
+# the speed figures early; b (compiled training, the slowest) and l (tuning, of unmeasured length) when asked
+PART_ORDER = 'a,h,k,j,c,d,e,f,g,i'
 
 
 def gpu_check(args, device, prompts, val):
@@ -551,7 +578,8 @@ def main(argv=None):
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--quick', action='store_true', help='tiny sizes, seconds on a CPU')
     ap.add_argument('--parts', default=PART_ORDER, help=f"which parts, in which order, from {','.join(PARTS)} "
-                                                        f"(default {PART_ORDER}; b, compiled training, when asked)")
+                                                        f"(default {PART_ORDER}; b, compiled training, and l, tuned compiling, "
+                                                        f"when asked)")
     ap.add_argument('--trained', default=None, metavar='DIR',
                     help=f"check train.py's checkpoints in DIR ({', '.join(TRAINED)}) instead of training in part a")
     common_flags(ap, 'bench/gpu')

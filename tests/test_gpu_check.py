@@ -22,19 +22,19 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
     skipped with the reason), passes, is printed and lands in gpu_check.json."""
     out, backend_before = tmp_path / 'gc', gpu_check.runner.BACKEND
     code, stdout, stderr = run_main('gpu_check.py', ['--quick', '--device', 'cpu', '--out', out,
-                                            '--data', corpus_file, '--parts', 'a,h,k,j,c,d,e,f,g,i,b'])
+                                            '--data', corpus_file, '--parts', 'a,h,k,j,c,d,e,f,g,i,b,l'])
     assert code == 0, stderr[-3000:]
     res = json.loads((out / 'gpu_check.json').read_text())
     parts = res['parts']
     assert {k: p['status'] for k, p in parts.items()} == dict(a='pass', h='pass', k='pass', j='pass', c='pass',
                                                               d='pass', e='pass', f='skipped', g='skipped', i='pass',
-                                                              b='skipped')
-    assert list(parts) == list('ahkjcdefgib')   # the speed figures early, as --parts orders them
+                                                              b='skipped', l='pass')
+    assert list(parts) == list('ahkjcdefgibl')   # the speed figures early, as --parts orders them
     assert res['failed'] == [] and 'aot_eager' in res['compiled_decoding']
     assert res['meta']['command'].startswith('python gpu_check.py --quick --device cpu')   # the command that ran
     # every part's record, a line of parts.jsonl the moment it ended, names what it ran on
     lines = [json.loads(x) for x in (out / 'parts.jsonl').read_text().splitlines()]
-    assert [r['part'] for r in lines] == list('ahkjcdefgib') and lines == list(parts.values())
+    assert [r['part'] for r in lines] == list('ahkjcdefgibl') and lines == list(parts.values())
     assert [(r['config'], r['mode']) for r in parts['i']['rows']] == [(gpu_check.PLAIN, 'eager'), (gpu_check.HEADS, 'eager'),
                                                                        (gpu_check.PLAIN, 'compiled'), (gpu_check.HEADS, 'compiled')]
     for r in lines:
@@ -57,6 +57,11 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
                                                                      for c in (gpu_check.PLAIN, gpu_check.HEADS)]
     assert all(r['us_per_call'] > 0 and r['ops_per_call'] > 0 and r['first_call_s'] > 0 for r in parts['j']['rows'])
     assert parts['j']['attention'] is None   # the attention kernels are compared on CUDA
+    # l: without and with coordinate-descent tuning, each compiled anew (not the units part j left)
+    assert [(r['coordinate_descent_tuning'], r['config']) for r in parts['l']['rows']] == [
+        (tuned, c) for tuned in (False, True) for c in (gpu_check.PLAIN, gpu_check.HEADS)]
+    assert all(r['us_per_call'] > 0 and r['first_call_s'] > 0 for r in parts['l']['rows'])
+    assert parts['l']['graphs_compiled'] >= 4
     # k: one path, trees and paths, each with its tau and speedup
     assert [(r['drafter'], r['paths'], r['nodes']) for r in parts['k']['rows']] == [
         ('BPD heads', 1, None), ('BPD heads', 1, 8), ('BPD heads', 1, 32), ('BPD heads', 1, 64),
