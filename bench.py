@@ -1,7 +1,7 @@
 """
 The papers' findings at small scale, measured on this machine.
 
-    python bench.py            # the CPU-sized default, tables 1-4 (25 minutes at 8e862ef on 2 cores)
+    python bench.py            # the CPU-sized default, tables 1-4 (19 minutes at 27b4347 on 2 cores)
     python bench.py --quick    # a few minutes: smaller models, fewer prompts and repeats
     python bench.py --full --device cuda              # the one-GPU sweep
     python bench.py --tables speed --compile --out bench/speed --ckpt-dir bench/ckpt   # any tables, anywhere

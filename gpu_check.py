@@ -66,7 +66,7 @@ def compiled_dir(args):
 
 
 # the parts that run inductor's compiled steps on a CPU (k compiles on CUDA only)
-COMPILING = set('bcdehij')
+COMPILING = set('bcdehijl')
 # what makes the target part a trains, as train.py records it (ckpt.pt's 'config'): its sizes, data
 # and training; a ckpt.pt recording other values is another run's
 TARGET_FLAGS = ('n_layer', 'n_head', 'n_embd', 'block_size', 'dropout', 'bias', 'data', 'seed', 'max_iters', 'lr',
@@ -332,8 +332,8 @@ def part_calls(c):
     """j: what a target call costs, on the check's target: for each way of running the steps
     (measure.ways_of_calling: eager, compiled one step a host call, compiled in units, and on CUDA
     the eager step captured by hand and torch.compile's CUDA graphs), plain greedy and BPD heads at
-    k = 8, the prompts one at a time: wall time per call (CUDA-synchronised; the best of --repeats
-    runs), the first call's seconds (compiling and capturing), and on CUDA the GPU's busy time,
+    k = 8, the prompts one at a time: wall time per call (CUDA-synchronised; the best of
+    max(2, --repeats) runs), the first call's seconds (compiling and capturing), and on CUDA the GPU's busy time,
     kernels and launches per call (the profiler), and the GPU time of a step of the captured
     unit replayed back to back (CUDA events; graph_us). On CUDA also the compiled units with TF32
     matmuls and in bf16 autocast, where the products of a k-token call run on tensor cores."""
@@ -442,8 +442,9 @@ def part_tuned(c):
     return dict(ok=True, rows=rows)
 
 
-# key -> (title, part, time limit in seconds). The limits are about twice the README's estimate
-# of each part on one H200, cold: a part past its limit fails, and the next one runs.
+# key -> (title, part, time limit in seconds). A limit is a minute at least and above the README's
+# estimate of the part on one H200, cold (twice it for the longest): a part past its limit fails,
+# and the next one runs.
 PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 200),
          'b': ('every stage trained with --compile', functools.partial(part_train, compile=True), 200),
          'c': ('compiled decoding: a second call compiles and captures nothing, skips no CUDA graph', part_recompiles,

@@ -146,7 +146,7 @@ class Bench:
         """Expected tau of `drafter` drafting `way` (a DRAFTING key) at temperature T, exactly,
         on held-out target samples (made once per T and cached on disk)."""
         if T not in self.heldout:
-            # made at decoding's float32 whatever the table's precision (train.decoding)
+            # made at decoding's float32 whatever the table's precision (train.dblast_data)
             rt = types.SimpleNamespace(device=self.device, kind=torch.device(self.device).type, master=True)
             self.heldout[T] = train.dblast_data(rt, model, self.val, self.args.eval_samples, T, self.args.seed + 2,
                                                 f'held-out samples at T={T}', os.path.join(self.args.ckpt_dir, 'data'))
@@ -310,7 +310,7 @@ def ways_of_calling(device):
     """The ways a decoding step can be run, for the 'calls' table: name -> (compile, the runner's
     settings for runner_settings). Eager; compiled with one step a host call; compiled in units of
     runner.UNIT steps (generate(compile=True)); on CUDA also the unit as the eager step captured by
-    hand, and as torch.compile's own CUDA graphs."""
+    hand, and one step a host call as torch.compile's own CUDA graphs."""
     unit = runner.UNIT[torch.device(device).type]
     ways = {'eager': (False, {}), 'compiled, 1 step a host call': (True, dict(unit=1)),
             f'compiled, {unit} steps a host call': (True, {})}

@@ -30,8 +30,9 @@ from heads import Drafter
 
 # Steps per host call: on CUDA, graphs of 1, 2, 4 .. UNIT['cuda'] steps (capture is cheap, so the
 # steps needed are run exactly); on a CPU one compiled unit of UNIT['cpu'] steps, whose compile time
-# grows with the unit: at b82362a on the README's 2-core Xeon, a tiny target's (measure.TINY_TARGET)
-# plain unit of 4 steps compiled cold in 22 s and ran at 46 us a step, one of 8 in 132 s for 35 us.
+# grows with the unit: at b82362a on the README's 2-core Xeon, in one run, a tiny target's
+# (measure.TINY_TARGET) plain unit of 4 steps compiled cold in 22 s and ran at 46 us a call, one of 8
+# in 132 s for 35 us.
 UNIT = {'cuda': 16, 'cpu': 4}
 # How CUDA runs a unit: 'captured' (the compiled step, captured by hand), 'captured-eager' (the eager
 # step, captured by hand: no compile), or 'reduce-overhead' (torch.compile's own CUDA graphs of the
@@ -119,8 +120,9 @@ class Compiled:
     """generate's loop (decode.decode_loop) on static buffers, compiled, several steps a host call.
 
     start(prompt, total) runs the prefill and returns the loop's state (decode.Decoding), kept on
-    the model for this configuration; steps(n) runs n more steps: exactly n on CUDA, whole units
-    of UNIT['cpu'] on a CPU (a step that no row needs any more commits nothing: decode.advance).
+    the model for this configuration; steps(n) runs n more steps: exactly n with CUDA graphs
+    captured by hand, otherwise whole units (of UNIT['cpu'] steps on a CPU; a step that no row needs
+    any more commits nothing: decode.advance).
 
     prefill(cache, drafter_state, prompt) -> (block, Q, tree) and step(cache, drafter_state, state)
     are decode's, this call's settings bound; new_state(block, Q, tree) allocates the loop's state,
@@ -195,7 +197,7 @@ class Compiled:
 
 
 def settings(drafter):
-    """A drafter's own settings (its plain attributes: sample_drafts, verify, Z_T ..), and those of
+    """A drafter's own settings (its plain attributes: sample_drafts, verify, zt ..), and those of
     the drafters inside it (drafters.MixedPaths'): what a compiled loop records with its graphs
     besides the weights."""
     if drafter is None:
