@@ -302,15 +302,15 @@ class DBlastDrafter(Drafter):
     def meaningless(self, temperature, paths):
         """heads.Drafter.meaningless for the mixture. One path per branch is verified against its own
         branch whatever `verify` says, so verify='mixture' beside paths_from='branches' is refused
-        (from Python as on the command line). Argmax paths differ only where their branches do: i.i.d.
-        paths are all the same at K = 1 or Z_T = 0 (the one branch drawn every time), one per branch
-        never are."""
+        (from Python as on the command line). Argmax paths differ only where their branches do: at
+        K = 1 every path is the one branch's, i.i.d. or one per branch; at Z_T = 0 i.i.d. paths are all
+        the top branch's (drawn every time), while one per branch takes the K most probable."""
         found = []
         if self.paths_from == 'branches' and self.verify != 'branch':
             found.append(('verify', self.verify, "with paths_from='branches' every path is verified against its "
                                                  "own branch; set verify='branch' with it"))
         argmax = not (temperature > 0 and self.sample_drafts)
-        if paths > 1 and argmax and self.paths_from != 'branches' and (self.K == 1 or self.zt == 0):
+        if paths > 1 and argmax and (self.K == 1 or (self.zt == 0 and self.paths_from != 'branches')):
             branch = 'its one branch' if self.K == 1 else 'the top branch alone (Z_T = 0)'
             found.append(('paths', paths, f"drafted by argmax from {branch} (greedy decoding, or drafts not sampled), "
                                           f"every path is the same; use one path, or sample the drafts"))

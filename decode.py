@@ -623,7 +623,7 @@ def finished(d, B, total, max_new_tokens, k):
     d.out.scatter_(1, d.n_out[:, None], d.block[:, :1])
     taus = d.taus[:int(d.t)].cpu()                             # (steps, B), 0: no part in the step
     tau = taus[taus > 0]                                       # step by step, row by row
-    accepted = tau[:, None] > torch.arange(1, k)                # (steps, k-1) draft j accepted
+    accepted = tau[:, None] > torch.arange(1, k)                # (row-steps, k-1) draft j accepted
     calls = 1 + int((taus > 0).any(1).sum())                   # the prefill, and each step a row took part in
     tokens = B * max_new_tokens
     stats = dict(calls=calls, tokens=tokens, tokens_per_call=tokens / calls,

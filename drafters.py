@@ -11,8 +11,8 @@ model's sampled drafts come with its q, and prompt lookup's drafts are a point m
 argmax drafts are.
 
 At the end, loading any drafter from its checkpoint: `load_drafter` (BPD heads, DBlast: a kind of
-drafter is one entry of DRAFTERS) and `load_draft_model` (a draft model from a target checkpoint),
-each checked against the target it drafts for before any weight is made.
+drafter is one entry of DRAFTERS), checked against the target it drafts for before any weight is
+made, and `load_draft_model` (a draft model from a target checkpoint), checked once it is built.
 """
 import functools
 
@@ -318,10 +318,11 @@ def load_drafter(path, target, kind=None, vocab=None):
 
 
 def load_draft_model(path, target, vocab=None, k=6):
-    """A draft model (drafters.DraftModel) from any target checkpoint of this project or nanoGPT's,
-    on the target's device. Its vocabulary and context are checked against the target's always
-    (DraftModel.does_not_fit, and the vocabularies where both record one); its target's fingerprint
-    only where it was trained for one (train.py --stages draft records it)."""
+    """A draft model (drafters.DraftModel) from a target checkpoint of this project or nanoGPT's
+    (one whose vocabulary is recorded, or found as data.vocab_for finds it), on the target's
+    device. Checked against the target: its target's fingerprint first, where it was trained for
+    one (train.py --stages draft records it); once built, its vocabulary's size and its context
+    (DraftModel.does_not_fit), and its vocabulary against `vocab`, the target's, where given."""
     if not isinstance(target, GPT):
         raise BadInput(f"target is {describe(target)}; want the model.GPT the draft model drafts for")
     ckpt = load_checkpoint(path)

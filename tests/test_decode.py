@@ -448,8 +448,8 @@ def test_a_prompt_of_int32_ids_is_taken(model, greedy_ref, prompts):
 
 def test_flags_that_mean_nothing_with_a_drafter_are_refused(model, trained):
     """The drafter's own word (heads.Drafter.meaningless): several paths of argmax drafts are all the
-    same path (BPD heads under greedy, or not sampled; a K = 1 drafter; Z_T = 0), refused; DBlast's
-    argmax paths, which differ by branch, are not. A mixture told to verify against itself while it
+    same path (BPD heads under greedy, or not sampled; a K = 1 drafter, i.i.d. or one per branch;
+    Z_T = 0), refused; DBlast's argmax paths, which differ by branch, are not. A mixture told to verify against itself while it
     draws one path per branch is refused at any paths (MATH.md §9: they are not its samples)."""
     heads = trained[1]
     prompt = torch.zeros(1, 4, dtype=torch.long)
@@ -465,6 +465,10 @@ def test_flags_that_mean_nothing_with_a_drafter_are_refused(model, trained):
     k1 = DBlastDrafter(model.config, 4, 1).double().eval()
     with pytest.raises(BadInput, match=r"paths=3 means nothing here: drafted by argmax from its one branch"):
         generate(model, prompt, 8, drafter=k1, paths=3)
+    k1.paths_from, k1.verify = 'branches', 'branch'          # one path per branch, of one branch
+    with pytest.raises(BadInput, match=r"paths=3 means nothing here: drafted by argmax from its one branch"):
+        generate(model, prompt, 8, drafter=k1, paths=3)
+    generate(model, prompt, 8, drafter=k1, temperature=1.0, paths=3)             # sampled: paths differ
     k4 = DBlastDrafter(model.config, 4, 4).double().eval()
     generate(model, prompt, 8, drafter=k4, paths=3)                              # greedy branches differ
     k4.zt = 0.0
