@@ -78,9 +78,9 @@ def intra_op_threads(threads=None, small=False):
     """Set the threads torch's CPU kernels use and return how many: `threads` when given (--threads),
     else one for small work (decoding a model under SMALL_MODEL parameters), else every core not
     already busy (busy_cores), at least one. Measured on 2 cores (bench/threads/RESULTS.md): beside
-    busy processes two threads were up to 2.5x slower than one for a training step and up to 110x
+    busy processes two threads were up to 1.7x slower than one for a training step and up to 110x
     for a decode, each thread waiting for the other at every operation; on a quiet machine two were
-    1.5x faster for training and no faster for decoding."""
+    1.7x faster for training and no faster for decoding."""
     if threads is None:
         cores = os.cpu_count() or 1
         threads = 1 if small else max(1, min(cores, cores - round(busy_cores(cores))))

@@ -376,7 +376,7 @@ class _NoCode(pickle.Unpickler):
 
 def read_meta(path):
     """A nanoGPT meta.pkl ({'vocab_size', 'stoi', 'itos'}) as a char Vocab, read without executing
-    anything: only dicts, strings and ints are accepted."""
+    anything: plain data only (a pickle naming any class or function is refused)."""
     path = check_path(path, 'meta')
     try:
         with open(path, 'rb') as f:

@@ -6,8 +6,9 @@ Train the target GPT, then its drafters, in stages:
   heads   BPD k-offset heads (frozen target by default, --joint to fine-tune it too), on the
           target's own greedy continuations (sequence-level distillation, --no-distill for corpus text)
   dblast  DBlast dependent drafters (K = --branches and the K = 1 baseline) on the target's own samples
+  draft   a small draft model (a GPT of --draft-layers) for generate.py --draft-model; only when asked
 
-    python train.py                         # everything (CPU preset: about 5 minutes on a 2-core AMD EPYC, README)
+    python train.py                         # base, heads, dblast (CPU preset: about 5 minutes on a 2-core AMD EPYC, README)
     python train.py --stages heads --k 4    # only the heads, on the existing out/ckpt.pt
     torchrun --nproc_per_node 2 train.py    # data parallel (NCCL on CUDA, gloo on CPU)
 
@@ -706,7 +707,8 @@ def run_demos(rt, args, model, heads, ds, vocab):
 
 POS, GE0, GT0 = dict(lo=1), dict(lo=0.0), dict(lo=0.0, open_lo=True)
 # Every flag, once: (name, the stage it belongs to (None: any run), type, default, the bounds
-# check_number holds it to, help). A default of None is the preset's (PRESETS; --d-hidden: n_embd).
+# check_number holds it to, help). A default of None is the preset's for a key of PRESETS, and its
+# help says what it is for the others (--d-hidden: n_embd).
 # type: int, float, str, a tuple of choices, bool (--x / --no-x), 'switch' (--x) or 'frozen|joint'.
 # A stage's flag given when that stage does not run is refused.
 FLAGS = [
@@ -727,8 +729,8 @@ FLAGS = [
                                           'TF32, as decoding does'),
     ('resume', None, 'switch', False, None, 'continue interrupted stages, skip finished ones'),
     ('seed', None, int, 1337, dict(lo=0, hi=2 ** 63 - 1), None),
-    ('threads', None, int, None, dict(lo=1, hi=1024), "CPU threads (default: the cores not already busy, by the "
-                                                      "load average)"),
+    ('threads', None, int, None, dict(lo=1, hi=1024), "CPU threads (default: the cores not already busy, from "
+                                                      "/proc/stat over 0.2 s)"),
     ('tag', None, str, '', None, 'suffix of the drafter checkpoint names (heads{tag}.pt, dblast_K4{tag}.pt)'),
     ('batch_size', None, int, None, POS, None),
     ('warmup_iters', None, int, None, dict(lo=0), None),
@@ -781,8 +783,17 @@ FLAGS = [
 STAGES = ('base', 'heads', 'dblast', 'draft')
 
 
+class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """--help as written, each flag's default added where its help does not give it (a switch's
+    False, None and '' are no defaults to show)."""
+    def _get_help_string(self, action):
+        d = action.default
+        shown = d is not None and d is not False and d != '' and d is not argparse.SUPPRESS
+        return action.help + (' (default: %(default)s)' if shown and 'default' not in action.help else '')
+
+
 def build_parser():
-    ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
     groups = {None: ap, 'base': ap.add_argument_group('base stage (the target; default: preset)'),
               'heads': ap.add_argument_group('heads stage (BPD heads)'),
               'dblast': ap.add_argument_group('dblast stage (DBlast drafters)'),
@@ -791,6 +802,8 @@ def build_parser():
         g, flag = groups[stage if stage is None or isinstance(stage, str) else stage[0]], '--' + name.replace('_', '-')
         if default is None and name in PRESETS['cpu']:
             text = f"{text + ' ' if text else ''}(default: preset)"
+        elif not text and default is not None and default is not False:
+            text = '(default: %(default)s)'          # argparse shows no help, nor a default, for a flag without help
         if typ == 'frozen|joint':
             mode = g.add_mutually_exclusive_group()
             mode.add_argument('--frozen', dest='joint', action='store_false', help='train only the heads (default)')

@@ -118,7 +118,7 @@ def main(argv=None):
     ap.add_argument('--max-new', type=int, default=None, help='try: tokens per prompt (default 128)')
     ap.add_argument('--device', default=None, help='try: cpu (default), cuda, cuda:N or mps')
     ap.add_argument('--threads', type=int, default=None,
-                    help="check, try: CPU threads (default: the cores not already busy, by the load average)")
+                    help="check, try: CPU threads (default: the cores not already busy, from /proc/stat over 0.2 s)")
     args = ap.parse_args(argv)
     check_flags(args)
     if args.command == 'list':

@@ -464,3 +464,19 @@ def test_warm_up_is_at_most_a_tenth_of_a_stage(tmp_path, corpus_file, monkeypatc
     monkeypatch.setattr(train, 'lr_at', lambda it, lr, warmup, total: seen.append(warmup) or real(it, lr, warmup, total))
     train.main(TINY + ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--max-iters', '20'])
     assert set(seen) == {2} and len(seen) >= 20
+
+
+def test_help_gives_every_flags_default():
+    """train.py --help, as the README promises: each flag with a default shows it (those without
+    help text too, and 0.0), a preset's says so, and a switch shows none."""
+    text = ' '.join(train.build_parser().format_help().split('options:')[1].split())
+    for shown in ('--seed SEED (default: 1337)', '--dropout DROPOUT (default: 0.0)', '--k K block size',
+                  '--branches BRANCHES K, the latent branches', '--max-iters MAX_ITERS (default: preset)',
+                  "--stages STAGES comma list of base, heads, dblast, draft (default: base,heads,dblast)"):
+        assert shown in text, shown
+    assert '(default: 8)' in text.split('--k K')[1].split('--')[0]
+    assert '--compile torch.compile the training step --dtype' in text      # a switch: no default shown
+    for flag, _, typ, default, _, _ in train.FLAGS:
+        if default is not None and default is not False and default != '' and typ != 'frozen|joint':
+            entry = re.search(r'--' + flag.replace('_', '-') + r'(, --no-\S+)? (.*?)( --|$)', text)   # to the next flag
+            assert 'default' in entry.group(2), flag
