@@ -452,11 +452,13 @@ class GreedyOracle(Drafter):
 # ----------------------------------------------------------------------------- host syncs
 
 aten = torch.ops.aten
-# ops that make the host wait for the device: reading a value (.item(), bool(), int()), or an
-# output whose shape depends on the data (the host must read the count before allocating)
+# ops that make the host wait for the device: reading a value (.item(), bool(), int()), an output
+# whose shape depends on the data (the host must read the count before allocating), or a check of
+# the input on the host (multinomial reads whether its weights are finite and non-negative, inside
+# the op, where this watch does not see it)
 SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
             aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_consecutive.default,
-            aten.unique_dim.default}
+            aten.unique_dim.default, aten.multinomial.default}
 
 
 class EagerMode(TorchDispatchMode):
@@ -485,6 +487,36 @@ class HostSyncs(EagerMode):
         if func in SYNC_OPS or bool_index:
             self.seen.append(str(func))
         return func(*args, **kwargs)
+
+
+class OpCount(EagerMode):
+    """Counts the ops dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def assert_no_python_loop(what, calls):
+    """calls: (size, call) pairs, the same function on inputs of other sizes (more rows, more
+    positions; each dimension above 1, so that no size takes a shortcut of its own). Vectorised
+    code dispatches the same ops whatever the sizes; a Python loop over rows or positions runs its
+    body once per row or position. Fail if the counts differ."""
+    counts = []
+    for size, call in calls:
+        with OpCount() as ops:
+            call()
+        counts.append((size, ops.n))
+    if len({n for _, n in counts}) > 1:
+        raise Fail(f"{what}: {', '.join(f'{n} ops at {size}' for size, n in counts)}; want as many ops whatever the "
+                   f"sizes, as vectorised code dispatches",
+                   "more rows or positions, more operations: a Python loop over them (a for over range(B) or "
+                   "range(k), a list comprehension, torch.stack or torch.cat of per-row or per-position results). On "
+                   "a GPU each op is a kernel launch: one per row or position costs that many launches a step")
 
 
 class Allocations(EagerMode):

@@ -124,9 +124,10 @@ def test_the_rule_decides(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no tensor on another device. No .item(), no boolean indexing, nothing that makes
-    a GPU wait for the host; no tensor made off the logits' device (run on PyTorch's 'meta' device,
-    which refuses a mix of devices as CUDA does)."""
+    """No host sync, no Python loop, no tensor on another device. No .item(), no boolean indexing,
+    nothing that makes a GPU wait for the host; as many ops for 6 rows or 8 positions as for 3 rows
+    of 5; no tensor made off the logits' device (run on PyTorch's 'meta' device, which refuses a mix
+    of devices as CUDA does)."""
     greedy, drafts, _ = planted()
     logits = scripted(greedy, 11)
     with harness.HostSyncs() as syncs:
@@ -137,8 +138,18 @@ def test_no_host_sync(impl):
                            "bool() of a tensor, a Python if or loop bound on one) or a shape that depends on the "
                            "data (boolean indexing, nonzero); where each row's prefix ends is known only on the "
                            "device")
+    harness.assert_no_python_loop('verify_greedy', [(f'B={B}, k={k}', lambda B=B, k=k: impl.verify_greedy(
+        *sized(B, k), EXACT)) for B, k in ((3, 5), (6, 5), (3, 8))])
     logits, drafts = harness.on_meta(logits), harness.on_meta(drafts)
     harness.assert_on_the_inputs_device('verify_greedy', lambda: impl.verify_greedy(logits, drafts, EXACT))
+
+
+def sized(B, k, V=11):
+    """Logits (B, k, V) and drafts (B, k-1), some right and some wrong."""
+    g = torch.Generator().manual_seed(B * 100 + k)
+    greedy = torch.randint(V, (B, k), generator=g)
+    drafts = torch.where(torch.rand(B, k - 1, generator=g) < 0.7, greedy[:, :-1], (greedy[:, :-1] + 1) % V)
+    return scripted(greedy, V), drafts
 
 
 def test_decodes_exactly_greedy(impl):

@@ -27,6 +27,8 @@ def one_position(impl, Q, drafts, temperature, seed=0):
 
 
 def assert_follows(tokens, p, what, hint=''):
+    if len(tokens) == 0:
+        raise harness.Fail(f"{what}: there is no sample to test, want some", hint)
     stat, crit = harness.chi_square(torch.bincount(tokens, minlength=V).double(), p)
     if not stat < crit:
         raise harness.Fail(f"{what}: chi-square {stat:.0f}, want below {crit:.0f} (p < {harness.ALPHA:g}) over "
@@ -149,28 +151,29 @@ def test_p_equal_to_q(impl):
 
 
 def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
-    """A residual that rounding leaves all zero falls back to P, row by row. A batch mixes rows whose
-    Q is P (1 + 2^-8) at every token (a bf16 softmax's rows can sum to 1 + 2^-8: max(0, P - Q) is 0
-    everywhere, yet u Q(d) >= P(d) refuses a draft about once in 257) with rows of a Q far from P.
-    After a refusal the bonus is a sample of P in the first rows (about 780 refusals in 200,000
-    rows), of norm(max(0, P - Q)) in the others (50,000 rows)."""
-    g = torch.Generator().manual_seed(10)
+    """A residual that rounding leaves all zero falls back to P, row by row, at T = 0.7. A batch
+    mixes rows whose Q is P (1 + 2^-8) at every token (a bf16 softmax's rows can sum to 1 + 2^-8:
+    max(0, P - Q) is 0 everywhere, yet u Q(d) >= P(d) refuses a draft about once in 257) with rows of
+    a Q far from P. After a refusal the bonus is a sample of P in the first rows (about 780 refusals
+    in 200,000 rows), of norm(max(0, P - Q)) in the others (50,000 rows)."""
+    g, T = torch.Generator().manual_seed(10), 0.7
     L = torch.randn(2, V, generator=g, dtype=torch.float64) * 1.5
-    p = F.softmax(L, -1)
+    p = F.softmax(L / T, -1)
     far = F.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, -1)
     rows = N + N // 4
     rounded = torch.arange(rows) % 5 != 0                                # 4 rows in 5: P (1 + 2^-8)
     Q = torch.where(rounded[:, None], p[0] * (1 + 2 ** -8), far).unsqueeze(1)          # (rows, 1, V)
     drafts = torch.where(rounded[:, None], decode.sample(p[:1].expand(rows, 1, V), g), decode.sample(Q, g))
-    _, n_acc, bonus = impl.verify_sampled(L.expand(rows, 2, V), Q, drafts, 1.0, g)
+    _, n_acc, bonus = impl.verify_sampled(L.expand(rows, 2, V), Q, drafts, T, g)
     refused = n_acc == 0
     if (refused & rounded).any():   # (an answer that renormalises Q refuses nothing there: nothing to fall back from)
         assert_follows(bonus[refused & rounded], p[0], f"in the rows where max(0, P - Q) is 0 everywhere, beside rows "
                        f"where it is not, the bonus after the {int((refused & rounded).sum())} refusals is not a "
-                       f"sample of P", "where the residual sums to 0 the bonus is a sample of P (the statement); "
-                       "here it follows another law. What fits: no fallback at all (a draw from an all-zero row gives "
-                       "its last index), a normalisation that divides 0 by 0, or a fallback decided once for the "
-                       "whole batch (this batch mixes those rows with rows whose residual is not zero)")
+                       f"sample of P at T={T}", "where the residual sums to 0 the bonus is a sample of P (the "
+                       "statement); here it follows another law. What fits: no fallback at all (a draw from an "
+                       "all-zero row gives its last index), a normalisation that divides 0 by 0, a fallback to P at "
+                       "another temperature than T, or a fallback decided once for the whole batch (this batch mixes "
+                       "those rows with rows whose residual is not zero)")
     residual = (p[0] - far).clamp(min=0)
     assert_follows(bonus[refused & ~rounded], residual / residual.sum(), f"in the rows of a Q far from P, beside rows "
                    f"whose residual is 0, the bonus after the {int((refused & ~rounded).sum())} refusals is not a "
@@ -180,9 +183,10 @@ def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no tensor on another device. For sampled drafts (Q given) and for point masses
-    (Q None): nothing makes the host wait for the device, and no tensor is made off the logits'
-    device (run on PyTorch's 'meta' device, which refuses a mix of devices as CUDA does)."""
+    """No host sync, no Python loop, no tensor on another device. For sampled drafts (Q given) and
+    for point masses (Q None): nothing makes the host wait for the device, as many ops for 6 rows or
+    8 positions as for 3 rows of 5, and no tensor is made off the logits' device (run on PyTorch's
+    'meta' device, which refuses a mix of devices as CUDA does)."""
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(8, 4, V, generator=g, dtype=torch.float64)
     Q = F.softmax(torch.randn(8, 3, V, generator=g, dtype=torch.float64), -1)
@@ -194,14 +198,26 @@ def test_no_host_sync(impl):
             impl.verify_sampled(logits, qq, drafts, 1.0, g)
         if syncs.seen:
             raise harness.Fail(f"{what}: host syncs {', '.join(sorted(set(syncs.seen)))}, want none", hint or SYNC_HINT)
+    for given, what in ((True, 'sampled drafts (Q given)'), (False, 'point-mass drafts (Q None)')):
+        harness.assert_no_python_loop(what, [(f'B={B}, k={k}', lambda B=B, k=k: impl.verify_sampled(
+            *sized(B, k, given), 1.0, torch.Generator().manual_seed(0))) for B, k in ((3, 5), (6, 5), (3, 8))])
     meta = [harness.on_meta(t) for t in (logits, Q, drafts)]
     for qq, what in ((meta[1], 'sampled drafts (Q given)'), (None, 'point-mass drafts (Q None)')):
         harness.assert_on_the_inputs_device(what, lambda: impl.verify_sampled(meta[0], qq, meta[2], 1.0, None))
 
 
+def sized(B, k, Q_given):
+    """Logits (B, k, V), Q (B, k-1, V) or None, and drafts (B, k-1) drawn from Q."""
+    g = torch.Generator().manual_seed(B * 100 + k)
+    logits = torch.randn(B, k, V, generator=g, dtype=torch.float64)
+    Q = F.softmax(torch.randn(B, k - 1, V, generator=g, dtype=torch.float64), -1)
+    return logits, Q if Q_given else None, decode.sample(Q, g)
+
+
 SYNC_HINT = ("the ops listed make the host wait for the device: a value read back (.item(), int() or bool() of a "
-             "tensor, a Python if on one) or a shape that depends on the data (boolean indexing, nonzero); which "
-             "position a row's bonus comes from is known only on the device")
+             "tensor, a Python if on one), a shape that depends on the data (boolean indexing, nonzero), or a draw "
+             "that checks its input on the host (torch.multinomial does, on a GPU); which position a row's bonus "
+             "comes from is known only on the device")
 
 
 def differ(a, b):

@@ -173,7 +173,8 @@ def test_the_parameter_is_read_and_checked(impl):
                                "is a bound written otherwise than the statement's (< where it says <=, or the two "
                                "bounds of epsilon and delta exchanged)")
         assert got == want, f"'typical:{edge}' gave {got}, want {want}"
-    for bad in ('0.09', 'a,b', '0,0.3', '0.09,1', '1.5,0.3', '-1,0.3', 'nan,0.3', '0.1,0.2,0.3', ''):
+    for bad in ('0.09', 'a,b', '0,0.3', '0.09,1', '1.5,0.3', '-1,0.3', 'nan,0.3', '0.3,nan', 'nan,nan', 'inf,0.3',
+                '0.1,0.2,0.3', ''):
         try:
             decode.parse_accept(f'typical:{bad}', 50, cli=True)
         except BadInput as e:
@@ -187,9 +188,9 @@ def test_the_parameter_is_read_and_checked(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no tensor on another device. Nothing makes the host wait for the device, and no
-    tensor is made off the logits' device (run on PyTorch's 'meta' device, which refuses a mix of
-    devices as CUDA does)."""
+    """No host sync, no Python loop, no tensor on another device. Nothing makes the host wait for the
+    device, as many ops for 6 rows or 8 positions as for 3 rows of 5, and no tensor is made off the
+    logits' device (run on PyTorch's 'meta' device, which refuses a mix of devices as CUDA does)."""
     logits, drafts = random_block(B=8, seed=3)
     with harness.HostSyncs() as syncs:
         impl.typical(logits, drafts, (0.09, 0.3))
@@ -198,6 +199,8 @@ def test_no_host_sync(impl):
                            "the ops listed make the host wait for the device: a value read back (.item(), float() "
                            "or bool() of a tensor, Python's min or max or an if on one) or a shape that depends on "
                            "the data (boolean indexing, nonzero)")
+    harness.assert_no_python_loop('typical', [(f'B={B}, k={k}', lambda B=B, k=k: impl.typical(
+        *random_block(B, k, seed=4), (0.09, 0.3))) for B, k in ((3, 5), (6, 5), (3, 8))])
     logits, drafts = harness.on_meta(logits), harness.on_meta(drafts)
     harness.assert_on_the_inputs_device('typical', lambda: impl.typical(logits, drafts, (0.09, 0.3)))
 

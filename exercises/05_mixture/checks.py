@@ -119,9 +119,10 @@ def test_no_underflow_over_32_tokens(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no tensor on another device. posterior and conditionals make the host wait for
-    nothing, and make no tensor off their inputs' device (run on PyTorch's 'meta' device, which
-    refuses a mix of devices as CUDA does)."""
+    """No host sync, no Python loop, no tensor on another device. posterior and conditionals make the
+    host wait for nothing, dispatch as many ops for 8 rows or 6 positions as for 4 rows of 3, and
+    make no tensor off their inputs' device (run on PyTorch's 'meta' device, which refuses a mix of
+    devices as CUDA does)."""
     log_prior, log_q, drafts = random_mixture(seed=2)
     with harness.HostSyncs() as syncs:
         impl.conditionals(log_prior, log_q, drafts)
@@ -129,10 +130,19 @@ def test_no_host_sync(impl):
         raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
                            "the ops listed make the host wait for the device: a value read back (.item(), a Python "
                            "if on a tensor) or a shape that depends on the data (boolean indexing, nonzero)")
+    sizes = [(f'N={N}, n={n}', random_mixture(N=N, n=n, seed=3)) for N, n in ((4, 3), (8, 3), (4, 6))]
+    harness.assert_no_python_loop('conditionals', [(size, lambda m=m: impl.conditionals(*m)) for size, m in sizes])
+    harness.assert_no_python_loop('posterior', [(size, lambda m=m: impl.posterior(m[0], drafted(*m)))
+                                                for size, m in sizes])
     log_prior, log_q, drafts = (harness.on_meta(t) for t in (log_prior, log_q, drafts))
     log_qd = log_q.gather(-1, drafts[:, None, :, None].expand(-1, 3, -1, 1)).squeeze(-1)
     harness.assert_on_the_inputs_device('posterior', lambda: impl.posterior(log_prior, log_qd))
     harness.assert_on_the_inputs_device('conditionals', lambda: impl.conditionals(log_prior, log_q, drafts))
+
+
+def drafted(log_prior, log_q, drafts):
+    """log q~ (N, K, n) of the drafts, what posterior reads."""
+    return log_q.gather(-1, drafts[:, None, :, None].expand(-1, log_q.size(1), -1, 1)).squeeze(-1)
 
 
 def test_lossless_through_generate(impl):

@@ -34,11 +34,12 @@ def is_point_mass(Q, drafts, V):
 
 
 def test_the_contract(impl):
-    """The contract. drafts (N, k-1) long tokens for every k up to drafter.k; under sampling Q is
-    (N, k-1, V), non-negative, sums to 1 and gives the drafts mass; the generator decides the
-    draws (the same seed, the same drafts, whatever the global RNG; another seed, others); argmax
-    drafting (sample_drafts False, and at T = 0 whatever sample_drafts says) is deterministic, with
-    Q None or one-hot. Hint: heads.BlockHeads.draft is a complete example of the contract."""
+    """The contract. drafts (N, k-1) long tokens for every k up to drafter.k, greedy ones the first
+    k-1 of those at drafter.k; under sampling Q is (N, k-1, V), non-negative, sums to 1 and gives
+    the drafts mass; the generator decides the draws (the same seed, the same drafts, whatever the
+    global RNG; another seed, others); argmax drafting (sample_drafts False, and at T = 0 whatever
+    sample_drafts says) is deterministic, with Q None or one-hot. Hint: heads.BlockHeads.draft is a
+    complete example of the contract."""
     model = harness.tiny_target()
     d = make(impl, model.config, 4, std=0.3)
     if not (isinstance(d, Drafter) and getattr(d, 'k', None) == 4):
@@ -54,12 +55,18 @@ def test_the_contract(impl):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(N, model.config.n_embd, generator=g, dtype=torch.float64)
     bonus = torch.randint(V, (N,), generator=g)
-    for k in (2, 4):
+    for k in (4, 3, 2):
         drafts, _ = d.draft(h, bonus, model, k, 0.0, g)
         assert drafts.shape == (N, k - 1) and drafts.dtype == torch.long, \
             f"k={k}: drafts should be (N, k-1) = {(N, k - 1)} long, got {tuple(drafts.shape)} {drafts.dtype}"
         assert ((drafts >= 0) & (drafts < V)).all(), \
             f"k={k}: drafts range over {int(drafts.min())}..{int(drafts.max())}, want tokens 0..{V - 1}"
+        full = drafts if k == 4 else full
+        if not torch.equal(drafts, full[:, :k - 1]):
+            raise harness.Fail(f"greedy, k={k}: {int((drafts != full[:, :k - 1]).any(-1).sum())} of {N} rows of drafts "
+                               f"differ from the first {k - 1} drafts at k = 4, want none",
+                               "draft i is the guess at the i-th token after the bonus, whatever k is. What fits: "
+                               "the last k-1 heads (or positions) taken where the first k-1 are meant")
     d.sample_drafts = True
     drafts, Q = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1))
     if Q is None or Q.shape != (N, 3, V):
@@ -137,7 +144,7 @@ def test_no_host_sync(impl):
         raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
                            "the ops listed make the host wait for the device: a value read back (.item(), int() or "
                            "bool() of a tensor, a Python if on one), a shape that depends on the data (boolean "
-                           "indexing, nonzero), or a draw that checks its input on the host (torch.multinomial may)")
+                           "indexing, nonzero), or a draw that checks its input on the host (torch.multinomial does, on a GPU)")
     target, drafter, h, bonus = (harness.on_meta(x) for x in (model, d, h, bonus))
     for T, what in ((1.0, 'sampled drafts, T = 1'), (0.0, 'greedy, T = 0')):
         harness.assert_on_the_inputs_device(what, lambda: drafter.draft(h, bonus, target, 4, T, None))

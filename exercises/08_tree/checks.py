@@ -310,8 +310,9 @@ def test_no_host_sync(impl):
         if syncs.seen:
             raise harness.Fail(f"T={T}: host syncs {', '.join(sorted(set(syncs.seen)))}, want none",
                                "the ops listed make the host wait for the device: a value read back (.item(), int() "
-                               "or bool() of a tensor, a Python if or loop bound on one) or a shape that depends on "
-                               "the data (boolean indexing, nonzero)")
+                               "or bool() of a tensor, a Python if or loop bound on one), a shape that depends on "
+                               "the data (boolean indexing, nonzero), or a draw that checks its input on the host "
+                               "(torch.multinomial does, on a GPU)")
     target = harness.on_meta(model)
     prefix, paths, active = (harness.on_meta(t) for t in (prefix, paths, torch.ones(3, dtype=torch.bool)))
     for T in (0.0, 1.0):

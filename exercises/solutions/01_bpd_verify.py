@@ -1,5 +1,6 @@
 """Exercise 1's reference is the project's own decode.verify_greedy; these are the plausible wrong
 answers its checks must catch."""
+import torch
 
 
 def counts_past_the_first_rejection(logits, drafts, accept):
@@ -23,8 +24,19 @@ def argmax_whatever_the_rule(logits, drafts, accept):
     return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
 
 
+def one_row_at_a_time(logits, drafts, accept):
+    rule, param = accept
+    rows = []
+    for i in range(logits.size(0)):                      # right, but a Python loop: B times the ops a step
+        accepted = rule(logits[i:i + 1], drafts[i:i + 1], param).long().cumprod(-1).bool()
+        n_acc = accepted.sum(-1)
+        rows.append((accepted, n_acc, logits[i:i + 1].argmax(-1).gather(1, n_acc[:, None]).squeeze(1)))
+    return tuple(torch.cat(parts) for parts in zip(*rows))
+
+
 CONTROLS = {
     'counts past the first rejection': dict(verify_greedy=counts_past_the_first_rejection),
     'bonus one position late': dict(verify_greedy=bonus_one_position_late),
     'ignores the acceptance rule': dict(verify_greedy=argmax_whatever_the_rule),
+    'a Python loop over the rows': dict(verify_greedy=one_row_at_a_time),
 }

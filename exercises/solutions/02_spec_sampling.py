@@ -87,6 +87,22 @@ def coins_off_the_logits_device(logits, Q, drafts, temperature, generator=None):
     return accept_prefix(coin * q_d < p_d, sample(weights, generator))
 
 
+def fallback_to_p_at_one(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
+    r = torch.where(r.sum(-1, keepdim=True) > 0, r, F.softmax(logits[:, :-1], -1))   # P at T = 1, not at T
+    return accept_prefix(ok, sample(torch.cat([r, p[:, -1:]], 1), generator))
+
+
+def bonus_by_multinomial(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    bonus = torch.multinomial(weights.flatten(0, 1), 1, generator=generator).view(weights.shape[:-1])   # syncs
+    return accept_prefix(ok, bonus)
+
+
 CONTROLS = {
     'residual without subtracting Q': dict(verify_sampled=residual_without_Q),
     'temperature on the acceptance test only': dict(verify_sampled=temperature_on_the_test_only),
@@ -98,4 +114,6 @@ CONTROLS = {
     'the residual without its fallback to P': dict(verify_sampled=residual_without_its_fallback),
     "the residual's fallback decided over the whole batch": dict(verify_sampled=fallback_over_the_whole_batch),
     "the coins drawn without the logits' device": dict(verify_sampled=coins_off_the_logits_device),
+    "the residual's fallback to P at T = 1": dict(verify_sampled=fallback_to_p_at_one),
+    'the bonus drawn by torch.multinomial (a host sync on a GPU)': dict(verify_sampled=bonus_by_multinomial),
 }

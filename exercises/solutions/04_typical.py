@@ -71,6 +71,18 @@ def epsilon_of_one_refused(text, vocab_size):
     return epsilon, delta
 
 
+def nan_delta_let_through(text, vocab_size):
+    try:
+        epsilon, delta = (float(x) for x in text.split(','))
+    except ValueError:
+        raise ValueError("want EPSILON,DELTA") from None
+    if not 0 < epsilon <= 1:
+        raise ValueError("need 0 < EPSILON <= 1")
+    if delta <= 0 or delta >= 1:                                    # nan compares False: it passes
+        raise ValueError("need 0 < DELTA < 1")
+    return epsilon, delta
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
@@ -79,4 +91,5 @@ CONTROLS = {
     "float64's guard 1e-300 in float32 (where it is 0)": dict(typical=float64_guard_in_float32),
     'parse_typical returns its parts swapped': dict(parse_typical=parts_swapped),
     'parse_typical refuses an epsilon of exactly 1': dict(parse_typical=epsilon_of_one_refused),
+    'parse_typical lets a nan DELTA through': dict(parse_typical=nan_delta_let_through),
 }

@@ -45,6 +45,17 @@ def guarded_log_of_zero(a, nll, tau_threshold):
     return project_al_surrogate(a, nll, max(tau_threshold, 1e-12))         # "log 0" made finite: e^-27.6
 
 
+def divides_by_an_empty_R(a, nll, tau_threshold):
+    log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_threshold
+    n = a.size(-1)
+    later = torch.ones(n, n, dtype=torch.bool, device=a.device).triu()          # later[j, j']: j' >= j
+    lam = torch.logsumexp(torch.where(later, a[:, None, :], -math.inf), -1)    # λ_j
+    n_keep = keep.sum(-1)
+    al = -(lam * keep).sum(-1) / n_keep             # 0/0 where R is empty: the forward pass's where() hides it
+    return torch.where(n_keep > 0, al, nll)
+
+
 CONTROLS = {
     'no clamp at 1': dict(prefix_log_accept=no_clamp),
     'NaN off every branch, where the answer is -inf': dict(prefix_log_accept=conditionals_without_their_guard),
@@ -52,4 +63,5 @@ CONTROLS = {
     'every prefix kept': dict(al_surrogate=every_prefix_kept),
     'a strict threshold (a_j > log tau_threshold)': dict(al_surrogate=strict_threshold),
     'tau_threshold 0 guarded as 1e-12': dict(al_surrogate=guarded_log_of_zero),
+    'divides by an empty R (a NaN gradient)': dict(al_surrogate=divides_by_an_empty_R),
 }

@@ -237,6 +237,27 @@ class RolloutMismatch(Recurrent):
         return drafts, F.softmax(tempered(self.teacher_forced(h, bonus, target, drafts), temperature), -1)
 
 
+class LastHeads(MyDrafter):
+    """At a k below drafter.k, the last k-1 heads draft where the first k-1 are meant."""
+
+    def logits(self, h, bonus, target, n):
+        u = self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1))
+        z = torch.stack([u + head(u) for head in self.heads[len(self.heads) - n:]], 1)
+        return upcast(target.lm_head(self.ln(z)))
+
+
+class DrawsByMultinomial(MyDrafter):
+    """Draws with torch.multinomial, from `generator`: right on a CPU, a host sync on a GPU."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        logits = self.logits(h, bonus, target, k - 1)
+        if temperature == 0.0 or not self.sample_drafts:
+            return logits.argmax(-1), None
+        q = F.softmax(tempered(logits, temperature), -1)
+        return torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:-1]), q
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
@@ -251,4 +272,6 @@ CONTROLS = {
     'draws made without the device of h': dict(MyDrafter=DrawsOffTheDevice),
     'sets reads_text, drafting from the target\'s state': dict(MyDrafter=ReadsTheText),
     "each head trained on the next head's token": dict(MyDrafter=TrainedOneTokenOn),
+    'the last heads drafting at a shorter k': dict(MyDrafter=LastHeads),
+    'draws by torch.multinomial (a host sync on a GPU)': dict(MyDrafter=DrawsByMultinomial),
 }
