@@ -293,10 +293,11 @@ def test_sampling_is_lossless(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no tensor on another device. tree_step, greedy and sampled, makes the host wait
-    for nothing (tree_generate around it reads how far the rows are, as decode.generate does), and
-    makes no tensor off the device of its inputs (run on PyTorch's 'meta' device, which refuses a
-    mix of devices as CUDA does)."""
+    """No host sync, no Python loop, no tensor on another device. tree_step, greedy and sampled,
+    makes the host wait for nothing (tree_generate around it reads how far the rows are, as
+    decode.generate does), dispatches as many ops for 6 rows or 5 drafts a branch as for 3 rows of
+    3, and makes no tensor off the device of its inputs (run on PyTorch's 'meta' device, which
+    refuses a mix of devices as CUDA does)."""
     model = harness.tiny_target()
     prefix = torch.randint(32, (3, 6), generator=torch.Generator().manual_seed(6))
     paths = torch.randint(32, (3, 4, 3), generator=torch.Generator().manual_seed(7))
@@ -313,6 +314,9 @@ def test_no_host_sync(impl):
                                "or bool() of a tensor, a Python if or loop bound on one), a shape that depends on "
                                "the data (boolean indexing, nonzero), or a draw that checks its input on the host "
                                "(torch.multinomial does, on a GPU)")
+    for T in (0.0, 1.0):   # rows and drafts a branch: other sizes, as many ops (K stays 4: a loop over it is allowed)
+        harness.assert_no_python_loop(f"T={T}", [(f'B={B}, {n} drafts a branch', lambda B=B, n=n: impl.tree_step(
+            *sized_step(model, B, n), T, torch.Generator().manual_seed(8))) for B, n in ((3, 3), (6, 3), (3, 5))])
     target = harness.on_meta(model)
     prefix, paths, active = (harness.on_meta(t) for t in (prefix, paths, torch.ones(3, dtype=torch.bool)))
     for T in (0.0, 1.0):
@@ -322,6 +326,16 @@ def test_no_host_sync(impl):
         cache.commit(6)
         harness.assert_on_the_inputs_device(f"T={T}", lambda: impl.tree_step(target, cache, prefix[:, -1], paths,
                                                                              active, T, None))
+
+
+def sized_step(model, B, n, K=4):
+    """tree_step's arguments before T: B rows after a 6-token prefix, K branches of n drafts."""
+    g = torch.Generator().manual_seed(B * 10 + n)
+    prefix, paths = torch.randint(32, (B, 6), generator=g), torch.randint(32, (B, K, n), generator=g)
+    cache = model.new_cache(B, 32)
+    model.forward_cached(prefix, cache)
+    cache.commit(6)
+    return model, cache, prefix[:, -1], paths, torch.ones(B, dtype=torch.bool)
 
 
 def try_it(impl, tryout):
