@@ -59,8 +59,9 @@ class Unnormalised(MyDrafter):
         return drafts, None if q is None else tempered(self.logits(h, bonus, target, k - 1), temperature).exp()
 
 
-class GlobalRandomness(MyDrafter):
-    """Draws with torch.multinomial from the global RNG instead of `generator`."""
+class DrawsByMultinomial(MyDrafter):
+    """Draws with torch.multinomial, from `generator`: right on a CPU, a host sync on a GPU."""
+    from_generator = True
 
     @torch.no_grad()
     def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
@@ -68,7 +69,13 @@ class GlobalRandomness(MyDrafter):
         if temperature == 0.0 or not self.sample_drafts:
             return logits.argmax(-1), None
         q = F.softmax(tempered(logits, temperature), -1)
-        return torch.multinomial(q.flatten(0, 1), 1).view(q.shape[:-1]), q
+        draws = torch.multinomial(q.flatten(0, 1), 1, generator=generator if self.from_generator else None)
+        return draws.view(q.shape[:-1]), q
+
+
+class GlobalRandomness(DrawsByMultinomial):
+    """Draws with torch.multinomial from the global RNG instead of `generator`."""
+    from_generator = False
 
 
 class DrawsAtOne(MyDrafter):
@@ -244,18 +251,6 @@ class LastHeads(MyDrafter):
         u = self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1))
         z = torch.stack([u + head(u) for head in self.heads[len(self.heads) - n:]], 1)
         return upcast(target.lm_head(self.ln(z)))
-
-
-class DrawsByMultinomial(MyDrafter):
-    """Draws with torch.multinomial, from `generator`: right on a CPU, a host sync on a GPU."""
-
-    @torch.no_grad()
-    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
-        logits = self.logits(h, bonus, target, k - 1)
-        if temperature == 0.0 or not self.sample_drafts:
-            return logits.argmax(-1), None
-        q = F.softmax(tempered(logits, temperature), -1)
-        return torch.multinomial(q.flatten(0, 1), 1, generator=generator).view(q.shape[:-1]), q
 
 
 CONTROLS = {
