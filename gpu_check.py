@@ -333,9 +333,9 @@ def part_calls(c):
     (measure.ways_of_calling: eager, compiled one step a host call, compiled in units, and on CUDA
     the eager step captured by hand and torch.compile's CUDA graphs), plain greedy and BPD heads at
     k = 8, the prompts one at a time: wall time per call (CUDA-synchronised; the best of
-    max(2, --repeats) runs), the first call's seconds (compiling and capturing), and on CUDA the GPU's busy time,
-    kernels and launches per call (the profiler), and the GPU time of a step of the captured
-    unit replayed back to back (CUDA events; graph_us). On CUDA also the compiled units with TF32
+    max(2, --repeats) runs), the first call's seconds (compiling and capturing), and on CUDA the
+    GPU's busy time, kernels and launches per call (the profiler), and the GPU time of a step of the
+    captured unit replayed back to back (CUDA events; graph_us). On CUDA also the compiled units with TF32
     matmuls and in bf16 autocast, where the products of a k-token call run on tensor cores."""
     rows = []
     for way, (compile, setting) in ways_of_calling(c.device).items():
@@ -579,8 +579,8 @@ def main(argv=None):
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--quick', action='store_true', help='tiny sizes, seconds on a CPU')
     ap.add_argument('--parts', default=PART_ORDER, help=f"which parts, in which order, from {','.join(PARTS)} "
-                                                        f"(default {PART_ORDER}; b, compiled training, and l, tuned compiling, "
-                                                        f"when asked)")
+                                                        f"(default {PART_ORDER}; b, compiled training, and l, "
+                                                        f"tuned compiling, when asked)")
     ap.add_argument('--trained', default=None, metavar='DIR',
                     help=f"check train.py's checkpoints in DIR ({', '.join(TRAINED)}) instead of training in part a")
     common_flags(ap, 'bench/gpu')

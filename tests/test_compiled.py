@@ -215,8 +215,8 @@ def test_generate_keeps_the_generator_out_of_the_compiled_step(monkeypatch):
     """generate(compile=True, generator=g) must not hand g to the compiled steps: every draw from
     it would split the graph (a full-graph compile raises)."""
     torch._dynamo.reset()
-    monkeypatch.setattr(runner, 'compiled', lambda fn, *how, **options: torch.compile(fn, fullgraph=True, backend='eager',
-                                                                                   dynamic=False))
+    monkeypatch.setattr(runner, 'compiled', lambda fn, *how, **options: torch.compile(
+        fn, fullgraph=True, backend='eager', dynamic=False))
     model, drafter = setup('dblast', 1.0)
     prompt = torch.randint(64, (2, 8), device=DEV)
     generate(model, prompt, 20, drafter=drafter, k=4, temperature=1.0, compile=True,

@@ -449,8 +449,9 @@ def test_a_prompt_of_int32_ids_is_taken(model, greedy_ref, prompts):
 def test_flags_that_mean_nothing_with_a_drafter_are_refused(model, trained):
     """The drafter's own word (heads.Drafter.meaningless): several paths of argmax drafts are all the
     same path (BPD heads under greedy, or not sampled; a K = 1 drafter, i.i.d. or one per branch;
-    Z_T = 0), refused; DBlast's argmax paths, which differ by branch, are not. A mixture told to verify against itself while it
-    draws one path per branch is refused at any paths (MATH.md §9: they are not its samples)."""
+    Z_T = 0), refused; DBlast's argmax paths, which differ by branch, are not. A mixture told to
+    verify against itself while it draws one path per branch is refused at any paths (MATH.md §9:
+    they are not its samples)."""
     heads = trained[1]
     prompt = torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(BadInput, match=r"paths=4 means nothing here: drafted by argmax"):

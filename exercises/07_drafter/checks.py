@@ -144,7 +144,8 @@ def test_no_host_sync(impl):
         raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
                            "the ops listed make the host wait for the device: a value read back (.item(), int() or "
                            "bool() of a tensor, a Python if on one), a shape that depends on the data (boolean "
-                           "indexing, nonzero), or a draw that checks its input on the host (torch.multinomial does, on a GPU)")
+                           "indexing, nonzero), or a draw that checks its input on the host (torch.multinomial "
+                           "does, on a GPU)")
     target, drafter, h, bonus = (harness.on_meta(x) for x in (model, d, h, bonus))
     for T, what in ((1.0, 'sampled drafts, T = 1'), (0.0, 'greedy, T = 0')):
         harness.assert_on_the_inputs_device(what, lambda: drafter.draft(h, bonus, target, 4, T, None))
