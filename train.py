@@ -8,7 +8,7 @@ Train the target GPT, then its drafters, in stages:
   dblast  DBlast dependent drafters (K = --branches and the K = 1 baseline) on the target's own samples
   draft   a small draft model (a GPT of --draft-layers) for generate.py --draft-model; only when asked
 
-    python train.py                         # base, heads, dblast (CPU preset: about 5 min on 2 cores, README)
+    python train.py                         # base, heads, dblast (CPU preset: 3 to 5 min on 2 cores, README)
     python train.py --stages heads --k 4    # only the heads, on the existing out/ckpt.pt
     torchrun --nproc_per_node 2 train.py    # data parallel (NCCL on CUDA, gloo on CPU)
 
