@@ -333,10 +333,11 @@ def part_calls(c):
     (measure.ways_of_calling: eager, compiled one step a host call, compiled in units, and on CUDA
     the eager step captured by hand and torch.compile's CUDA graphs), plain greedy and BPD heads at
     k = 8, the prompts one at a time: wall time per call (CUDA-synchronised; the best of
-    max(2, --repeats) runs), the first call's seconds (compiling and capturing), and on CUDA the
-    GPU's busy time, kernels and launches per call (the profiler), and the GPU time of a step of the
-    captured unit replayed back to back (CUDA events; graph_us). On CUDA also the compiled units with TF32
-    matmuls and in bf16 autocast, where the products of a k-token call run on tensor cores."""
+    max(2, --repeats) runs; and past the fixed costs of each generate(), us_per_further_call), the
+    first call's seconds (compiling and capturing), and on CUDA the GPU's busy time, kernels and
+    launches per call (the profiler), and the GPU time of a step of the captured unit replayed back
+    to back (CUDA events; graph_us). On CUDA also the compiled units with TF32 matmuls and in bf16
+    autocast, where the products of a k-token call run on tensor cores."""
     rows = []
     for way, (compile, setting) in ways_of_calling(c.device).items():
         for name in (PLAIN, HEADS):
@@ -347,7 +348,7 @@ def part_calls(c):
                 sync(c.device)
                 first = time.perf_counter() - t0
                 r = call_costs(lambda: c.eager.decode_all(c.base, compile=compile, **kw), c.device,
-                               max(2, c.args.repeats))
+                               max(2, c.args.repeats), shorter(c, compile=compile, **kw))
                 if c.cuda and compile and setting.get('mode') is None:
                     r['graph_us'] = replayed_step_us(c.base, kw.get('k') or 1, runner.UNIT['cuda'])
             rows.append(dict(way=way, config=name, first_call_s=first, **r))
@@ -356,10 +357,16 @@ def part_calls(c):
             for name in (PLAIN, HEADS):
                 with precision:
                     r = call_costs(lambda: c.eager.decode_all(c.base, compile=True, **c.configs[name]), c.device,
-                                   max(2, c.args.repeats))
+                                   max(2, c.args.repeats), shorter(c, compile=True, **c.configs[name]))
                 rows.append(dict(way=f"compiled, {runner.UNIT['cuda']} steps a host call, {precision}", config=name,
                                  **r))
     return dict(ok=True, rows=rows, attention=attention_kernels(c) if c.cuda else None)
+
+
+def shorter(c, **kw):
+    """The same decoding of the prompts with a quarter of the new tokens: what call_costs finds one
+    more call's cost against, the prefill and set-up left out (us_per_further_call)."""
+    return lambda: c.eager.decode_all(c.base, max_new=max(1, c.args.max_new // 4), **kw)
 
 
 def attention_kernels(c):
@@ -436,7 +443,7 @@ def part_tuned(c):
                 sync(c.device)
                 first = time.perf_counter() - t0
                 r = call_costs(lambda: c.eager.decode_all(c.base, compile=True, **c.configs[name]), c.device,
-                               max(2, c.args.repeats))
+                               max(2, c.args.repeats), shorter(c, compile=True, **c.configs[name]))
             rows.append(dict(coordinate_descent_tuning=tuned, config=name, first_call_s=first, **r))
     c.base.__dict__.pop('_static_loops', None)
     return dict(ok=True, rows=rows)

@@ -131,13 +131,13 @@ class Bench:
         self.heldout = {}      # temperature -> held-out target samples for the evaluator
 
     def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact', seed=0, compile=None, paths=1,
-                   nodes=None):
+                   nodes=None, max_new=None):
         """Every prompt, --batch rows per generate() call (default 1: per-request latency, as the
-        papers measure), compiled as --compile says unless `compile` is given. Returns outputs and
-        the calls' stats merged."""
+        papers measure), compiled as --compile says unless `compile` is given, --max-new tokens
+        each unless `max_new` is. Returns outputs and the calls' stats merged."""
         compile = self.args.compile if compile is None else compile
         g = torch.Generator(device=self.device).manual_seed(seed)
-        runs = [generate(model, chunk, self.args.max_new, drafter=drafter, k=k, temperature=temperature, accept=accept,
+        runs = [generate(model, chunk, max_new or self.args.max_new, drafter=drafter, k=k, temperature=temperature, accept=accept,
                          generator=g, compile=compile, paths=paths, nodes=nodes, threads=None)   # bench's threads
                 for chunk in self.prompts.split(self.args.batch)]
         return torch.cat([out for out, _ in runs]), merged_stats([s for _, s in runs])

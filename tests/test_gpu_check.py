@@ -2,6 +2,7 @@
 parts.jsonl; a failed, crashed or hung part is recorded and the next one runs; a killed check keeps
 the parts it finished; flags it cannot take are one error line."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -56,6 +57,7 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
     assert [(r['way'], r['config']) for r in parts['j']['rows']] == [(w, c) for w in ways
                                                                      for c in (gpu_check.PLAIN, gpu_check.HEADS)]
     assert all(r['us_per_call'] > 0 and r['ops_per_call'] > 0 and r['first_call_s'] > 0 for r in parts['j']['rows'])
+    assert all(math.isfinite(r['us_per_further_call']) for r in parts['j']['rows'] + parts['l']['rows'])
     assert parts['j']['attention'] is None   # the attention kernels are compared on CUDA
     # l: without and with coordinate-descent tuning, each compiled anew (not the units part j left)
     assert [(r['coordinate_descent_tuning'], r['config']) for r in parts['l']['rows']] == [
