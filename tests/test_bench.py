@@ -72,6 +72,24 @@ def test_calls_table_times_every_way_of_running_the_steps(monkeypatch, capsys):
     assert '### 7. What a call costs' in capsys.readouterr().out
 
 
+def test_a_further_call_is_the_difference_of_two_decodes(monkeypatch):
+    """measure.call_costs' cost of one more call: (t(long) - t(short)) / (calls(long) - calls(short)),
+    from the best of each, with perf_counter faked (each decode takes 1 ms of fixed cost plus 10 us a
+    call); a shorter decoding that makes as many calls is refused."""
+    clock = [0.0]
+
+    def decoding(calls):
+        def decode():
+            clock[0] += 1e-3 + calls * 1e-5
+            return None, dict(calls=calls, tokens=calls, mean_tau=1.0)
+        return decode
+    monkeypatch.setattr(measure.time, 'perf_counter', lambda: clock[0])
+    r = measure.call_costs(decoding(100), 'cpu', 2, decoding(20))
+    assert r['us_per_call'] == pytest.approx(20.0) and r['us_per_further_call'] == pytest.approx(10.0)
+    with pytest.raises(ValueError, match='not fewer'):
+        measure.call_costs(decoding(20), 'cpu', 1, decoding(20))
+
+
 @pytest.mark.slow
 def test_trees_table_at_tiny_sizes(tmp_path, corpus_file):
     """Table 8 end to end at tiny sizes: for the heads greedy and each drafter at each T, one path,
