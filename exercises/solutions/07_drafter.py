@@ -244,6 +244,15 @@ class RolloutMismatch(Recurrent):
         return drafts, F.softmax(tempered(self.teacher_forced(h, bonus, target, drafts), temperature), -1)
 
 
+class TemperedTwiceAfterTheFirst(TemperedTwice):
+    """The temperature applied twice at the drafts after the first only (the first, as the loss
+    trains it): lossless, and the first draft's scale is right."""
+
+    def tempered_logits(self, h, bonus, target, n, temperature):
+        logits = self.logits(h, bonus, target, n)
+        return torch.cat([logits[:, :1], tempered(logits[:, 1:], temperature)], 1)
+
+
 class LastHeads(MyDrafter):
     """At a k below drafter.k, the last k-1 heads draft where the first k-1 are meant."""
 
@@ -268,5 +277,6 @@ CONTROLS = {
     'sets reads_text, drafting from the target\'s state': dict(MyDrafter=ReadsTheText),
     "each head trained on the next head's token": dict(MyDrafter=TrainedOneTokenOn),
     'the last heads drafting at a shorter k': dict(MyDrafter=LastHeads),
+    'the temperature applied twice after the first draft': dict(MyDrafter=TemperedTwiceAfterTheFirst),
     'draws by torch.multinomial (a host sync on a GPU)': dict(MyDrafter=DrawsByMultinomial),
 }
