@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from cli import BadInput
 from data import PROMPT_LEN
-from heads import LOGITS_BUDGET, BlockHeads, Drafter
+from heads import LOGITS_BUDGET, BlockHeads, Drafter, scores_from
 from model import LayerNorm, sample, tempered, upcast
 
 VERIFY = ('mixture', 'branch')          # what drafts are verified against (DBlastDrafter.verify)
@@ -325,7 +325,7 @@ class DBlastDrafter(Drafter):
         drafted, plays no part), the prior at Z_T."""
         log_pi, logits = self.mixture_logits(h, bonus, target, k)
         log_prior = prior(log_pi, self.zt)                                  # (B, K) log pi'
-        log_q = F.log_softmax(tempered(upcast(logits), temperature or 1.0), dim=-1)   # (B, K, n, V)
+        log_q = scores_from(logits, temperature)                            # (B, K, n, V)
         B, K, _, V = log_q.shape
 
         def conditional(d, prefix):          # prefix (B, M, d) -> log Q_d(. | prefix) (B, M, V)

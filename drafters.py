@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from cli import BadInput, first_line
 from data import Vocab, check_finite, describe, load_checkpoint, target_from, vocab_for
 from dblast import DBlastDrafter
-from heads import BlockHeads, Drafter, Text, drafts_from
-from model import GPT, tempered, upcast
+from heads import BlockHeads, Drafter, Text, drafts_from, scores_from
+from model import GPT
 
 
 class DraftModel(Drafter):
@@ -112,7 +112,7 @@ class DraftModel(Drafter):
         and overwritten by the next depth's). Its state needs room for the chains: new_state's
         max_len includes nodes * k (decode's loop gives it)."""
         cache = text.state
-        log_q0 = F.log_softmax(tempered(upcast(self.catch_up(bonus, k, text)), temperature or 1.0), dim=-1)
+        log_q0 = scores_from(self.catch_up(bonus, k, text), temperature)
 
         def log_q(d, prefix):                                             # prefix (B, M, d)
             B, M, _ = prefix.shape
@@ -123,7 +123,7 @@ class DraftModel(Drafter):
             attend = (chain[:, None] == chain[None, :]) & (depth[None, :] <= depth[:, None])
             hs = self.model.forward_cached(prefix.flatten(1), cache, (depth, attend))   # (B, M d, C)
             logits = self.model.lm_head(hs[:, d - 1::d])                 # (B, M, V) after each chain
-            return F.log_softmax(tempered(upcast(logits), temperature or 1.0), dim=-1)
+            return scores_from(logits, temperature)
         return log_q
 
 

@@ -195,6 +195,12 @@ def drafts_from(logits, temperature, sample_drafts, generator=None):
     return sample(q, generator), q
 
 
+def scores_from(logits, temperature):
+    """What a token tree scores its nodes by (Drafter.next_log_q): log softmax(logits / T) (..., V)
+    at the decoding temperature, at 1 under greedy decoding (T = 0 would divide by zero)."""
+    return F.log_softmax(tempered(upcast(logits), temperature or 1.0), dim=-1)
+
+
 class BlockHeads(Drafter):
     ARGS = ('k', 'd_hidden')   # what a checkpoint records to rebuild it (drafters.load_drafter)
 
@@ -293,8 +299,7 @@ class BlockHeads(Drafter):
         whatever the node's prefix. A tree
         is chosen from the heads' distributions (sample_drafts, how one path is drafted, plays no
         part)."""
-        logits = upcast(self(h, target.lm_head, k - 1))                    # (B, k-1, V)
-        log_q = F.log_softmax(tempered(logits, temperature or 1.0), dim=-1)
+        log_q = scores_from(self(h, target.lm_head, k - 1), temperature)   # (B, k-1, V)
         return lambda d, prefix: log_q[:, d, None].expand(-1, prefix.size(1), -1)
 
     @torch.no_grad()
