@@ -58,8 +58,12 @@ def compiled(fn, mode=None, options=None):
     bench.py's needs a few dozen, past dynamo's default limit of 8, after which it would run eager
     with no more than a logged warning."""
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    how = dict(backend=BACKEND) if BACKEND is not None else dict(options=options) if options else {}
-    return torch.compile(fn, mode=mode, dynamic=False, **how)
+    how = dict(mode=mode, dynamic=False)
+    if BACKEND is not None:
+        how['backend'] = BACKEND            # `options` are inductor's: another backend takes none
+    elif options:
+        how['options'] = options
+    return torch.compile(fn, **how)
 
 
 def repeated(step, n):
@@ -155,8 +159,8 @@ class Compiled:
                     torch._dynamo.mark_static_address(t)
             kept.update(state=state, drafter_state=own, prefill=prefill, step=step)
             if not self.cuda or self.mode == 'reduce-overhead':
-                kept['unit'] = (compiled(repeated(step, self.unit), 'reduce-overhead') if self.cuda else
-                                compiled(repeated(step, self.unit), options=CPU_OPTIONS))
+                kept['unit'] = compiled(repeated(step, self.unit), 'reduce-overhead' if self.cuda else None,
+                                        None if self.cuda else CPU_OPTIONS)
             elif self.mode == 'captured':
                 kept['step'] = compiled(step)
         self.state, self.drafter_state = kept['state'], kept['drafter_state']
