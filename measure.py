@@ -95,11 +95,12 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fns, repeats, device, warmup=True):
-    """Median wall-clock seconds of each fn over `repeats` rounds, after one warm-up round (needed
-    to compile, and on a GPU; on the CPU in eager mode a first decode costs no more than the next).
-    The fns run interleaved, round after round, so a busy spell on a shared machine hits them
-    alike and their ratio stays fair. Returns (medians, each fn's last result)."""
+def timed(fns, repeats, device, warmup=True, stat=statistics.median):
+    """Median wall-clock seconds of each fn over `repeats` rounds (or another `stat` of them: min
+    for the best), after one warm-up round (needed to compile, and on a GPU; on the CPU in eager
+    mode a first decode costs no more than the next). The fns run interleaved, round after round,
+    so a busy spell on a shared machine hits them alike and their ratio stays fair. Returns (the
+    stat of each, each fn's last result)."""
     results = [fn() for fn in fns] if warmup else [None] * len(fns)
     times = [[] for _ in fns]
     for _ in range(repeats):
@@ -109,7 +110,7 @@ def timed(fns, repeats, device, warmup=True):
             results[i] = fn()
             sync(device)
             times[i].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times], results
+    return [stat(t) for t in times], results
 
 
 # the ways of drafting that table 3 compares -> (sample_drafts, verify): the drafter contract's one
@@ -336,7 +337,7 @@ def runner_settings(device, unit=None, mode=None):
 
 def call_costs(decode_once, device, repeats, decode_shorter=None):
     """What one target call costs while decode_once() (-> generate's output and stats) decodes: the
-    wall time per call, the best of `repeats` runs after a warm-up (the host's cost, where the
+    wall time per call, the best of `repeats` runs after a warm-up (timed; the host's cost, where the
     device computes next to nothing), and from one profiled run: on CUDA the GPU's busy time per
     call (its kernels' durations, summed), kernels and host launches per call (a CUDA graph's replay
     is one launch) and the kernels that take the most of it (top_kernels: name, us per call); on a
@@ -345,22 +346,11 @@ def call_costs(decode_once, device, repeats, decode_shorter=None):
 
     With decode_shorter (the same decoding, fewer new tokens) also the cost of one more call, the
     prefill and what a generate() call does once left out (us_per_further_call): the difference of
-    the two best times over the difference of their calls. A block of k makes fewer calls, so the
-    fixed costs weigh more in its us_per_call than in plain decoding's."""
+    the two best times over the difference of their calls (the two timed interleaved). A block of k
+    makes fewer calls, so the fixed costs weigh more in its us_per_call than in plain decoding's."""
     cuda = torch.device(device).type == 'cuda'
-
-    def best_of(decode):
-        decode()
-        best = float('inf')
-        for _ in range(repeats):
-            sync(device)
-            t0 = time.perf_counter()
-            _, stats = decode()
-            sync(device)
-            best = min(best, time.perf_counter() - t0)
-        return best, stats
-
-    best, stats = best_of(decode_once)
+    bests, results = timed([decode_once] + [decode_shorter] * (decode_shorter is not None), repeats, device, stat=min)
+    best, stats = bests[0], results[0][1]
     calls = stats['calls']
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         decode_once()
@@ -368,7 +358,7 @@ def call_costs(decode_once, device, repeats, decode_shorter=None):
     events = prof.events()
     r = dict(us_per_call=best / calls * 1e6, tokens_per_s=stats['tokens'] / best, calls=calls, tau=stats['mean_tau'])
     if decode_shorter is not None:
-        best_short, short = best_of(decode_shorter)
+        best_short, short = bests[1], results[1][1]
         if short['calls'] >= calls:
             raise ValueError(f"the shorter decoding makes {short['calls']} calls, not fewer than {calls}")
         r['us_per_further_call'] = (best - best_short) / (calls - short['calls']) * 1e6
