@@ -343,30 +343,35 @@ def part_calls(c):
         for name in (PLAIN, HEADS):
             kw = c.configs[name]
             with runner_settings(c.device, **setting):
-                t0 = time.perf_counter()
-                c.eager.decode_all(c.base, compile=compile, **kw)
-                sync(c.device)
-                first = time.perf_counter() - t0
-                r = call_costs(lambda: c.eager.decode_all(c.base, compile=compile, **kw), c.device,
-                               max(2, c.args.repeats), shorter(c, compile=compile, **kw))
+                r = first_call_and_costs(c, compile=compile, **kw)
                 if c.cuda and compile and setting.get('mode') is None:
                     r['graph_us'] = replayed_step_us(c.base, kw.get('k') or 1, runner.UNIT['cuda'])
-            rows.append(dict(way=way, config=name, first_call_s=first, **r))
+            rows.append(dict(way=way, config=name, **r))
     if c.cuda:   # is a wider call free on tensor cores? float32 8-row products run on CUDA cores
         for precision in (Precision('float32', c.device, tf32=True), Precision('bfloat16', c.device)):
             for name in (PLAIN, HEADS):
                 with precision:
-                    r = call_costs(lambda: c.eager.decode_all(c.base, compile=True, **c.configs[name]), c.device,
-                                   max(2, c.args.repeats), shorter(c, compile=True, **c.configs[name]))
+                    r = costs(c, compile=True, **c.configs[name])
                 rows.append(dict(way=f"compiled, {runner.UNIT['cuda']} steps a host call, {precision}", config=name,
                                  **r))
     return dict(ok=True, rows=rows, attention=attention_kernels(c) if c.cuda else None)
 
 
-def shorter(c, **kw):
-    """The same decoding of the prompts with a quarter of the new tokens: what call_costs finds one
-    more call's cost against, the prefill and set-up left out (us_per_further_call)."""
-    return lambda: c.eager.decode_all(c.base, max_new=max(1, c.args.max_new // 4), **kw)
+def costs(c, **kw):
+    """What a call costs while c.eager.decode_all(c.base, **kw) decodes the prompts (measure.call_costs,
+    the best of max(2, --repeats) runs), and past the prefill and set-up of each generate()
+    (us_per_further_call), against the same decoding with a quarter of the new tokens."""
+    return call_costs(lambda: c.eager.decode_all(c.base, **kw), c.device, max(2, c.args.repeats),
+                      lambda: c.eager.decode_all(c.base, max_new=max(1, c.args.max_new // 4), **kw))
+
+
+def first_call_and_costs(c, **kw):
+    """costs, after the first decode of the configuration, timed (first_call_s: compiling and
+    capturing)."""
+    t0 = time.perf_counter()
+    c.eager.decode_all(c.base, **kw)
+    sync(c.device)
+    return dict(first_call_s=time.perf_counter() - t0, **costs(c, **kw))
 
 
 def attention_kernels(c):
@@ -438,13 +443,8 @@ def part_tuned(c):
             c.base.__dict__.pop('_static_loops', None)      # compile and capture anew under this setting:
             torch._dynamo.reset()                           # dynamo's guards do not look at inductor's config
             with torch._inductor.config.patch(coordinate_descent_tuning=tuned):
-                t0 = time.perf_counter()
-                c.eager.decode_all(c.base, compile=True, **c.configs[name])
-                sync(c.device)
-                first = time.perf_counter() - t0
-                r = call_costs(lambda: c.eager.decode_all(c.base, compile=True, **c.configs[name]), c.device,
-                               max(2, c.args.repeats), shorter(c, compile=True, **c.configs[name]))
-            rows.append(dict(coordinate_descent_tuning=tuned, config=name, first_call_s=first, **r))
+                r = first_call_and_costs(c, compile=True, **c.configs[name])
+            rows.append(dict(coordinate_descent_tuning=tuned, config=name, **r))
     c.base.__dict__.pop('_static_loops', None)
     return dict(ok=True, rows=rows)
 
