@@ -22,13 +22,18 @@ def random_mixture(N=6, K=3, n=4, V=5, seed=0):
     return log_prior, log_q, drafts
 
 
+def drafted(q, drafts):
+    """Each branch's q (N, K, n, V), or log q, at the drafts (N, n): (N, K, n), what posterior reads."""
+    return q.gather(-1, drafts[:, None, :, None].expand(-1, q.size(1), -1, 1)).squeeze(-1)
+
+
 def brute_force(log_prior, log_q, drafts, seen=0):
     """w (N, n, K) and Q (N, n, V) from the definitions, in probability space (fine for 4 positions).
     seen: how many drafts position i conditions on beyond those before it (0; for the hints, 1: its
     own draft too)."""
     pi, q = log_prior.exp(), log_q.exp()
     N, K, n, V = q.shape
-    qd = q.gather(-1, drafts[:, None, :, None].expand(N, K, n, 1)).squeeze(-1)   # (N, K, n)
+    qd = drafted(q, drafts)                                                     # (N, K, n)
     w = torch.empty(N, n, K, dtype=q.dtype)
     for i in range(n):
         joint = pi * qd[:, :, :i + seen].prod(-1)                                 # pi_z prod_{l<i}
@@ -56,7 +61,7 @@ def test_the_posterior_by_enumeration(impl):
     normalised, computed directly. Hint: position i's posterior weighs each branch by the drafts
     before i only (position 0 sees none: its posterior is the prior), normalised over the branches."""
     log_prior, log_q, drafts = random_mixture()
-    log_qd = log_q.gather(-1, drafts[:, None, :, None].expand(-1, 3, -1, 1)).squeeze(-1)
+    log_qd = drafted(log_q, drafts)
     log_w = impl.posterior(log_prior, log_qd)
     assert log_w.shape == (6, 4, 3), f"log w should be (N, n, K) = (6, 4, 3), got {tuple(log_w.shape)}"
     w, _ = brute_force(log_prior, log_q, drafts)
@@ -132,17 +137,12 @@ def test_no_host_sync(impl):
                            "if on a tensor) or a shape that depends on the data (boolean indexing, nonzero)")
     sizes = [(f'N={N}, n={n}', random_mixture(N=N, n=n, seed=3)) for N, n in ((4, 3), (8, 3), (4, 6))]
     harness.assert_no_python_loop('conditionals', [(size, lambda m=m: impl.conditionals(*m)) for size, m in sizes])
-    harness.assert_no_python_loop('posterior', [(size, lambda m=m: impl.posterior(m[0], drafted(*m)))
+    harness.assert_no_python_loop('posterior', [(size, lambda m=m: impl.posterior(m[0], drafted(*m[1:])))
                                                 for size, m in sizes])
     log_prior, log_q, drafts = (harness.on_meta(t) for t in (log_prior, log_q, drafts))
-    log_qd = log_q.gather(-1, drafts[:, None, :, None].expand(-1, 3, -1, 1)).squeeze(-1)
+    log_qd = drafted(log_q, drafts)
     harness.assert_on_the_inputs_device('posterior', lambda: impl.posterior(log_prior, log_qd))
     harness.assert_on_the_inputs_device('conditionals', lambda: impl.conditionals(log_prior, log_q, drafts))
-
-
-def drafted(log_prior, log_q, drafts):
-    """log q~ (N, K, n) of the drafts, what posterior reads."""
-    return log_q.gather(-1, drafts[:, None, :, None].expand(-1, log_q.size(1), -1, 1)).squeeze(-1)
 
 
 def test_lossless_through_generate(impl):
