@@ -299,15 +299,10 @@ def test_no_host_sync(impl):
     3, and makes no tensor off the device of its inputs (run on PyTorch's 'meta' device, which
     refuses a mix of devices as CUDA does)."""
     model = harness.tiny_target()
-    prefix = torch.randint(32, (3, 6), generator=torch.Generator().manual_seed(6))
-    paths = torch.randint(32, (3, 4, 3), generator=torch.Generator().manual_seed(7))
     for T in (0.0, 1.0):
-        cache = model.new_cache(3, 32)
-        model.forward_cached(prefix, cache)
-        cache.commit(6)
+        step_args = sized_step(model, 3, 3)
         with harness.HostSyncs() as syncs:
-            impl.tree_step(model, cache, prefix[:, -1], paths, torch.ones(3, dtype=torch.bool), T,
-                           torch.Generator().manual_seed(8))
+            impl.tree_step(*step_args, T, torch.Generator().manual_seed(8))
         if syncs.seen:
             raise harness.Fail(f"T={T}: host syncs {', '.join(sorted(set(syncs.seen)))}, want none",
                                "the ops listed make the host wait for the device: a value read back (.item(), int() "
@@ -320,6 +315,8 @@ def test_no_host_sync(impl):
         harness.assert_no_python_loop(f"T={T}", [(f'B={B}, {n} drafts a branch', lambda B=B, n=n: impl.tree_step(
             *sized_step(model, B, n), T, torch.Generator().manual_seed(8))) for B, n in ((3, 3), (6, 3), (3, 5))])
     target = harness.on_meta(model)
+    prefix = torch.randint(32, (3, 6), generator=torch.Generator().manual_seed(6))
+    paths = torch.randint(32, (3, 4, 3), generator=torch.Generator().manual_seed(7))
     prefix, paths, active = (harness.on_meta(t) for t in (prefix, paths, torch.ones(3, dtype=torch.bool)))
     for T in (0.0, 1.0):
         with harness.autocast_off_on_meta():
@@ -331,7 +328,8 @@ def test_no_host_sync(impl):
 
 
 def sized_step(model, B, n, K=4):
-    """tree_step's arguments before T: B rows after a 6-token prefix, K branches of n drafts."""
+    """tree_step's arguments before T: B rows after a 6-token prefix in a fresh cache, K branches of
+    n drafts."""
     g = torch.Generator().manual_seed(B * 10 + n)
     prefix, paths = torch.randint(32, (B, 6), generator=g), torch.randint(32, (B, K, n), generator=g)
     cache = model.new_cache(B, 32)
