@@ -188,9 +188,7 @@ def test_no_host_sync(impl):
     8 positions as for 3 rows of 5, and no tensor is made off the logits' device (run on PyTorch's
     'meta' device, which refuses a mix of devices as CUDA does)."""
     g = torch.Generator().manual_seed(8)
-    logits = torch.randn(8, 4, V, generator=g, dtype=torch.float64)
-    Q = F.softmax(torch.randn(8, 3, V, generator=g, dtype=torch.float64), -1)
-    drafts = decode.sample(Q, g)
+    logits, Q, drafts = sized(8, 4, Q_given=True)
     point_mass = ("only the point-mass path syncs: something there reads a value on the host (F.one_hot, for one, "
                   "checks its input's range there)")
     for qq, what, hint in ((Q, 'sampled drafts (Q given)', ''), (None, 'point-mass drafts (Q None)', point_mass)):
