@@ -201,6 +201,24 @@ def test_a_tree_is_grown_from_the_drafters_conditionals(kind):
     assert torch.allclose(siblings[0, 0], siblings[0, 1]) == (kind == 'heads')
 
 
+
+def test_a_mixture_scores_a_tree_with_its_branches_softmax_greedy_branches_too():
+    """MATH.md §10: a DBlast tree's scores are the mixture's conditionals with each branch's softmax
+    q at the temperature, whatever sample_drafts says (greedy branches draft one path by argmax, but
+    a tree is chosen from the distributions); and at T = 0 they are those at 1."""
+    model = peaky(GPT(V8), 0.3, 0).double()
+    drafter = peaky(DBlastDrafter(V8, 4, 4), 0.6, 1).double()
+    h, bonus, prefix = torch.randn(1, V8.n_embd, dtype=torch.float64), torch.tensor([2]), torch.tensor([[[0], [5]]])
+    scores = {}
+    for sampled in (True, False):
+        drafter.sample_drafts = sampled
+        for T in (0.0, 0.7, 1.0):
+            scores[sampled, T] = drafter.next_log_q(h, bonus, model, 4, T)(1, prefix)
+    assert all(torch.equal(scores[True, T], scores[False, T]) for T in (0.0, 0.7, 1.0))
+    assert torch.equal(scores[True, 0.0], scores[True, 1.0])
+    assert not torch.allclose(scores[True, 0.7], scores[True, 1.0])
+
+
 # ----------------------------------------------------------------------------- the sampled walk
 
 def exact_walk_tau(model, prompt, block, tree, temperature):
