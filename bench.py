@@ -55,6 +55,7 @@ import torch
 
 import decode
 import train
+import trainer
 from cli import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number, decoding_precision,
                  intra_op_threads, num_threads, pick_device, run_script)
 from data import PROMPT_LEN, load_checkpoint, load_target
@@ -104,7 +105,7 @@ def ensure_checkpoints(args):
     for _, argv in trainings(args):
         try:
             train.main(argv)
-        except train.Mismatch as e:
+        except trainer.Mismatch as e:
             raise BadInput(other_run(args, e)) from None
 
 
@@ -114,7 +115,7 @@ BENCH_FLAGS = dict(n_layer='--n-layer', n_head='--n-head', n_embd='--n-embd', bl
 
 
 def other_run(args, e):
-    """The line for a checkpoint of --ckpt-dir that train.py refused to resume (train.Mismatch)."""
+    """The line for a checkpoint of --ckpt-dir that train.py refused to resume (trainer.Mismatch)."""
     name = os.path.basename(e.path)
     if e.key in ('trained_from', 'base_fingerprint'):
         return (f"--ckpt-dir {args.ckpt_dir}: its {name} was trained for another target than its ckpt.pt; remove it "

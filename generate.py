@@ -32,11 +32,12 @@ import time
 
 import torch
 
+import runner
 from cli import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number, decoding_precision,
                  intra_op_threads, pick_device, run_script)
 from data import load_checkpoint, target_from, vocab_for
 from dblast import PATHS_FROM, VERIFY
-from decode import MAX_NODES, MAX_PATHS, check_args, generate, parse_accept
+from decode import MAX_NODES, MAX_PATHS, check_args, generate, merged_stats, parse_accept
 from drafters import MixedPaths, PromptLookup, load_draft_model, load_drafter
 
 # the default block of the drafters that can draft any length: gpt-fast drafts 5 tokens with its
@@ -63,6 +64,61 @@ def agreement(out, base, T0):
     """'n/m tokens': how many generated tokens of `out` equal plain decoding's `base` (B, T)."""
     same = (out[:, T0:] == base[:, T0:])
     return f"{int(same.sum())}/{same.numel()} tokens"
+
+
+# ------------------------------------------------------------------------- demos
+
+def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print, paths=1, threads='auto',
+         compile=False):
+    """tau and wall-clock speedup over plain decoding of the same model and prompts, one request
+    at a time (latency, as the papers measure it), timed in the same run after a warm-up of both
+    (it compiles, with compile=True); under greedy decoding, how many tokens equal plain greedy's.
+    threads: generate()'s (default: the scripts' choice for decoding). Returns the outputs."""
+    def run(**extra):  # -> outputs, stats of every prompt, seconds in all
+        g = torch.Generator(device=prompts.device).manual_seed(0)
+        runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, threads=threads,
+                               compile=compile, **extra) for p in prompts]
+        return torch.cat([r[0] for r in runs]), [r[1] for r in runs], sum(r[2] for r in runs)
+    run(drafter=drafter, k=k, paths=paths)  # warm-up, both ways
+    run()
+    out, stats, dt = run(drafter=drafter, k=k, paths=paths)
+    base, base_stats, dt0 = run()
+    stats, base_stats = merged_stats(stats), merged_stats(base_stats)
+    same = f", same as plain greedy: {agreement(out, base, prompts.size(1))}" if temperature == 0 else ''
+    log(f"{label}, blocks of k={k}{f', {paths} paths a call' if paths > 1 else ''}: mean tau "
+        f"{stats['mean_tau']:.2f}, {stats['calls']} calls for {len(prompts)} prompts x {max_new} tokens "
+        f"(plain: {base_stats['calls']}), speedup {dt0 / dt:.2f}x{same}")
+    return out
+
+
+DEMO_PATHS = 4   # paths per call in train.py's closing demo of several paths (bench.py's paths table)
+
+
+def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print, threads='auto',
+                  compile=False):
+    """train.py's closing demos on held-out prompts: BPD heads against plain greedy, then each
+    (label, drafter) of `dblast` against plain sampling at `temperature`, then the first of them
+    with DEMO_PATHS i.i.d. paths per call (MATH.md §9). threads, compile: generate()'s."""
+    max_new = min(128, model.config.block_size - prompts.size(1) - max(k, dblast_k))
+    if compile:
+        log("\n(decoding compiled, plain decoding too: the step compiled, several steps a host call"
+            + (f", replayed as CUDA graphs of up to {runner.UNIT['cuda']} steps: the fastest way here"
+               if prompts.is_cuda else "") + ")")
+    if heads is not None:
+        log("\n=== blockwise parallel decoding, held-out prompts, greedy")
+        out = demo(model, prompts, heads, k, 0.0, "BPD heads", max_new, log, threads=threads, compile=compile)
+        log(f"--- sample ---\n{vocab.decode(out[0].tolist())}\n--------------")
+    if dblast:
+        log(f"\n=== speculative sampling at T={temperature}, held-out prompts: the dependent drafter "
+            f"against the independent one (sampled drafts, mixture verification)")
+    for label, drafter in dblast:
+        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, threads=threads, compile=compile)
+    for label, drafter in dblast[:1]:
+        try:
+            demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, paths=DEMO_PATHS,
+                 threads=threads, compile=compile)
+        except NotImplementedError as e:   # a handout leaves several paths per call out (exercise 8's answer)
+            log(f"{label}, {DEMO_PATHS} paths: skipped, {e}")
 
 
 # ------------------------------------------------------------------------- the command line

@@ -26,31 +26,26 @@ if __name__ == '__main__' and signal.getsignal(signal.SIGINT) is signal.default_
 
 import argparse
 import functools
-import gc
 import hashlib
-import math
 import time
 from contextlib import nullcontext
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
-from tqdm import tqdm
 
-import runner
-from cli import (DTYPES, ArgumentParser, BadInput, Precision, check_compiler, check_number, check_replaceable,
-                 decoding_precision, first_line, intra_op_threads, pick_device, pick_dtype, run_script)
-from data import (DEMO_PROMPTS, PROMPT_LEN, Vocab, check_finite, check_fits, check_out_dir, heldout_prompts, is_whole,
+from cli import (DTYPES, ArgumentParser, BadInput, check_compiler, check_number, check_replaceable,
+                 decoding_precision, intra_op_threads, pick_device, pick_dtype, run_script)
+from data import (DEMO_PROMPTS, PROMPT_LEN, Vocab, check_fits, check_out_dir, heldout_prompts,
                   load_checkpoint, load_dataset, newline_id, save_checkpoint, target_from, vocab_for, weight_count,
                   windows)
 from dblast import LOSSES, DBlastDrafter, TargetSamples, contexts, expected_tau
-from decode import generate, merged_stats
+from decode import generate
 from drafters import load_drafter
-from generate import agreement, timed_generate
+from generate import closing_demos
 from heads import BlockHeads
 from model import GPT, GPTConfig
+from trainer import Runtime, load_weights, progress, resume_state, train_loop
 
 # Presets, picked by device. CPU: the whole `python train.py` in about 5 minutes on a 2-core AMD
 # EPYC (README); a 3-layer target at a high learning rate, 800 steps: on 2 cores every step costs
@@ -79,243 +74,6 @@ PRESETS = {
                 heads_iters=3000, heads_lr=3e-3, distill_samples=4096, dblast_iters=3000, dblast_samples=4096,
                 dblast_eval_samples=64, draft_iters=3000, draft_lr=1e-3),
 }
-
-
-# ----------------------------------------------------------------------------- runtime
-
-class Runtime:
-    """Device, precision, randomness and the DDP process group (torchrun sets RANK / WORLD_SIZE)."""
-
-    def __init__(self, device=None, seed=1337, dtype='float32'):
-        self.ddp = int(os.environ.get('RANK', -1)) != -1
-        if self.ddp:
-            self.rank = int(os.environ['RANK'])
-            self.world = int(os.environ['WORLD_SIZE'])
-            local = int(os.environ.get('LOCAL_RANK', 0))
-            use_cuda = torch.cuda.is_available() and device != 'cpu'
-            # device_id binds NCCL to this rank's GPU at once (no guessing at the first collective)
-            dist.init_process_group(backend='nccl' if use_cuda else 'gloo',
-                                    **(dict(device_id=torch.device('cuda', local)) if use_cuda else {}))
-            self.device = f'cuda:{local}' if use_cuda else 'cpu'
-            if use_cuda:
-                torch.cuda.set_device(self.device)
-        else:
-            self.rank, self.world = 0, 1
-            self.device = pick_device(device)
-        self.master = self.rank == 0
-        self.kind = torch.device(self.device).type
-        # training steps: `dtype` (bf16 by autocast) and, on CUDA, TF32 for what stays float32.
-        # What feeds or judges decoding (the target's data for the drafters, their evaluation, the
-        # demos) runs at decoding's float32 instead, so drafters learn from and are judged on the
-        # numbers decoding will show them (decoding_precision).
-        self.precision = Precision(dtype, self.device, tf32=self.kind == 'cuda')
-        torch.manual_seed(seed + self.rank)
-        # batch sampling, per rank: `gen` draws corpus windows (the text stays on the host), `dgen`
-        # draws indices into what lives on the device, there, so no step waits on a host copy
-        self.gen = torch.Generator().manual_seed(seed + self.rank)
-        self.dgen = self.gen if self.kind == 'cpu' else torch.Generator(self.device).manual_seed(seed + self.rank)
-
-    def to_device(self, batch):
-        """A host batch to the device without a stall: pinned, then copied asynchronously (a copy
-        from pageable memory waits for the device's queue to drain first)."""
-        if self.kind == 'cuda':
-            batch = batch.pin_memory()
-        return batch.to(self.device, non_blocking=True)
-
-    def all_finite(self, loss):
-        """Whether the loss is finite on every rank, decided together: a rank that raised alone
-        would leave the others waiting in their next all-reduce until the NCCL timeout."""
-        bad = (~torch.isfinite(loss.detach())).float()
-        if self.ddp:
-            dist.all_reduce(bad)
-        return not bool(bad)
-
-    def rng_states(self):
-        """Every rank's RNG states (batch sampler and torch), so a resumed DDP run gives each
-        rank its own stream back."""
-        mine = (self.gen.get_state(), torch.get_rng_state(), self.dgen.get_state().cpu())
-        states = [mine]
-        if self.ddp:
-            states = [None] * self.world
-            dist.all_gather_object(states, mine)
-        return dict(gen=[s[0] for s in states], torch=[s[1] for s in states], dgen=[s[2] for s in states])
-
-    def print(self, *a):
-        if self.master:
-            tqdm.write(' '.join(str(x) for x in a))
-
-
-# A bar redraws itself with '\r' at every update: on a terminal that is one line, in a file or a
-# pipe every update stays (hundreds a stage). Away from a terminal a bar is drawn at its start, at
-# most every FILE_BAR_SECONDS after that, and at its end, each time on a line of its own.
-FILE_BAR_SECONDS = 15
-
-
-class Lines:
-    """A bar's stream away from a terminal. tqdm redraws with '\r' and ends the line only when the
-    bar closes: in a log file a whole stage is one line, which `tail` and log viewers show only at
-    its end (its first draw, 0%, until then). Here each redraw is a line of its own, and the blank
-    redraws tqdm makes to clear a bar before a message are left out."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        for line in text.replace('\r', '\n').split('\n'):
-            if line.strip():
-                self.stream.write(line.rstrip() + '\n')
-
-    def flush(self):
-        self.stream.flush()
-
-
-def progress(iterable, **kw):
-    """tqdm, readable in a log file too: as it is on a terminal; elsewhere (stderr not a tty) a line
-    at most every FILE_BAR_SECONDS seconds (Lines), without resizing to a terminal's width."""
-    if sys.stderr.isatty():
-        return tqdm(iterable, dynamic_ncols=True, **kw)
-    return tqdm(iterable, file=Lines(sys.stderr), mininterval=FILE_BAR_SECONDS, maxinterval=FILE_BAR_SECONDS, **kw)
-
-
-def lr_at(it, lr, warmup, total):
-    """Linear warmup, then cosine decay to lr/10."""
-    if it < warmup:
-        return lr * (it + 1) / warmup
-    ratio = min(1.0, (it - warmup) / max(1, total - warmup))
-    return lr / 10 + 0.5 * (1 + math.cos(math.pi * ratio)) * (lr - lr / 10)
-
-
-def make_optimizer(module, lr, weight_decay, device_kind):
-    """AdamW; decay only matrices (not biases, LayerNorm weights)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
-              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device_kind == 'cuda')
-
-
-def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None, evaluate=None,
-               tokens_per_step=0, eval_name='held-out loss'):
-    """The loop every stage shares: AdamW, warmup + cosine, clipping, tqdm, periodic atomic
-    checkpoints. objective(*batch) -> loss trains whatever parameters require grad.
-    evaluate(step) -> a float, printed as `eval_name` every eval_interval steps and at the end.
-    save(optimizer_state, iter_num, rng_states) writes the stage's checkpoint (rank 0 only)."""
-    model = objective
-    if rt.ddp:
-        model = DDP(objective, device_ids=[int(rt.device.split(':')[1])] if rt.kind == 'cuda' else None)
-    opt = make_optimizer(objective, lr, args.weight_decay, rt.kind)
-    start = 0
-    if resume is not None:
-        restore(rt, opt, resume, name)
-        start = resume['iter_num']
-    step = torch.compile(model) if args.compile else model
-    bar = progress(range(start, iters), desc=name, disable=not rt.master, initial=start, total=iters)
-    t0, loss_val = time.perf_counter(), float('nan')
-    with rt.precision.matmuls():   # TF32 for the training steps (CUDA); evaluations enter their own
-        for it in bar:
-            for g in opt.param_groups:
-                g['lr'] = lr_at(it, lr, min(args.warmup_iters, iters // 10), iters)   # warm-up: a tenth at most
-            batch = batch_fn()
-            with rt.precision.autocast():
-                loss = step(*batch)
-            loss.backward()
-            if args.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(objective.parameters(), args.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if it % 10 == 0 or it == iters - 1:
-                if not rt.all_finite(loss):
-                    raise BadInput(f"{name}: the loss became non-finite ({loss.item()} here) at step {it + 1}; stopped, "
-                                   f"and the stage's checkpoint was left as it was (lower the learning rate or check "
-                                   f"the data)")
-                loss_val = loss.item()
-                dt = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                tps = tokens_per_step * rt.world * (10 if it > start else 1) / max(dt, 1e-9)
-                bar.set_postfix(loss=f'{loss_val:.3f}', lr=f'{opt.param_groups[0]["lr"]:.1e}',
-                                **({'tok/s': f'{tps:.0f}'} if tokens_per_step else {}),
-                                refresh=sys.stderr.isatty())   # in a file: the bar's own pace
-            done = it + 1 == iters
-            if evaluate is not None and ((it + 1) % args.eval_interval == 0 or done):
-                rt.print(f"{name} step {it + 1}: train loss {loss_val:.4f}, {eval_name} {evaluate(it + 1):.4f}")
-            if (it + 1) % args.ckpt_interval == 0 or done:
-                # never replace a checkpoint with a worse one: non-finite weights stop the stage here
-                check_finite(objective, f"{name}: training at step {it + 1} (checkpoint left as it was)")
-                rng = rt.rng_states()   # collective under DDP: every rank takes part
-                if rt.master:
-                    save(opt.state_dict(), it + 1, rng)
-    bar.close()
-    return loss_val
-
-
-def restore(rt, opt, resume, name):
-    """The optimizer's and the RNGs' states of a resumed stage, each checked against what this run
-    holds before any step: one line if they do not fit, the checkpoint left as it was."""
-    state = resume['optimizer']
-    params = [p for g in opt.param_groups for p in g['params']]
-    fits = [len(g['params']) for g in state['param_groups']] == [len(g['params']) for g in opt.param_groups] and all(
-        is_whole(i, 0, len(params) - 1) and all(not isinstance(t, torch.Tensor) or t.dim() == 0
-                                                 or t.shape == params[i].shape for t in st.values())
-        for i, st in state['state'].items())
-    if not fits:
-        raise BadInput(f"--resume: {name}: the optimizer state in its checkpoint does not fit its weights; retrain "
-                       f"the stage (without --resume) or use another --out-dir")
-    try:
-        opt.load_state_dict(state)
-        gens = resume['rng']['gen']      # one batch-sampling state per rank
-        if len(gens) == rt.world:
-            rt.gen.set_state(gens[rt.rank])
-            torch.set_rng_state(resume['rng']['torch'][rt.rank])
-            if rt.dgen is not rt.gen and 'dgen' in resume['rng']:
-                rt.dgen.set_state(resume['rng']['dgen'][rt.rank])
-    except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as e:
-        raise BadInput(f"--resume: {name}: its checkpoint's optimizer or RNG state cannot be restored "
-                       f"({first_line(e, type(e).__name__)}); retrain the stage or use another --out-dir")
-
-
-class Mismatch(BadInput):
-    """--resume found a checkpoint made with other settings: `path`, the field `key`, what it holds
-    (`have`) and what this run needs (`want`). The message names train.py's flags; bench.py, which
-    trains through train.py, names its own."""
-
-    def __init__(self, path, key, have, want, flag):
-        self.path, self.key, self.have, self.want = path, key, have, want
-        super().__init__(f"--resume: {path} was made with {flag} ({key}={have}, this run: {want}); "
-                         f"use the same flags or another --out-dir")
-
-
-# what a resumed stage needs from its checkpoint, beyond the fields that must match
-RESUMABLE = ('optimizer', 'iter_num', 'rng')
-
-
-def resume_state(args, path, expect, weights='drafter'):
-    """The checkpoint to resume from (None: start fresh). `expect`: fields that must match; every
-    field a resume reads must be there (load_checkpoint has checked the types of those present)."""
-    if not args.resume or not os.path.exists(path):
-        return None
-    ckpt = load_checkpoint(path)
-    flags = dict(model_args='other model flags (--n-layer, ...)', trained_from='another target',
-                 base_fingerprint='another target', joint='another --joint/--frozen', loss='another --dblast-loss',
-                 K='another --branches', k='another --k' if 'K' not in expect else 'another --dblast-k')
-    for key, want in expect.items():
-        if ckpt.get(key) != want:
-            raise Mismatch(path, key, ckpt.get(key), want, flags.get(key, 'another --' + key.replace('_', '-')))
-    missing = [key for key in (weights,) + RESUMABLE if key not in ckpt]
-    if missing:
-        raise BadInput(f"--resume: {path} has no {missing[0]!r}, so it cannot be resumed; train the stage again "
-                       f"without --resume, or use another --out-dir")
-    return ckpt
-
-
-def load_weights(module, weights, path):
-    """A resumed module's weights, or one line naming the first that does not fit it."""
-    want = {n: tuple(t.shape) for n, t in module.state_dict().items()}
-    held = {n: tuple(t.shape) for n, t in weights.items()}
-    odd = sorted(set(want) ^ set(held)) or [n for n in want if want[n] != held[n]]
-    if odd:
-        raise BadInput(f"--resume: {path}: its weights do not fit this run's model ({odd[0]}: "
-                       f"{held.get(odd[0], 'missing')}, want {want.get(odd[0], 'none')}); use the same flags or "
-                       f"another --out-dir")
-    module.load_state_dict(weights)
 
 
 # ----------------------------------------------------------------------------- stage 1: base
@@ -634,59 +392,6 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
 
 # ----------------------------------------------------------------------------- demos
 
-def demo(model, prompts, drafter, k, temperature, label, max_new=128, log=print, paths=1, threads='auto',
-         compile=False):
-    """tau and wall-clock speedup over plain decoding of the same model and prompts, one request
-    at a time (latency, as the papers measure it), timed in the same run after a warm-up of both
-    (it compiles, with compile=True); under greedy decoding, how many tokens equal plain greedy's.
-    threads: generate()'s (default: the scripts' choice for decoding). Returns the outputs."""
-    def run(**extra):  # -> outputs, stats of every prompt, seconds in all
-        g = torch.Generator(device=prompts.device).manual_seed(0)
-        runs = [timed_generate(model, p[None], max_new, temperature=temperature, generator=g, threads=threads,
-                               compile=compile, **extra) for p in prompts]
-        return torch.cat([r[0] for r in runs]), [r[1] for r in runs], sum(r[2] for r in runs)
-    run(drafter=drafter, k=k, paths=paths)  # warm-up, both ways
-    run()
-    out, stats, dt = run(drafter=drafter, k=k, paths=paths)
-    base, base_stats, dt0 = run()
-    stats, base_stats = merged_stats(stats), merged_stats(base_stats)
-    same = f", same as plain greedy: {agreement(out, base, prompts.size(1))}" if temperature == 0 else ''
-    log(f"{label}, blocks of k={k}{f', {paths} paths a call' if paths > 1 else ''}: mean tau "
-        f"{stats['mean_tau']:.2f}, {stats['calls']} calls for {len(prompts)} prompts x {max_new} tokens "
-        f"(plain: {base_stats['calls']}), speedup {dt0 / dt:.2f}x{same}")
-    return out
-
-
-DEMO_PATHS = 4   # paths per call in train.py's closing demo of several paths (bench.py's paths table)
-
-
-def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature, log=print, threads='auto',
-                  compile=False):
-    """train.py's closing demos on held-out prompts: BPD heads against plain greedy, then each
-    (label, drafter) of `dblast` against plain sampling at `temperature`, then the first of them
-    with DEMO_PATHS i.i.d. paths per call (MATH.md §9). threads, compile: generate()'s."""
-    max_new = min(128, model.config.block_size - prompts.size(1) - max(k, dblast_k))
-    if compile:
-        log("\n(decoding compiled, plain decoding too: the step compiled, several steps a host call"
-            + (f", replayed as CUDA graphs of up to {runner.UNIT['cuda']} steps: the fastest way here"
-               if prompts.is_cuda else "") + ")")
-    if heads is not None:
-        log("\n=== blockwise parallel decoding, held-out prompts, greedy")
-        out = demo(model, prompts, heads, k, 0.0, "BPD heads", max_new, log, threads=threads, compile=compile)
-        log(f"--- sample ---\n{vocab.decode(out[0].tolist())}\n--------------")
-    if dblast:
-        log(f"\n=== speculative sampling at T={temperature}, held-out prompts: the dependent drafter "
-            f"against the independent one (sampled drafts, mixture verification)")
-    for label, drafter in dblast:
-        demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, threads=threads, compile=compile)
-    for label, drafter in dblast[:1]:
-        try:
-            demo(model, prompts, drafter, dblast_k, temperature, label, max_new, log, paths=DEMO_PATHS,
-                 threads=threads, compile=compile)
-        except NotImplementedError as e:   # a handout leaves several paths per call out (exercise 8's answer)
-            log(f"{label}, {DEMO_PATHS} paths: skipped, {e}")
-
-
 def run_demos(rt, args, model, heads, ds, vocab):
     """closing_demos on DEMO_PROMPTS held-out prompts, with the drafters this run trained, decoding in
     --threads if given, else the scripts' choice for decoding (generate's threads='auto'). On CUDA
@@ -905,16 +610,9 @@ def run(args):
     rt = Runtime(args.device, args.seed, args.dtype)
     try:
         train_all(rt, args)
-        if rt.ddp:
-            # Gloo's worker threads can still hold work from the last collectives (DDP's reducer,
-            # the checkpoint's all_gather): torn down by the interpreter at exit, that was an
-            # intermittent SIGABRT ("terminate called without an active exception"). Release the
-            # work and wait for every rank, then destroy the group while Python is fully alive.
-            gc.collect()
-            dist.barrier()
+        rt.all_done()
     finally:
-        if rt.ddp and dist.is_initialized():
-            dist.destroy_process_group()
+        rt.close()
 
 
 def written(args):

@@ -66,9 +66,11 @@ class Watch:
         import drafters
         import heads
         import model
+        import generate
         import runner
         import train
-        modules = [harness, checks, decode, model, dblast, heads, drafters, runner, cli, data, train]
+        import trainer
+        modules = [harness, checks, decode, model, dblast, heads, drafters, runner, cli, data, generate, trainer, train]
         owners = [(m.__name__, m) for m in modules] + [
             (c.__module__ + '.' + c.__name__, c) for m in modules for c in vars(m).values()
             if isinstance(c, type) and c.__module__ == m.__name__]

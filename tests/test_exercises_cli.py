@@ -181,6 +181,7 @@ def test_train_stopped_by_an_unwritten_exercise_says_resume_continues(tmp_path, 
     the exercise's stub says (which exercises the stage needs) and that --resume continues; its
     closing demo of several paths per call (exercise 8's answer, left out of a handout) is skipped
     with a line, not a stop."""
+    import generate
     import train
     stub = "exercise 6: write prefix_log_accept in exercises/06_al_loss/student.py (train.py's dblast stage)"
 
@@ -198,8 +199,8 @@ def test_train_stopped_by_an_unwritten_exercise_says_resume_continues(tmp_path, 
         if paths > 1:
             raise NotImplementedError("exercise 8: decode.tree_layout is part of exercise 8's answer")
         logged.append('demo')
-    monkeypatch.setattr(train, 'demo', demo)
+    monkeypatch.setattr(generate, 'demo', demo)
     target = GPT(GPTConfig(block_size=64, vocab_size=8, n_layer=1, n_head=1, n_embd=8))
-    train.closing_demos(target, torch.zeros(1, 4, dtype=torch.long), None, None, 8, [('DBlast K=4', None)], 4, 1.5,
+    generate.closing_demos(target, torch.zeros(1, 4, dtype=torch.long), None, None, 8, [('DBlast K=4', None)], 4, 1.5,
                         logged.append)
     assert logged[-1].startswith('DBlast K=4, 4 paths: skipped, exercise 8: ') and logged.count('demo') == 1, logged

@@ -373,7 +373,7 @@ def test_a_helper_only_an_answer_uses_is_listed():
     """A function of the main code that nothing but the listed bodies uses is the answer's
     substance too, and must be an entry (as decode.tree_nodes is, which only the tree verifier
     calls). Shown here on a copy of decode.py given one more such helper."""
-    modules = ['model', 'data', 'heads', 'dblast', 'decode', 'generate', 'train', 'measure', 'bench', 'gpu_check']
+    modules = ['model', 'data', 'heads', 'dblast', 'decode', 'generate', 'trainer', 'train', 'measure', 'bench', 'gpu_check']
     sources = {m: open(os.path.join(ROOT, m + '.py'), encoding='utf-8').read() for m in modules}
     assert only_answers_use(sources) == []
     start = '    B, N, n = drafts.shape\n    p = F.softmax'

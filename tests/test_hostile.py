@@ -41,6 +41,7 @@ import cli
 import data
 import gpu_check
 import train
+import trainer
 from bench import trainings
 from cli import BadInput, OutputLost, check_replaceable, run_script
 from conftest import corpus_text, env, in_process
@@ -162,7 +163,7 @@ def test_a_closed_stdout_is_refused_before_any_work_and_a_closed_stderr_drops_wh
     streams('', None)
 
     def work():
-        for _ in train.progress(range(3), desc='stage'):
+        for _ in trainer.progress(range(3), desc='stage'):
             print('note', file=sys.stderr)
         print('done')
         ran.append(1)
@@ -370,10 +371,10 @@ def test_a_folder_given_as_a_checkpoint_says_so(tmp_path, corpus_file):
     assert str(e.value).startswith(f"{tmp_path} is a folder; give a checkpoint file")
     assert torch.equal(heldout_prompts_of(str(run / 'ckpt.pt'), n=2), heldout_prompts_of(str(run), n=2))
     args = types.SimpleNamespace(resume=True)
-    with pytest.raises(train.Mismatch, match=r"was made with other model flags \(--n-layer, ...\) \(model_args="):
-        train.resume_state(args, str(run / 'ckpt.pt'), dict(model_args=dict(asdict(TINY), n_embd=32)), 'model')
-    with pytest.raises(train.Mismatch, match=r"was made with another target \(trained_from=None"):
-        train.resume_state(args, str(run / 'heads.pt'), dict(trained_from='abc'))
+    with pytest.raises(trainer.Mismatch, match=r"was made with other model flags \(--n-layer, ...\) \(model_args="):
+        trainer.resume_state(args, str(run / 'ckpt.pt'), dict(model_args=dict(asdict(TINY), n_embd=32)), 'model')
+    with pytest.raises(trainer.Mismatch, match=r"was made with another target \(trained_from=None"):
+        trainer.resume_state(args, str(run / 'heads.pt'), dict(trained_from='abc'))
 
 
 # ----------------------------------------------------------------------------- the scripts end to end (slow)

@@ -18,6 +18,7 @@ import torch
 from conftest import (ROOT, Proc, assert_clean_error, corpus_text, env, naive_greedy, run_main, run_py,
                       sigint_at_default, tiny_model)
 import train
+import trainer
 from cli import BadInput
 from data import PROMPT_LEN, load_checkpoint, load_target, save_checkpoint, windows
 from decode import generate
@@ -36,7 +37,7 @@ def test_training_steps_lower_the_loss(tmp_path):
                              '--block-size', '32', '--batch-size', '8', '--lr', '3e-3',
                              '--warmup-iters', '1', '--ckpt-interval', '1000',
                              '--out-dir', str(tmp_path)])
-    rt = train.Runtime('cpu', 0)
+    rt = trainer.Runtime('cpu', 0)
     model = GPT(GPTConfig(block_size=32, vocab_size=256, n_layer=2, n_head=2, n_embd=32))
     data = torch.tensor(list(corpus_text(3000).encode()), dtype=torch.uint8).numpy()
     w = windows(data, 8, 33, torch.Generator().manual_seed(0))
@@ -44,7 +45,7 @@ def test_training_steps_lower_the_loss(tmp_path):
     with torch.no_grad():
         before = model(x, y)[1].item()
     saved = []
-    last = train.train_loop(rt, args, 'test', train.LMObjective(model), lambda: (x, y), 30,
+    last = trainer.train_loop(rt, args, 'test', train.LMObjective(model), lambda: (x, y), 30,
                             args.lr, lambda opt, it, rng: saved.append(it))
     with torch.no_grad():
         after = model(x, y)[1].item()
@@ -80,13 +81,13 @@ def test_a_non_finite_stage_stops_before_saving(tmp_path, what):
     args = train.parse_args(['--device', 'cpu', '--n-layer', '1', '--n-head', '2', '--n-embd', '16',
                              '--block-size', '32', '--batch-size', '4', '--warmup-iters', '1',
                              '--ckpt-interval', '2', '--out-dir', str(tmp_path)])
-    rt = train.Runtime('cpu', 0)
+    rt = trainer.Runtime('cpu', 0)
     model = GPT(GPTConfig(block_size=32, vocab_size=256, n_layer=1, n_head=2, n_embd=16))
     data = torch.tensor(list(corpus_text(3000).encode()), dtype=torch.uint8).numpy()
     w = windows(data, 4, 33, torch.Generator().manual_seed(0))
     saved = []
     with pytest.raises(BadInput, match='non-finite|nan'):
-        train.train_loop(rt, args, 'test', Poisoned(model, 5, what), lambda: (w[:, :-1], w[:, 1:]), 30,
+        trainer.train_loop(rt, args, 'test', Poisoned(model, 5, what), lambda: (w[:, :-1], w[:, 1:]), 30,
                          args.lr, lambda opt, it, rng: saved.append(it))
     assert saved == [2, 4]       # the saves before step 5, none after
 
@@ -100,7 +101,7 @@ def test_distillation_data_is_target_greedy():
     model = tiny_model(seed=0, vocab_size=32, block_size=96, std=0.3, dtype=torch.float64)
     rng = np.random.default_rng(0)
     data = np.tile(rng.integers(0, 32, size=23), 200).astype(np.uint8)
-    rt = train.Runtime('cpu')
+    rt = trainer.Runtime('cpu')
     n, gen_len, seed = 70, 16, 3            # n > 64: two of self_generated's CPU batches
     rows = train.self_generated(rt, model, data, n, gen_len, 0.0, seed, 'test')
     P = PROMPT_LEN
@@ -147,16 +148,16 @@ def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monk
     # one thread in every run: by default each run picks its threads by the machine's load at its
     # start, and sums split over other threads round differently
     common = TINY + ['--data', str(corpus_file), '--ckpt-interval', '2', '--seed', '7', '--threads', '1']
-    real_lr_at = train.lr_at
+    real_lr_at = trainer.lr_at
 
     def interrupt_at_step_4(it, *args):   # a Ctrl-C as step 5 starts: the last save is step 4's
         if it == 4:
             raise KeyboardInterrupt
         return real_lr_at(it, *args)
-    monkeypatch.setattr(train, 'lr_at', interrupt_at_step_4)
+    monkeypatch.setattr(trainer, 'lr_at', interrupt_at_step_4)
     with pytest.raises(KeyboardInterrupt):
         train.main(common + ['--out-dir', str(a), '--max-iters', '6'])
-    monkeypatch.setattr(train, 'lr_at', real_lr_at)
+    monkeypatch.setattr(trainer, 'lr_at', real_lr_at)
     ck4 = load_checkpoint(str(a / 'ckpt.pt'))
     assert ck4['iter_num'] == 4
     train.main(common + ['--out-dir', str(a), '--max-iters', '6', '--resume'])
@@ -325,12 +326,12 @@ def test_a_bar_in_a_file_shows_each_step_it_reached_on_a_line(monkeypatch, capsy
     """In a log file the bar's step advances line by line while a stage runs (tqdm alone redraws
     with '\r' on one line, which a log shows only at the stage's end), and a message printed
     between two draws leaves no blank line."""
-    monkeypatch.setattr(train, 'FILE_BAR_SECONDS', 0.05)
+    monkeypatch.setattr(trainer, 'FILE_BAR_SECONDS', 0.05)
     monkeypatch.setattr(sys.stderr, 'isatty', lambda: False)
-    for i in train.progress(range(12), desc='base', total=12):
+    for i in trainer.progress(range(12), desc='base', total=12):
         time.sleep(0.02)
         if i == 6:
-            train.tqdm.write('base step 6: a message')
+            trainer.tqdm.write('base step 6: a message')
     err = capsys.readouterr().err
     steps = [int(line.split('|')[2].split('/')[0]) for line in err.splitlines() if '/12 [' in line]
     assert '\r' not in err and all(line.strip() for line in err.splitlines()), err
@@ -422,7 +423,7 @@ def test_target_data_is_made_at_decoding_precision():
     out the same whatever the training precision: they are made in float32, as decoding runs."""
     model = tiny_model(seed=0, vocab_size=256, block_size=48, std=0.3, dtype=torch.float32)
     text = np.frombuffer(corpus_text(3000).encode(), dtype=np.uint8)
-    made = [train.dblast_data(train.Runtime('cpu', 0, dtype), model, text, 3, 1.0, 5, 'test')
+    made = [train.dblast_data(trainer.Runtime('cpu', 0, dtype), model, text, 3, 1.0, 5, 'test')
             for dtype in ('float32', 'bfloat16')]
     for a, b in zip(*made):
         assert a.dtype != torch.bfloat16 and torch.equal(a, b)
@@ -460,8 +461,8 @@ def test_warm_up_is_at_most_a_tenth_of_a_stage(tmp_path, corpus_file, monkeypatc
     """A short stage ends past its warm-up: with --warmup-iters 100 and 20 steps, the warm-up is 2
     steps, so the stage trains at its learning rate instead of ending inside the ramp."""
     seen = []
-    real = train.lr_at
-    monkeypatch.setattr(train, 'lr_at', lambda it, lr, warmup, total: seen.append(warmup) or real(it, lr, warmup, total))
+    real = trainer.lr_at
+    monkeypatch.setattr(trainer, 'lr_at', lambda it, lr, warmup, total: seen.append(warmup) or real(it, lr, warmup, total))
     train.main(TINY + ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--max-iters', '20'])
     assert set(seen) == {2} and len(seen) >= 20
 

@@ -1,0 +1,281 @@
+"""
+The loop every training stage of train.py runs, and what it runs on: the Runtime (device, the
+DDP process group torchrun starts, precision, seeds), AdamW with warm-up and cosine decay,
+progress readable on a terminal and in a log file, periodic atomic checkpoints, and --resume
+(each stage's checkpoint checked against this run's flags before any step).
+
+A reader of the training objectives needs none of it: train.py says what each stage learns, and
+from what data; this file, how any stage is stepped. The loop is nanoGPT's (AdamW, warm-up then
+cosine decay, gradient clipping, DDP), written once for every stage.
+"""
+import gc
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from cli import BadInput, Precision, first_line, pick_device
+from data import check_finite, is_whole, load_checkpoint
+
+
+# ----------------------------------------------------------------------------- the runtime
+
+class Runtime:
+    """Device, precision, randomness and the DDP process group (torchrun sets RANK / WORLD_SIZE)."""
+
+    def __init__(self, device=None, seed=1337, dtype='float32'):
+        self.ddp = int(os.environ.get('RANK', -1)) != -1
+        if self.ddp:
+            self.rank = int(os.environ['RANK'])
+            self.world = int(os.environ['WORLD_SIZE'])
+            local = int(os.environ.get('LOCAL_RANK', 0))
+            use_cuda = torch.cuda.is_available() and device != 'cpu'
+            # device_id binds NCCL to this rank's GPU at once (no guessing at the first collective)
+            dist.init_process_group(backend='nccl' if use_cuda else 'gloo',
+                                    **(dict(device_id=torch.device('cuda', local)) if use_cuda else {}))
+            self.device = f'cuda:{local}' if use_cuda else 'cpu'
+            if use_cuda:
+                torch.cuda.set_device(self.device)
+        else:
+            self.rank, self.world = 0, 1
+            self.device = pick_device(device)
+        self.master = self.rank == 0
+        self.kind = torch.device(self.device).type
+        # training steps: `dtype` (bf16 by autocast) and, on CUDA, TF32 for what stays float32.
+        # What feeds or judges decoding (the target's data for the drafters, their evaluation, the
+        # demos) runs at decoding's float32 instead, so drafters learn from and are judged on the
+        # numbers decoding will show them (decoding_precision).
+        self.precision = Precision(dtype, self.device, tf32=self.kind == 'cuda')
+        torch.manual_seed(seed + self.rank)
+        # batch sampling, per rank: `gen` draws corpus windows (the text stays on the host), `dgen`
+        # draws indices into what lives on the device, there, so no step waits on a host copy
+        self.gen = torch.Generator().manual_seed(seed + self.rank)
+        self.dgen = self.gen if self.kind == 'cpu' else torch.Generator(self.device).manual_seed(seed + self.rank)
+
+    def to_device(self, batch):
+        """A host batch to the device without a stall: pinned, then copied asynchronously (a copy
+        from pageable memory waits for the device's queue to drain first)."""
+        if self.kind == 'cuda':
+            batch = batch.pin_memory()
+        return batch.to(self.device, non_blocking=True)
+
+    def all_finite(self, loss):
+        """Whether the loss is finite on every rank, decided together: a rank that raised alone
+        would leave the others waiting in their next all-reduce until the NCCL timeout."""
+        bad = (~torch.isfinite(loss.detach())).float()
+        if self.ddp:
+            dist.all_reduce(bad)
+        return not bool(bad)
+
+    def rng_states(self):
+        """Every rank's RNG states (batch sampler and torch), so a resumed DDP run gives each
+        rank its own stream back."""
+        mine = (self.gen.get_state(), torch.get_rng_state(), self.dgen.get_state().cpu())
+        states = [mine]
+        if self.ddp:
+            states = [None] * self.world
+            dist.all_gather_object(states, mine)
+        return dict(gen=[s[0] for s in states], torch=[s[1] for s in states], dgen=[s[2] for s in states])
+
+    def print(self, *a):
+        if self.master:
+            tqdm.write(' '.join(str(x) for x in a))
+
+    def all_done(self):
+        """Wait for every rank at the end of a run. Gloo's worker threads can still hold work from
+        the last collectives (DDP's reducer, the checkpoint's all_gather): torn down by the
+        interpreter at exit, that was an intermittent SIGABRT ("terminate called without an active
+        exception"). Release the work and wait for every rank, so that close() destroys the group
+        while Python is fully alive."""
+        if self.ddp:
+            gc.collect()
+            dist.barrier()
+
+    def close(self):
+        """The process group, destroyed (whether or not the run succeeded)."""
+        if self.ddp and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- progress
+
+# A bar redraws itself with '\r' at every update: on a terminal that is one line, in a file or a
+# pipe every update stays (hundreds a stage). Away from a terminal a bar is drawn at its start, at
+# most every FILE_BAR_SECONDS after that, and at its end, each time on a line of its own.
+FILE_BAR_SECONDS = 15
+
+
+class Lines:
+    """A bar's stream away from a terminal. tqdm redraws with '\r' and ends the line only when the
+    bar closes: in a log file a whole stage is one line, which `tail` and log viewers show only at
+    its end (its first draw, 0%, until then). Here each redraw is a line of its own, and the blank
+    redraws tqdm makes to clear a bar before a message are left out."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        for line in text.replace('\r', '\n').split('\n'):
+            if line.strip():
+                self.stream.write(line.rstrip() + '\n')
+
+    def flush(self):
+        self.stream.flush()
+
+
+def progress(iterable, **kw):
+    """tqdm, readable in a log file too: as it is on a terminal; elsewhere (stderr not a tty) a line
+    at most every FILE_BAR_SECONDS seconds (Lines), without resizing to a terminal's width."""
+    if sys.stderr.isatty():
+        return tqdm(iterable, dynamic_ncols=True, **kw)
+    return tqdm(iterable, file=Lines(sys.stderr), mininterval=FILE_BAR_SECONDS, maxinterval=FILE_BAR_SECONDS, **kw)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def lr_at(it, lr, warmup, total):
+    """Linear warmup, then cosine decay to lr/10."""
+    if it < warmup:
+        return lr * (it + 1) / warmup
+    ratio = min(1.0, (it - warmup) / max(1, total - warmup))
+    return lr / 10 + 0.5 * (1 + math.cos(math.pi * ratio)) * (lr - lr / 10)
+
+
+def make_optimizer(module, lr, weight_decay, device_kind):
+    """AdamW; decay only matrices (not biases, LayerNorm weights)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
+              dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=device_kind == 'cuda')
+
+
+def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None, evaluate=None,
+               tokens_per_step=0, eval_name='held-out loss'):
+    """The loop every stage shares: AdamW, warmup + cosine, clipping, tqdm, periodic atomic
+    checkpoints. objective(*batch) -> loss trains whatever parameters require grad.
+    evaluate(step) -> a float, printed as `eval_name` every eval_interval steps and at the end.
+    save(optimizer_state, iter_num, rng_states) writes the stage's checkpoint (rank 0 only)."""
+    model = objective
+    if rt.ddp:
+        model = DDP(objective, device_ids=[int(rt.device.split(':')[1])] if rt.kind == 'cuda' else None)
+    opt = make_optimizer(objective, lr, args.weight_decay, rt.kind)
+    start = 0
+    if resume is not None:
+        restore(rt, opt, resume, name)
+        start = resume['iter_num']
+    step = torch.compile(model) if args.compile else model
+    bar = progress(range(start, iters), desc=name, disable=not rt.master, initial=start, total=iters)
+    t0, loss_val = time.perf_counter(), float('nan')
+    with rt.precision.matmuls():   # TF32 for the training steps (CUDA); evaluations enter their own
+        for it in bar:
+            for g in opt.param_groups:
+                g['lr'] = lr_at(it, lr, min(args.warmup_iters, iters // 10), iters)   # warm-up: a tenth at most
+            batch = batch_fn()
+            with rt.precision.autocast():
+                loss = step(*batch)
+            loss.backward()
+            if args.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(objective.parameters(), args.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if it % 10 == 0 or it == iters - 1:
+                if not rt.all_finite(loss):
+                    raise BadInput(f"{name}: the loss became non-finite ({loss.item()} here) at step {it + 1}; stopped, "
+                                   f"and the stage's checkpoint was left as it was (lower the learning rate or check "
+                                   f"the data)")
+                loss_val = loss.item()
+                dt = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                tps = tokens_per_step * rt.world * (10 if it > start else 1) / max(dt, 1e-9)
+                bar.set_postfix(loss=f'{loss_val:.3f}', lr=f'{opt.param_groups[0]["lr"]:.1e}',
+                                **({'tok/s': f'{tps:.0f}'} if tokens_per_step else {}),
+                                refresh=sys.stderr.isatty())   # in a file: the bar's own pace
+            done = it + 1 == iters
+            if evaluate is not None and ((it + 1) % args.eval_interval == 0 or done):
+                rt.print(f"{name} step {it + 1}: train loss {loss_val:.4f}, {eval_name} {evaluate(it + 1):.4f}")
+            if (it + 1) % args.ckpt_interval == 0 or done:
+                # never replace a checkpoint with a worse one: non-finite weights stop the stage here
+                check_finite(objective, f"{name}: training at step {it + 1} (checkpoint left as it was)")
+                rng = rt.rng_states()   # collective under DDP: every rank takes part
+                if rt.master:
+                    save(opt.state_dict(), it + 1, rng)
+    bar.close()
+    return loss_val
+
+
+# ----------------------------------------------------------------------------- resume
+
+def restore(rt, opt, resume, name):
+    """The optimizer's and the RNGs' states of a resumed stage, each checked against what this run
+    holds before any step: one line if they do not fit, the checkpoint left as it was."""
+    state = resume['optimizer']
+    params = [p for g in opt.param_groups for p in g['params']]
+    fits = [len(g['params']) for g in state['param_groups']] == [len(g['params']) for g in opt.param_groups] and all(
+        is_whole(i, 0, len(params) - 1) and all(not isinstance(t, torch.Tensor) or t.dim() == 0
+                                                 or t.shape == params[i].shape for t in st.values())
+        for i, st in state['state'].items())
+    if not fits:
+        raise BadInput(f"--resume: {name}: the optimizer state in its checkpoint does not fit its weights; retrain "
+                       f"the stage (without --resume) or use another --out-dir")
+    try:
+        opt.load_state_dict(state)
+        gens = resume['rng']['gen']      # one batch-sampling state per rank
+        if len(gens) == rt.world:
+            rt.gen.set_state(gens[rt.rank])
+            torch.set_rng_state(resume['rng']['torch'][rt.rank])
+            if rt.dgen is not rt.gen and 'dgen' in resume['rng']:
+                rt.dgen.set_state(resume['rng']['dgen'][rt.rank])
+    except (RuntimeError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise BadInput(f"--resume: {name}: its checkpoint's optimizer or RNG state cannot be restored "
+                       f"({first_line(e, type(e).__name__)}); retrain the stage or use another --out-dir")
+
+
+class Mismatch(BadInput):
+    """--resume found a checkpoint made with other settings: `path`, the field `key`, what it holds
+    (`have`) and what this run needs (`want`). The message names train.py's flags; bench.py, which
+    trains through train.py, names its own."""
+
+    def __init__(self, path, key, have, want, flag):
+        self.path, self.key, self.have, self.want = path, key, have, want
+        super().__init__(f"--resume: {path} was made with {flag} ({key}={have}, this run: {want}); "
+                         f"use the same flags or another --out-dir")
+
+
+# what a resumed stage needs from its checkpoint, beyond the fields that must match
+RESUMABLE = ('optimizer', 'iter_num', 'rng')
+
+
+def resume_state(args, path, expect, weights='drafter'):
+    """The checkpoint to resume from (None: start fresh). `expect`: fields that must match; every
+    field a resume reads must be there (load_checkpoint has checked the types of those present)."""
+    if not args.resume or not os.path.exists(path):
+        return None
+    ckpt = load_checkpoint(path)
+    flags = dict(model_args='other model flags (--n-layer, ...)', trained_from='another target',
+                 base_fingerprint='another target', joint='another --joint/--frozen', loss='another --dblast-loss',
+                 K='another --branches', k='another --k' if 'K' not in expect else 'another --dblast-k')
+    for key, want in expect.items():
+        if ckpt.get(key) != want:
+            raise Mismatch(path, key, ckpt.get(key), want, flags.get(key, 'another --' + key.replace('_', '-')))
+    missing = [key for key in (weights,) + RESUMABLE if key not in ckpt]
+    if missing:
+        raise BadInput(f"--resume: {path} has no {missing[0]!r}, so it cannot be resumed; train the stage again "
+                       f"without --resume, or use another --out-dir")
+    return ckpt
+
+
+def load_weights(module, weights, path):
+    """A resumed module's weights, or one line naming the first that does not fit it."""
+    want = {n: tuple(t.shape) for n, t in module.state_dict().items()}
+    held = {n: tuple(t.shape) for n, t in weights.items()}
+    odd = sorted(set(want) ^ set(held)) or [n for n in want if want[n] != held[n]]
+    if odd:
+        raise BadInput(f"--resume: {path}: its weights do not fit this run's model ({odd[0]}: "
+                       f"{held.get(odd[0], 'missing')}, want {want.get(odd[0], 'none')}); use the same flags or "
+                       f"another --out-dir")
+    module.load_state_dict(weights)
