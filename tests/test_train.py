@@ -297,7 +297,8 @@ def test_ctrl_c_at_random_moments_of_saving_leaves_nothing_half_written(tmp_path
             if proc.poll() is None:
                 proc.kill()
     lines = (tmp_path / 'saver.out').read_text().splitlines()
-    assert codes[1] == 0 and len(lines) == n, lines
+    assert codes[1] == 0 and len(lines) == n, f"the saver: exit {codes[1]}, {len(lines)} lines for {n} Ctrl-C:\n" + \
+        '\n'.join(lines[-20:])
     for line in lines:
         found, saved, begun = re.fullmatch(r"interrupt \d+: (.*) saved (\d+) of (\d+)", line).groups()
         assert found == "['ckpt.pt']" and int(begun) - 1 <= int(saved) <= int(begun), line
