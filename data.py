@@ -176,6 +176,12 @@ def load_checkpoint(path, kind=None):
         raise BadInput(folder_given(path))
     if not os.path.isfile(path):
         raise BadInput(f"checkpoint not found: {path}")
+    head = first_bytes(path, 4)
+    # torch.save writes a zip file ('PK'); its older format, and a raw pickle, begin with pickle's
+    # PROTO opcode (0x80). Anything else was never saved by torch: say so, not "refused"
+    if head and not (head.startswith(b'PK') or head.startswith(b'\x80')):
+        raise BadInput(f"{path} is not a PyTorch checkpoint (torch.save writes a zip file; this one begins "
+                       f"{head!r}); give a checkpoint train.py wrote")
     try:
         with torch.serialization.safe_globals(NUMPY_SCALARS):
             ckpt = torch.load(path, map_location='cpu', weights_only=True)
@@ -197,6 +203,16 @@ def load_checkpoint(path, kind=None):
     if kind is not None and have != kind:
         raise BadInput(f"checkpoint {path} holds a {have!r}, expected a {kind!r}")
     return ckpt
+
+
+def first_bytes(path, n):
+    """The first n bytes of the file at path (b'' for an empty one; None where it cannot be read:
+    the reader that follows says why)."""
+    try:
+        with open(path, 'rb') as f:
+            return f.read(n)
+    except OSError:
+        return None
 
 
 def check_model_args(model_args, where):

@@ -17,8 +17,8 @@ import torch
 
 from conftest import Proc, corpus_text, run_main
 from cli import BadInput, busy_cores, check_replaceable, intra_op_threads
-from data import (DEMO_PROMPTS, PROMPT_LEN, Vocab, heldout_prompts, heldout_prompts_of, load_dataset, load_target,
-                  load_vocab, read_meta, regular_files, save_checkpoint, vocab_for)
+from data import (DEMO_PROMPTS, PROMPT_LEN, Vocab, heldout_prompts, heldout_prompts_of, load_checkpoint, load_dataset,
+                  load_target, load_vocab, read_meta, regular_files, save_checkpoint, vocab_for)
 from decode import generate
 from drafters import load_drafter
 from model import GPT, GPTConfig
@@ -143,6 +143,26 @@ def test_a_meta_pkl_that_runs_code_is_refused_and_does_not_run(tmp_path):
     bad.write_bytes(pickle.dumps(['a', 'b']))
     with pytest.raises(BadInput, match="no 'itos'"):
         read_meta(bad)
+
+
+def test_a_file_torch_never_saved_is_named_so_and_a_pickle_with_code_is_refused(tmp_path):
+    """A text file or random bytes given as a checkpoint: 'not a PyTorch checkpoint', not the
+    refusal meant for a file that needs more than tensors; a pickle that would run code is still
+    refused, unrun; an empty file is unreadable."""
+    for name, content in (('notes.md', b'# a README\n'), ('noise.bin', bytes(range(7, 200)))):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(BadInput, match=r"is not a PyTorch checkpoint \(torch.save writes a zip file"):
+            load_checkpoint(str(tmp_path / name))
+    marker = tmp_path / 'pwned'
+    for name, save in (('raw.pkl', lambda p, obj: p.write_bytes(pickle.dumps(obj))),
+                       ('saved.pt', lambda p, obj: torch.save(obj, p))):
+        save(tmp_path / name, dict(model=Payload(str(marker))))
+        with pytest.raises(BadInput, match='refused: it holds more than tensors'):
+            load_checkpoint(str(tmp_path / name))
+    assert not marker.exists()
+    (tmp_path / 'empty.pt').write_bytes(b'')
+    with pytest.raises(BadInput, match=r'is unreadable \(EOFError\)'):
+        load_checkpoint(str(tmp_path / 'empty.pt'))
 
 
 def test_vocabulary_found_as_nanogpt_finds_it(tmp_path, monkeypatch):
