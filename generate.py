@@ -43,6 +43,7 @@ from drafters import MixedPaths, PromptLookup, load_draft_model, load_drafter
 # the default block of the drafters that can draft any length: gpt-fast drafts 5 tokens with its
 # draft model, Hugging Face's prompt lookup examples 10
 DRAFT_MODEL_K, LOOKUP_K = 6, 11
+CKPT = 'out/ckpt.pt'   # the target python train.py writes
 ANY_DRAFTER = 'a drafter (--heads, --drafter, --draft-model or --lookup)'
 
 
@@ -139,7 +140,8 @@ def colour_blocks(vocab, tokens, taus, colour):
 
 def main(argv=None):
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument('--ckpt', default='out/ckpt.pt', help='target checkpoint (ours or nanoGPT)')
+    ap.add_argument('--ckpt', default=CKPT, help=f'target checkpoint, ours or nanoGPT\'s (default: {CKPT}, where '
+                                                 f'python train.py writes it)')
     ap.add_argument('--meta', default=None, help="nanoGPT meta.pkl of a character-level target (default: "
                                                  "where nanoGPT's sample.py looks, or beside --ckpt)")
     ap.add_argument('--prompt', default='def ', help='prompt text')
@@ -147,7 +149,8 @@ def main(argv=None):
                     help="tokens to generate (default: 200, or what fits the model's context)")
     ap.add_argument('--temperature', type=float, default=0.0, help='0 = greedy')
     ap.add_argument('--seed', type=int, default=None, help='seed of every random draw (default 0): sampling, and a '
-                                                           'DBlast drafter\'s branches')
+                                                           'DBlast drafter\'s branches. --compile draws from another '
+                                                           'stream: the same distribution, other text')
     ap.add_argument('--heads', default=None, help='BPD heads checkpoint: blockwise parallel decoding')
     ap.add_argument('--drafter', default=None, help='DBlast drafter checkpoint')
     ap.add_argument('--draft-model', default=None,
@@ -270,9 +273,19 @@ def run_cli(args):
         decode_cli(args, device, precision)
 
 
+def compiling(args):
+    """With --compile, a line before the silent minute (on a CPU) that compiling takes."""
+    if args.compile:
+        print("note: --compile: compiling the decoding steps before the timed run (a minute or so on a 2-core CPU; "
+              "each new setting compiles again)", file=sys.stderr, flush=True)
+
+
 def decode_cli(args, device, precision):
     if args.meta and not os.path.isfile(args.meta):
         raise BadInput(f"--meta {args.meta}: no such file")
+    if args.ckpt == CKPT and not os.path.exists(CKPT):
+        raise BadInput(f"no target at {CKPT}, the default --ckpt: run python train.py first (it writes {CKPT}), "
+                       f"or give --ckpt")
     ckpt = load_checkpoint(args.ckpt)
     model = target_from(ckpt, args.ckpt, device)
     vocab = vocab_for(ckpt, args.ckpt, model.config.vocab_size, args.meta)
@@ -305,12 +318,14 @@ def decode_cli(args, device, precision):
         return timed_generate(model, prompt, max_new, **kw, **extra, generator=g)
 
     if drafter is None:
+        compiling(args)
         gen()  # warm-up
         out, stats, dt = gen()
         print(vocab.decode(out[0].tolist()))
         print(f"\n--- {max_new} tokens in {dt:.3f}s: {max_new / dt:.1f} tokens/s, {stats['calls']} calls ({precision})")
         return
     spec = dict(drafter=drafter, k=args.k, accept=args.accept, paths=paths, nodes=args.nodes)
+    compiling(args)
     gen(**spec)  # warm-up both paths so neither pays first-call costs in the timing
     gen()
     out, stats, dt = gen(**spec)

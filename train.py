@@ -298,8 +298,10 @@ def stage_heads(rt, args, model, train, vocab):
 
     rt.print(f"heads: k={args.k}, {'joint' if args.joint else 'frozen'} target, {args.loss} loss, "
              f"{'distilled' if args.distill else 'corpus'} data")
+    t0 = time.perf_counter()
     train_loop(rt, args, 'heads', HeadsObjective(model, heads, args.joint), batch,
                args.heads_iters, args.heads_lr, save, resume, tokens_per_step=B * (S - args.k))
+    rt.print(f"heads: done in {time.perf_counter() - t0:.0f}s -> {path}")
     if args.joint and rt.master:  # the fine-tuned target is a model of its own: save it beside
         jpath = os.path.join(args.out_dir, f'ckpt_joint{args.tag}.pt')
         save_checkpoint(dict(model=model.state_dict(), model_args=vars(model.config), vocab=vocab.state()), jpath)
@@ -384,9 +386,11 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
                         path)
 
     rt.print(f"dblast: K={K}, k={k}, {loss} loss, T={args.temperature}")
+    t0 = time.perf_counter()
     train_loop(rt, args, f'dblast K={K}', DBlastObjective(model, drafter, args, loss), batch,
                args.dblast_iters, args.dblast_lr, save, resume, evaluate=evaluate if rt.master else None,
                eval_name='held-out expected tau')
+    rt.print(f"dblast K={K}: done in {time.perf_counter() - t0:.0f}s -> {path}")
     return drafter.eval()
 
 
@@ -499,14 +503,15 @@ class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
 
 def build_parser():
     ap = ArgumentParser(description=__doc__, formatter_class=HelpWithDefaults)
-    groups = {None: ap, 'base': ap.add_argument_group('base stage (the target; default: preset)'),
+    groups = {None: ap, 'base': ap.add_argument_group('base stage (the target)'),
               'heads': ap.add_argument_group('heads stage (BPD heads)'),
               'dblast': ap.add_argument_group('dblast stage (DBlast drafters)'),
               'draft': ap.add_argument_group('draft stage (a small draft model; --distill applies too)')}
     for name, stage, typ, default, _, text in FLAGS:
         g, flag = groups[stage if stage is None or isinstance(stage, str) else stage[0]], '--' + name.replace('_', '-')
-        if default is None and name in PRESETS['cpu']:
-            text = f"{text + ' ' if text else ''}(default: preset)"
+        if default is None and name in PRESETS['cpu']:   # each preset's value, as --preset picks them
+            by_preset = ', '.join(f"{preset} {values[name]:g}" for preset, values in PRESETS.items())
+            text = f"{text + ' ' if text else ''}(default by --preset: {by_preset})"
         elif not text and default is not None and default is not False:
             text = '(default: %(default)s)'          # argparse shows no help, nor a default, for a flag without help
         if typ == 'frozen|joint':
@@ -629,11 +634,14 @@ def written(args):
 
 
 def train_all(rt, args):
+    base_path = os.path.join(args.out_dir, 'ckpt.pt')
+    if 'base' not in args.stages and not os.path.exists(base_path):   # before the folder is made
+        raise BadInput(f"--stages {','.join(args.stages)} trains drafters for the target in {base_path}, which is not "
+                       f"there: train it first (python train.py, or --stages base), or give the --out-dir that holds it")
     check_out_dir(args.out_dir)
     for path in written(args):   # --resume: a finished stage writes nothing; each stage checks its own
         check_replaceable(path, writable=not args.resume)
     ds = load_dataset(args.data, os.path.join(args.out_dir, 'data'))
-    base_path = os.path.join(args.out_dir, 'ckpt.pt')
     if 'base' in args.stages:   # the target's vocabulary is the data's (GPT-2's for ids without meta.pkl)
         vocab = ds.vocab or Vocab('gpt2')
         args.vocab_size = {'bytes': 256, 'gpt2': 50304}.get(vocab.kind, vocab.size)

@@ -642,8 +642,9 @@ class Tryout:
     row says how many tokens equal plain greedy decoding by full recompute, whatever the handout's
     cache and verifiers do. An exercise's try_it(impl, tryout) picks the rows."""
 
-    def __init__(self, checks, impl, reference, args):
+    def __init__(self, checks, impl, reference, args, mine='yours'):
         self.checks, self.impl, self.reference, self.args = checks, impl, reference, args
+        self.mine = mine                   # the rows of the code under test: 'yours', or what --solution / --control ran
         self.shown = set()                 # the rows of the target alone already made (a handout's pair)
         path = os.path.join(args.out_dir, 'ckpt.pt')
         if not os.path.isfile(path):
@@ -759,7 +760,7 @@ class Tryout:
         """[the reference's row, yours]: the reference plugged into the project's seams, or in a
         handout (no reference) the target alone by full recompute. make(code): more keywords for
         one code's run (its own drafter or decoder)."""
-        yours = self.row(f"yours, {label}", self.impl, temperature, p_value, **kw, **make(self.impl))
+        yours = self.row(f"{self.mine}, {label}", self.impl, temperature, p_value, **kw, **make(self.impl))
         if self.reference is not None:
             return [self.row(f"reference, {label}", self.reference, temperature, p_value, **kw, **make(self.reference)),
                     yours]
@@ -809,6 +810,7 @@ def try_out(n, which, args):
     if not hasattr(checks, 'try_it'):
         raise BadInput(f"exercise {n} has no `try` (its checks are the whole story)")
     who = {'student': 'your student.py', 'solution': 'the reference'}.get(which, f"the control '{which}'")
+    mine = {'student': 'yours', 'solution': 'reference (--solution)'}.get(which, f"control '{which}'")
     reference = implementation(n, 'solution') if solution_path(n) else None
     if getattr(checks, 'TRY_PAIRED', True):       # try_it sets each of its rows beside the reference's (Tryout.pair)
         against = ("the reference's rows (the shipped one, plugged in for them)" if reference is not None else
@@ -825,6 +827,6 @@ def try_out(n, which, args):
     except NotLoaded as e:
         raise BadInput(str(e))
     try:
-        checks.try_it(impl, Tryout(checks, impl, reference, args))
+        checks.try_it(impl, Tryout(checks, impl, reference, args, mine))
     except NotImplementedError as e:
         raise BadInput(f"not written yet: {e} (python -m exercises check {n} says what is missing)")

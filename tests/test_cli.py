@@ -368,8 +368,9 @@ CASES = [
     decode_refused('device-cuda', ['--device', 'cuda'], '--device'),
     decode_refused('device-mps', ['--device', 'mps'], '--device'),
     # ------------------------------------------------------------------ generate.py: drafters
-    decode_refused('heads-given-dblast', ['--heads', '{dblast}'], '{dblast}'),
-    decode_refused('drafter-given-heads', ['--drafter', '{heads}'], '{heads}'),
+    decode_refused('heads-given-dblast', ['--heads', '{dblast}'], '{dblast}', 'give it with --drafter'),
+    decode_refused('drafter-given-heads', ['--drafter', '{heads}'], '{heads}', 'give it with --heads'),
+    decode_refused('drafter-given-the-target', ['--drafter', '{ckpt}'], '{ckpt}', 'give it with --ckpt or --draft-model'),
     decode_refused('two-drafters-and-paths', ['--heads', '{heads}', '--drafter', '{dblast}', '--paths', '2'], '--paths'),
     decode_refused('lookup-0', ['--lookup', '0'], '--lookup'),
     decode_refused('lookup-k-past-the-context', ['--lookup', '2', '--k', '100000'], '--k 100000',
@@ -386,6 +387,8 @@ CASES = [
     # ------------------------------------------------------------------ generate.py: the target checkpoint
     decode_refused('ckpt-missing', ['--ckpt', '{run}/no_such_ckpt.pt'], '{run}/no_such_ckpt.pt'),
     decode_refused('ckpt-fifo', ['--ckpt', '{files}/a_fifo'], '{files}/a_fifo'),
+    decode_refused('ckpt-a-text-file', ['--ckpt', '{files}/a_file.txt'], '{files}/a_file.txt',
+                   'is not a PyTorch checkpoint'),
     decode_refused('ckpt-corrupt', ['--ckpt', '{files}/corrupt.pt'], '{files}/corrupt.pt'),
     decode_refused('ckpt-truncated', ['--ckpt', '{files}/truncated.pt'], '{files}/truncated.pt'),
     decode_refused('ckpt-nan-weights', ['--ckpt', '{files}/nan_ckpt.pt'], '{files}/nan_ckpt.pt'),
@@ -893,3 +896,28 @@ def test_payload_would_run(paths, tmp_path):
 def test_trained_run_untouched(paths, results):
     """No case changed, removed or added a checkpoint of the shared trained run."""
     assert tree_hashes(paths['run']) == paths['trained_hashes']
+
+
+def test_the_default_checkpoint_missing_says_to_train_first(tmp_path):
+    """A fresh clone: generate.py without --ckpt, and train.py's drafter stages without a target,
+    each say to run python train.py first, in one line; the stage run makes no folder."""
+    code, _, err = in_process(lambda: generate_main(['--device', 'cpu']), cwd=tmp_path)
+    assert code == 2 and err.strip() == ("error: no target at out/ckpt.pt, the default --ckpt: run python train.py "
+                                         "first (it writes out/ckpt.pt), or give --ckpt"), err
+    out = tmp_path / 'none'
+    code, _, err = in_process(lambda: train_main(['--device', 'cpu', '--stages', 'heads,dblast', '--out-dir', str(out)]))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"the target in {out}/ckpt.pt, which is not there: train it first (python train.py" in err, err
+    assert not out.exists()
+
+
+def test_compile_says_it_compiles_before_the_silent_minute(capsys):
+    """generate.py --compile prints a note before its warm-up compiles (a minute on a 2-core CPU),
+    and nothing without --compile."""
+    import argparse
+
+    import generate
+    generate.compiling(argparse.Namespace(compile=True))
+    assert capsys.readouterr().err.startswith('note: --compile: compiling the decoding steps before the timed run')
+    generate.compiling(argparse.Namespace(compile=False))
+    assert capsys.readouterr().err == ''

@@ -165,8 +165,9 @@ def test_try_sets_a_planted_wrong_answer_beside_the_reference(out_dir):
          '--max-new', '16']))
     assert code == 0, err
     rows = table(out)
-    reference, yours = rows['reference, BPD heads, k = 8'], rows['yours, BPD heads, k = 8']
-    assert reference[5] == '32/32' and yours[5] != reference[5], out
+    # the planted answer's rows are named by what ran them, as `try --solution`'s are
+    reference, planted = rows['reference, BPD heads, k = 8'], rows["control 'bonus one position late', BPD heads, k = 8"]
+    assert reference[5] == '32/32' and planted[5] != reference[5], out
 
 
 def wrong_verify_greedy():

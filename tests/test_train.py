@@ -323,6 +323,20 @@ def test_a_run_into_a_file_writes_few_progress_updates(tmp_path, corpus_file):
     assert '300/300' in bars[-1], err
 
 
+def test_every_stage_says_where_it_saved(tmp_path, corpus_file):
+    """Each stage ends with one line naming the checkpoint it wrote: the target, the heads and each
+    DBlast drafter."""
+    small = ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--threads', '1', '--max-iters', '2',
+             '--block-size', '48']
+    code, out, err = run_main('train.py', [*TINY, *small, '--stages', 'base,heads,dblast', '--heads-iters', '2',
+                                           '--dblast-iters', '2', '--distill-samples', '4', '--dblast-samples', '4',
+                                           '--dblast-eval-samples', '2', '--k', '4'])
+    assert code == 0, err[-2000:]
+    for stage, name in (('base', 'ckpt.pt'), ('heads', 'heads.pt'), ('dblast K=4', 'dblast_K4.pt'),
+                        ('dblast K=1', 'dblast_K1.pt')):
+        assert re.search(rf"^{stage}: done in \d+s -> {re.escape(str(tmp_path / name))}$", out + err, re.M), out + err
+
+
 def test_a_bar_in_a_file_shows_each_step_it_reached_on_a_line(monkeypatch, capsys):
     """In a log file the bar's step advances line by line while a stage runs (tqdm alone redraws
     with '\r' on one line, which a log shows only at the stage's end), and a message printed
@@ -473,7 +487,8 @@ def test_help_gives_every_flags_default():
     help text too, and 0.0), a preset's says so, and a switch shows none."""
     text = ' '.join(train.build_parser().format_help().split('options:')[1].split())
     for shown in ('--seed SEED (default: 1337)', '--dropout DROPOUT (default: 0.0)', '--k K block size',
-                  '--branches BRANCHES K, the latent branches', '--max-iters MAX_ITERS (default: preset)',
+                  '--branches BRANCHES K, the latent branches', '--max-iters MAX_ITERS (default by --preset: cpu 800, quick 400, gpu 3000)',
+                  '--lr LR (default by --preset: cpu 0.004, quick 0.003, gpu 0.001)',
                   "--stages STAGES comma list of base, heads, dblast, draft (default: base,heads,dblast)"):
         assert shown in text, shown
     assert '(default: 8)' in text.split('--k K')[1].split('--')[0]

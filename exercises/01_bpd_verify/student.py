@@ -23,5 +23,6 @@ def verify_greedy(logits, drafts, accept):
         bonus (B,) long (or int32): the token after the last committed one, the target's own argmax.
     No Python loop over positions or rows, no .item().
     """
-    raise NotImplementedError("exercise 1: write verify_greedy in exercises/01_bpd_verify/student.py (blockwise greedy "
-                              "decoding runs on it: train.py's heads stage and demos, generate.py --heads)")
+    raise NotImplementedError("exercise 1: write verify_greedy in exercises/01_bpd_verify/student.py (in a "
+                              "handout, blockwise greedy decoding runs on it: train.py's heads stage and demos, "
+                              "generate.py --heads)")

@@ -27,4 +27,5 @@ def verify_sampled(logits, Q, drafts, temperature, generator=None):
     input's range on the host), no division by zero, every tensor on the logits' device.
     """
     raise NotImplementedError("exercise 2: write verify_sampled in exercises/02_spec_sampling/student.py "
-                              "(speculative sampling runs on it: train.py's DBlast demos, generate.py --drafter)")
+                              "(in a handout, speculative sampling runs on it: train.py's DBlast demos, "
+                              "generate.py --drafter)")

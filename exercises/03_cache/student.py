@@ -18,8 +18,8 @@ def write(cache, layer_idx, k, v, pos):
     Write in place, at the positions: nothing concatenated, nothing allocated per step;
     cache.k and cache.v stay the same tensors, and K, V are cache.k[layer_idx], cache.v[layer_idx].
     """
-    raise NotImplementedError("exercise 3: write `write` in exercises/03_cache/student.py (every decode "
-                              "runs on the cache: generate.py, train.py, the checks that decode)")
+    raise NotImplementedError("exercise 3: write `write` in exercises/03_cache/student.py (in a handout, "
+                              "every decode runs on the cache: generate.py, train.py, the checks that decode)")
 
 
 def commit(cache, n):

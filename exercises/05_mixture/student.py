@@ -30,5 +30,5 @@ def conditionals(log_prior, log_q, drafts):
     position; drafts (N, n).
     Returns Q (N, n, V): Q_i(.) = sum_z w_{i,z} q~_i(. | z), each row a distribution.
     """
-    raise NotImplementedError("exercise 5: write conditionals in exercises/05_mixture/student.py (the DBlast drafter "
-                              "proposes with it: train.py's DBlast demos, generate.py --drafter)")
+    raise NotImplementedError("exercise 5: write conditionals in exercises/05_mixture/student.py (in a handout, "
+                              "the DBlast drafter proposes with it: train.py's DBlast demos, generate.py --drafter)")

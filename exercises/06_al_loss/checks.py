@@ -248,7 +248,7 @@ def try_it(impl, tryout):
         lo, hi = samples.positions(d.k)
         rows = torch.arange(len(samples.seqs)).repeat_interleave(hi - lo)
         pos = torch.arange(lo, hi).repeat(len(samples.seqs))
-        for label, code in whose + [('yours', impl)]:
+        for label, code in whose + [(tryout.mine, impl)]:
             with harness.plugged(tryout.checks, code):
                 tau = expected_tau(d, tryout.model, samples, d.k, T, True, 'mixture')
                 h, bonus, x, log_px = contexts(samples, d.k, rows[:4096].to(samples.seqs.device),

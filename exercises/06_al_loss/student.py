@@ -22,9 +22,9 @@ def prefix_log_accept(log_prior, log_qx, log_px, verify='mixture'):
     a_j = -inf there, never NaN.
     verify='branch' (the ablation) is optional: only the mixture form is checked.
     """
-    raise NotImplementedError("exercise 6: write prefix_log_accept in exercises/06_al_loss/student.py (train.py's "
-                              "dblast stage trains DBlast with it, and its DBlast demos then decode with exercise 5's "
-                              "conditionals too)")
+    raise NotImplementedError("exercise 6: write prefix_log_accept in exercises/06_al_loss/student.py (in a handout, "
+                              "train.py's dblast stage trains DBlast with it, and its DBlast demos then decode with "
+                              "exercise 5's conditionals too)")
 
 
 def al_surrogate(a, nll, tau_threshold):

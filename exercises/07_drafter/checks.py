@@ -494,5 +494,5 @@ def try_it(impl, tryout):
     rows = []
     for temperature in (T, 0.0):
         rows += [tryout.row('independent K=1 (train.py)', None, temperature, temperature > 0, drafter=baseline, k=k),
-                 tryout.row('yours', None, temperature, temperature > 0, drafter=d, k=k)]
+                 tryout.row(tryout.mine, None, temperature, temperature > 0, drafter=d, k=k)]
     tryout.table(rows, extra=[('p-value, 2nd token (4000 decodes)', 'p')])
