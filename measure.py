@@ -269,12 +269,24 @@ def step_regions():
         yield
 
 
+def profiled(device):
+    """torch's profiler for `device`: its CPU activity, and on CUDA its kernels too. Elsewhere the
+    lines its backend (kineto) writes to stderr at each use (profiler_start, profiler_stop, and in
+    a CUDA build on a machine without a GPU, 'gpuGetDeviceCount failed') are silenced: they fell
+    between the rows of bench's printed tables. KINETO_LOG_LEVEL 6 is past its highest level (5);
+    a value the user set stays. On CUDA they stay too: they say when the GPU's kernels cannot be
+    read (CUPTI's permissions)."""
+    cuda = torch.device(device).type == 'cuda'
+    if not cuda:
+        os.environ.setdefault('KINETO_LOG_LEVEL', '6')
+    return profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
+
+
 def time_split(run, device):
     """Share of run()'s time in each named region of the step (step_regions), by the profiler."""
     cuda = str(device).startswith('cuda')
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     run()  # warm-up
-    with step_regions(), profile(activities=acts) as prof:
+    with step_regions(), profiled(device) as prof:
         t0 = time.perf_counter()
         run()
         sync(device)
@@ -352,7 +364,7 @@ def call_costs(decode_once, device, repeats, decode_shorter=None):
     bests, results = timed([decode_once] + [decode_shorter] * (decode_shorter is not None), repeats, device, stat=min)
     best, stats = bests[0], results[0][1]
     calls = stats['calls']
-    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+    with profiled(device) as prof:
         decode_once()
         sync(device)
     events = prof.events()

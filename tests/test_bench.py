@@ -11,7 +11,7 @@ import torch
 import bench
 import measure
 import runner
-from conftest import Proc, assert_clean_error, run_main
+from conftest import Proc, assert_clean_error, run_main, run_py
 
 
 TINY = ['--device', 'cpu', '--n-layer', '1', '--n-head', '2', '--n-embd', '16', '--block-size', '64',
@@ -107,6 +107,23 @@ def test_trees_table_at_tiny_sizes(tmp_path, corpus_file):
     for r in rows:
         assert 1 <= r['tau'] <= r['k'] and r['calls'] > 0 and r['t_block_over_t_path'] > 0 and r['speedup'] > 0
         assert r['tokens_per_call'] == pytest.approx(2 * 16 / r['calls'])
+
+
+def test_profiling_on_a_cpu_writes_nothing_between_the_tables():
+    """On a CPU, measure's profiling (call_costs, time_split) adds no line of the profiler's own
+    to stderr, where its backend wrote profiler_start / profiler_stop at each use, between the rows
+    of bench's printed tables; what the user set in KINETO_LOG_LEVEL is kept."""
+    code = ("import torch, measure\n"
+            "for _ in range(2):\n"
+            "    with measure.profiled('cpu') as p:\n"
+            "        torch.ones(3) + 1\n"
+            "    assert any(e.name == 'aten::add' for e in p.events())\n"
+            "print('profiled')")
+    proc = run_py(['-c', code])
+    assert proc.returncode == 0 and proc.stdout == 'profiled\n' and proc.stderr == '', proc.stderr
+    kept = run_py(['-c', "import os, measure; os.environ['KINETO_LOG_LEVEL'] = '2'; measure.profiled('cpu'); "
+                         "print(os.environ['KINETO_LOG_LEVEL'])"])
+    assert kept.stdout == '2\n', kept.stderr
 
 
 def test_step_times_reads_the_cpu_side_rows():
