@@ -83,7 +83,7 @@ def intra_op_threads(threads=None, small=False):
     1.7x faster for training and no faster for decoding."""
     if threads is None:
         cores = os.cpu_count() or 1
-        threads = 1 if small else max(1, min(cores, cores - round(busy_cores(cores))))
+        threads = 1 if small else free_cores(cores, busy_cores(cores))
     torch.set_num_threads(threads)
     return threads
 
@@ -115,17 +115,45 @@ def busy_cores(cores, window=0.2):
     """How many cores other processes keep busy now: the share of CPU time not idle over `window`
     seconds of /proc/stat (Linux; this process sleeps meanwhile), else the 1-minute load average,
     which lags by about a minute."""
-    def snap():
-        with open('/proc/stat') as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        return sum(ticks), ticks[3] + ticks[4], time.process_time(), time.perf_counter()
-    try:
-        (total0, idle0, own0, t0), _, (total1, idle1, own1, t1) = snap(), time.sleep(window), snap()
-        # less this process's own: torch's worker threads spin for a while after parallel work
-        own = (own1 - own0) / (t1 - t0)
-        return max(0.0, cores * (1 - (idle1 - idle0) / max(1, total1 - total0)) - own)
-    except (OSError, ValueError, IndexError):
+    watch = CoreWatch(cores)
+    time.sleep(window)
+    busy = watch.busy()
+    if busy is None:
         return os.getloadavg()[0] if hasattr(os, 'getloadavg') else 0.0
+    return busy
+
+
+class CoreWatch:
+    """The cores other processes kept busy between two readings of /proc/stat (Linux), less this
+    process's own CPU time: torch's worker threads spin for a while after parallel work, and a
+    process that trains counts itself out. busy() reads since the last reading, so a loop that calls
+    it now and then measures without sleeping. None where /proc/stat cannot be read."""
+
+    def __init__(self, cores):
+        self.cores, self.last = cores, self.snap()
+
+    @staticmethod
+    def snap():
+        try:
+            with open('/proc/stat') as f:
+                ticks = [int(x) for x in f.readline().split()[1:]]
+            return sum(ticks), ticks[3] + ticks[4], time.process_time(), time.perf_counter()
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def busy(self):
+        before, now = self.last, self.snap()
+        self.last = now
+        if now is None or before is None or now[3] <= before[3]:
+            return None
+        (total0, idle0, own0, t0), (total1, idle1, own1, t1) = before, now
+        own = (own1 - own0) / (t1 - t0)
+        return max(0.0, self.cores * (1 - (idle1 - idle0) / max(1, total1 - total0)) - own)
+
+
+def free_cores(cores, busy):
+    """The threads that fit beside `busy` cores of other work: the cores left, at least one."""
+    return max(1, min(cores, cores - round(busy)))
 
 
 # ----------------------------------------------------------------------------- how a script ends

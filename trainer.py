@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from cli import BadInput, Precision, first_line, pick_device
+from cli import BadInput, CoreWatch, Precision, first_line, free_cores, pick_device
 from data import check_finite, is_whole, load_checkpoint
 
 
@@ -138,6 +138,36 @@ def progress(iterable, **kw):
 
 # ----------------------------------------------------------------------------- the loop
 
+# how often a stage without --threads on a CPU looks at the cores other processes keep busy
+FOLLOW_SECONDS = 10
+
+
+def follow_load(rt, every=FOLLOW_SECONDS):
+    """Without --threads, a run on a CPU takes its threads from the cores free when it starts
+    (cli.intra_op_threads). A process started later then shares those cores, and on 2 cores two
+    threads beside it wait for each other at every operation: a training step of the CPU preset
+    ran 6.5 times as slowly (README, "Threads"). The check this returns, called at the loop's
+    reads of the loss, measures the cores other processes kept busy over the last `every` seconds
+    (cli.CoreWatch, without sleeping) and sets torch's threads to the cores left, up again when they
+    free, with a line each time."""
+    cores = os.cpu_count() or 1
+    watch, since = CoreWatch(cores), time.perf_counter()
+
+    def check():
+        nonlocal since
+        if time.perf_counter() - since < every:
+            return
+        since = time.perf_counter()
+        busy = watch.busy()
+        if busy is None:           # no /proc/stat: the threads stay as they are
+            return
+        want, have = free_cores(cores, busy), torch.get_num_threads()
+        if want != have:
+            torch.set_num_threads(want)
+            rt.print(f"CPU threads: {have} -> {want} (other processes keep {busy:.1f} of {cores} cores busy)")
+    return check
+
+
 def lr_at(it, lr, warmup, total):
     """Linear warmup, then cosine decay to lr/10."""
     if it < warmup:
@@ -159,7 +189,8 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
     """The loop every stage shares: AdamW, warmup + cosine, clipping, tqdm, periodic atomic
     checkpoints. objective(*batch) -> loss trains whatever parameters require grad.
     evaluate(step) -> a float, printed as `eval_name` every eval_interval steps and at the end.
-    save(optimizer_state, iter_num, rng_states) writes the stage's checkpoint (rank 0 only)."""
+    save(optimizer_state, iter_num, rng_states) writes the stage's checkpoint (rank 0 only).
+    Without --threads on a CPU, the threads follow the cores other processes leave (follow_load)."""
     model = objective
     if rt.ddp:
         model = DDP(objective, device_ids=[int(rt.device.split(':')[1])] if rt.kind == 'cuda' else None)
@@ -169,6 +200,7 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
         restore(rt, opt, resume, name)
         start = resume['iter_num']
     step = torch.compile(model) if args.compile else model
+    follow = follow_load(rt) if args.threads is None and rt.kind == 'cpu' and not rt.ddp else None
     bar = progress(range(start, iters), desc=name, disable=not rt.master, initial=start, total=iters)
     t0, loss_val = time.perf_counter(), float('nan')
     with rt.precision.matmuls():   # TF32 for the training steps (CUDA); evaluations enter their own
@@ -189,6 +221,8 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
                                    f"and the stage's checkpoint was left as it was (lower the learning rate or check "
                                    f"the data)")
                 loss_val = loss.item()
+                if follow is not None:
+                    follow()
                 dt = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 tps = tokens_per_step * rt.world * (10 if it > start else 1) / max(dt, 1e-9)

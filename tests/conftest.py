@@ -141,9 +141,10 @@ def in_process(main, cwd=ROOT):
     """Run main() in this process, in the folder cwd, the way a script's `__main__` block runs it
     (cli.run_script) -> (exit code, stdout, stderr). CUDA is hidden, so that '--device cuda' is
     refused on any machine. Without --threads a script reads the machine's load (cli.busy_cores,
-    0.2 s asleep at each call); here it reads what the suite knows instead: every core but this
-    test's is busy (the second pytest process keeps one), so the script trains on one thread, as
-    the tests do (tests/test_data.py checks the real reading). The RNGs, torch's threads, the
+    0.2 s asleep at each call, and a training stage cli.CoreWatch as it trains); here it reads what
+    the suite knows instead: every core but this test's is busy (the second pytest process keeps
+    one), so the script trains on one thread, as the tests do (tests/test_data.py checks the real
+    reading). The RNGs, torch's threads, the
     working directory and torchrun's variables are restored afterwards. An exception that
     run_script lets through would be a traceback in a real run: it comes back as one, with exit
     code 1."""
@@ -154,7 +155,8 @@ def in_process(main, cwd=ROOT):
         with redirect_stdout(out), redirect_stderr(err), torch.random.fork_rng(devices=[]), \
                 mock.patch('torch.cuda.is_available', return_value=False), \
                 mock.patch('torch.cuda.device_count', return_value=0), \
-                mock.patch('cli.busy_cores', lambda cores, window=0.2: cores - 1):
+                mock.patch('cli.busy_cores', lambda cores, window=0.2: cores - 1), \
+                mock.patch('cli.CoreWatch.busy', lambda self: self.cores - 1):
             os.chdir(cwd)
             try:
                 run_script(main)

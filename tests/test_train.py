@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from contextlib import nullcontext
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch
 
 from conftest import (ROOT, Proc, assert_clean_error, corpus_text, env, naive_greedy, run_main, run_py,
                       sigint_at_default, tiny_model)
+import cli
 import train
 import trainer
 from cli import BadInput
@@ -421,6 +423,48 @@ def test_a_loss_non_finite_on_one_rank_stops_every_rank(ddp_run):
     proc = ddp_run[0]
     lines = sorted(x for x in proc.stdout.splitlines() if x.startswith('rank') and 'all finite' in x)
     assert lines == ['rank 0 all finite False', 'rank 1 all finite False'], proc.stdout + proc.stderr[-2000:]
+
+
+def test_core_watch_counts_other_processes_since_its_last_reading(monkeypatch):
+    """cli.CoreWatch: the cores busy between two readings of /proc/stat, less this process's own CPU
+    time, each reading the start of the next window; None where there is no reading."""
+    snaps = iter([(0, 0, 0.0, 0.0), (200, 100, 0.5, 1.0), (400, 100, 2.5, 2.0), None, (600, 300, 3.0, 3.0)])
+    monkeypatch.setattr(cli.CoreWatch, 'snap', staticmethod(lambda: next(snaps)))
+    watch = cli.CoreWatch(2)
+    assert watch.busy() == pytest.approx(0.5)   # half the ticks busy (1 core), half a core of it this process's
+    assert watch.busy() == 0.0                  # no tick idle, and both cores this process's
+    assert watch.busy() is None and watch.busy() is None    # no reading, then no window to read from
+    assert [cli.free_cores(2, b) for b in (0.0, 0.4, 0.7, 1.6, 2.0)] == [2, 2, 1, 1, 1]
+
+
+def test_a_stage_follows_the_cores_other_processes_take(monkeypatch):
+    """Without --threads on a CPU, a stage sets torch's threads to the cores other processes leave,
+    measured as it trains: down when another process starts, up again when it ends, with a line
+    each time; the same readings change nothing when the threads already fit."""
+    readings = iter([1.0, 1.0, 0.1, 0.0])
+
+    class Watch:
+        def __init__(self, cores):
+            pass
+
+        def busy(self):
+            return next(readings)
+    monkeypatch.setattr(trainer, 'CoreWatch', Watch)
+    monkeypatch.setattr(trainer.os, 'cpu_count', lambda: 2)
+    said = []
+    rt = types.SimpleNamespace(print=said.append)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        check, seen = trainer.follow_load(rt, every=0), []
+        for _ in range(4):
+            check()
+            seen.append(torch.get_num_threads())
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [1, 1, 2, 2], seen
+    assert said == ["CPU threads: 2 -> 1 (other processes keep 1.0 of 2 cores busy)",
+                    "CPU threads: 1 -> 2 (other processes keep 0.1 of 2 cores busy)"], said
 
 
 def test_gpu_preset_for_any_cuda_device_name(monkeypatch):
