@@ -286,7 +286,8 @@ def load_drafter(path, target, kind=None, vocab=None):
     if have not in DRAFTERS or (kind is not None and have != kind):
         flag = {'heads': '--heads', 'dblast': '--drafter', None: '--ckpt or --draft-model'}.get(have)   # generate.py's
         raise BadInput(f"{path} is not a {WHAT.get(kind, 'drafter')} checkpoint (it is a "
-                       f"{WHAT.get(have, have or 'target model')} checkpoint" + (f": give it with {flag})" if flag else ")"))
+                       f"{WHAT.get(have, have or 'target model')} checkpoint"
+                       + (f": give it with {flag})" if flag else ")"))
     if ckpt.get('base_fingerprint') != target.fingerprint():
         raise BadInput(f"{path} was trained for another base model (fingerprint "
                        f"{ckpt.get('base_fingerprint')} != {target.fingerprint()}); retrain it")

@@ -2,7 +2,8 @@
 Decode from the command line: plain, blockwise parallel (BPD heads), or with a DBlast drafter, a
 draft model or prompt lookup, greedy or sampled, timed against plain decoding of the same target
 and prompt. The decoding itself is decode.py's (`generate`); this script loads the checkpoints
-(drafters.load_drafter, load_draft_model), checks the flags and prints.
+(drafters.load_drafter, load_draft_model), checks the flags and prints. The same timing makes
+train.py's closing demos (`closing_demos`).
 
     python generate.py --ckpt out/ckpt.pt --prompt "def " --max-new-tokens 200
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8

@@ -64,9 +64,9 @@ class Watch:
         import dblast
         import decode
         import drafters
+        import generate
         import heads
         import model
-        import generate
         import runner
         import train
         import trainer
