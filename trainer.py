@@ -145,8 +145,8 @@ FOLLOW_SECONDS = 10
 def follow_load(rt, every=FOLLOW_SECONDS):
     """Without --threads, a run on a CPU takes its threads from the cores free when it starts
     (cli.intra_op_threads). A process started later then shares those cores, and on 2 cores two
-    threads beside it wait for each other at every operation: a training step of the CPU preset
-    ran 6.5 times as slowly (README, "Threads"). The check this returns, called at the loop's
+    threads beside it wait for each other at every operation: the CPU preset's target went from 8
+    steps a second to 1.2 (README, "Threads"). The check this returns, called at the loop's
     reads of the loss, measures the cores other processes kept busy over the last `every` seconds
     (cli.CoreWatch, without sleeping) and sets torch's threads to the cores left, up again when they
     free, with a line each time."""
