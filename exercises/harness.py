@@ -671,6 +671,10 @@ class Tryout:
         """'heads.pt', 'dblast_K4.pt', 'dblast_K1.pt' of --out-dir, loaded once."""
         path = os.path.join(self.args.out_dir, name)
         if not os.path.isfile(path):
+            if name.startswith('dblast') and self.reference is None:   # a handout: that stage runs on exercises 5, 6
+                raise BadInput(f"{path} not found: train.py's dblast stage writes it, and in this copy it runs on "
+                               f"your exercises 5 and 6; once they pass their checks, the same train.py command "
+                               f"with --resume trains it")
             raise BadInput(f"{path} not found: run `python train.py` (all stages; `--preset quick` for a "
                            f"smaller target, sooner) first")
         return load_drafter(path, self.model)

@@ -306,6 +306,15 @@ def test_every_check_passes_with_the_references_dropped_in(handout, tmp_path):
             assert passed, f"exercise {n}, {title}: {reason}"
 
 
+def test_the_list_in_a_handout_says_to_start_with_exercise_3(handout):
+    """`python -m exercises` in a handout says exercise 3 comes first (every decode there runs on
+    the student's cache); in the full project, where any order works, it says nothing of it."""
+    said = 'Start with exercise 3: in this copy every decode runs on your cache'
+    assert said in run(['-m', 'exercises'], handout).stdout
+    code, out, err = in_process(lambda: exercises_main([]))
+    assert code == 0 and said not in out and '08_tree' in out, out + err
+
+
 def test_a_folder_in_use_is_refused_before_anything_is_written(tmp_path):
     (tmp_path / 'full').mkdir()
     (tmp_path / 'full' / 'notes.txt').write_text('mine')
@@ -367,6 +376,23 @@ def only_answers_use(sources):
                 if where and len(inside) == len(where) and dotted not in listed:
                     found.append(dotted)
     return sorted(found)
+
+
+def test_try_2_in_a_handout_before_the_dblast_stage_shows_the_heads_and_says_why_not_dblast(handout, tmp_path):
+    """In a handout train.py's dblast stage stops until exercises 5 and 6 are written, so out/ has
+    no DBlast drafter when a student reaches exercise 2: `try 2` decodes with the heads it has and
+    says that the DBlast rows need exercises 5 and 6, then train.py with --resume."""
+    from test_exercises_cli import table, write_out_dir
+    course = copy_of(handout, tmp_path)
+    for n in (3, 2):
+        drop_in(course, n)
+    out_dir = write_out_dir(str(tmp_path / 'out'))              # ckpt.pt and heads.pt, no dblast_K4.pt
+    proc = run(['-m', 'exercises', 'try', '2', '--out-dir', out_dir, '--prompts', '2', '--max-new', '16'], course)
+    assert proc.returncode == 0, proc.stderr
+    rows = table(proc.stdout)
+    assert 'yours, heads.pt' in rows and not any('dblast' in r for r in rows), proc.stdout
+    assert "dblast_K4.pt not found: train.py's dblast stage writes it, and in this copy it runs on your exercises 5 " \
+           "and 6" in proc.stdout and '--resume' in proc.stdout, proc.stdout
 
 
 def test_a_helper_only_an_answer_uses_is_listed():

@@ -94,9 +94,10 @@ def test_a_wrong_draft_first_middle_last(impl):
                                "(those before the first refusal), whatever the rule says about the drafts after it")
         if int(bonus[row]) != int(greedy[row, want]):
             late = want + 1 < k and int(bonus[row]) == int(greedy[row, want + 1])
-            raise harness.Fail(f"row with {where}: bonus {int(bonus[row])}, want the target's token after it "
-                               f"{int(greedy[row, want])}", "the bonus is the target's argmax at the block position "
-                               "of the last committed token (the bonus itself when nothing was committed): " + (
+            raise harness.Fail(f"row with {where}: bonus {int(bonus[row])}, want {int(greedy[row, want])}, the "
+                               f"target's argmax after the last committed token",
+                               "the bonus is the target's argmax at the block position of the last committed token "
+                               "(the bonus itself when nothing was committed): " + (
                                    "yours is the one a position later" if late else
                                    "yours is neither that one nor the one a position later"))
 
