@@ -175,6 +175,8 @@ def load_checkpoint(path, kind=None):
     if os.path.isdir(path):
         raise BadInput(folder_given(path))
     if not os.path.isfile(path):
+        if os.path.exists(path):    # a device, a pipe, a socket: reading it could block, or never end
+            raise BadInput(f"checkpoint {path} is not a regular file; give a checkpoint file (the .pt train.py writes)")
         raise BadInput(f"checkpoint not found: {path}")
     head = first_bytes(path, 4)
     # torch.save writes a zip file ('PK'); its older format, and a raw pickle, begin with pickle's
