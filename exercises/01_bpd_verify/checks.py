@@ -187,5 +187,6 @@ def test_decodes_exactly_greedy(impl):
 
 
 def try_it(impl, tryout):
-    """BPD heads at k = 8 on train.py's target, greedy: yours next to the reference."""
+    """BPD heads at k = 8 on train.py's target, greedy: yours next to the reference (in a handout,
+    the target alone)."""
     tryout.table(tryout.pair('BPD heads, k = 8', drafter=tryout.drafter('heads.pt'), k=8))

@@ -167,5 +167,6 @@ def test_decodes_exactly_greedy(impl):
 
 
 def try_it(impl, tryout):
-    """BPD heads at k = 8, greedy, on train.py's target: on your cache next to the reference's."""
+    """BPD heads at k = 8, greedy, on train.py's target: on your cache next to the reference's (in
+    a handout, the target alone)."""
     tryout.table(tryout.pair('BPD heads, k = 8', drafter=tryout.drafter('heads.pt'), k=8))

@@ -248,9 +248,9 @@ def test_every_committed_draft_passes(impl):
 
 @torch.no_grad()
 def try_it(impl, tryout):
-    """Typical acceptance, yours next to the reference, beside exact and top-k, with the k = 8 heads:
-    tau, agreement with greedy, and the original model's NLL of the output (as bench.py's lossy
-    table)."""
+    """Typical acceptance, yours next to the reference (in a handout, the target alone), beside exact
+    and top-k, with the k = 8 heads: tau, agreement with greedy, and the original model's NLL of the
+    output (as bench.py's lossy table)."""
     heads = tryout.drafter('heads.pt')
     T0 = tryout.prompts.size(1)
     typical = [r for accept in ('typical:0.3,0.6', 'typical:0.09,0.3', 'typical:0.01,0.1')

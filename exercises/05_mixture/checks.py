@@ -161,7 +161,8 @@ def test_lossless_through_generate(impl):
 
 def try_it(impl, tryout):
     """train.py's DBlast K = 4 drafter at T = 1.5 with your posterior and conditionals, sampled and
-    greedy branches, next to the reference, with a chi-square p-value of the second token."""
+    greedy branches, next to the reference (in a handout, the target alone), with a chi-square
+    p-value of the second token."""
     d = tryout.drafter('dblast_K4.pt')
     rows = []
     for sample_drafts in (True, False):

@@ -340,9 +340,9 @@ def sized_step(model, B, n, K=4):
 
 def try_it(impl, tryout):
     """train.py's DBlast K = 4 drafter with greedy branches, at T = 0 and 1.5: your tree verification
-    of all four branches next to the reference's, beside the project's verification of the drawn
-    branch alone and of the mixture's conditionals, with a chi-square p-value of the second token
-    under sampling."""
+    of all four branches next to the reference's (in a handout, the target alone), beside the
+    project's verification of the drawn branch alone and of the mixture's conditionals, with a
+    chi-square p-value of the second token under sampling."""
     d = tryout.drafter('dblast_K4.pt')
     d.sample_drafts = False
     tree = lambda code: dict(decoder=lambda *a, **kw: tree_generate(*a, step=code.tree_step, **kw))   # noqa: E731
