@@ -144,10 +144,9 @@ def in_process(main, cwd=ROOT):
     0.2 s asleep at each call, and a training stage cli.CoreWatch as it trains); here it reads what
     the suite knows instead: every core but this test's is busy (the second pytest process keeps
     one), so the script trains on one thread, as the tests do (tests/test_data.py checks the real
-    reading). The RNGs, torch's threads, the
-    working directory and torchrun's variables are restored afterwards. An exception that
-    run_script lets through would be a traceback in a real run: it comes back as one, with exit
-    code 1."""
+    reading). The RNGs, torch's threads, the working directory and torchrun's variables are
+    restored afterwards. An exception that run_script lets through would be a traceback in a real
+    run: it comes back as one, with exit code 1."""
     out, err, code = io.StringIO(), io.StringIO(), 0
     home, py_state, threads = os.getcwd(), random.getstate(), torch.get_num_threads()
     ddp = {n: os.environ.pop(n) for n in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK') if n in os.environ}
