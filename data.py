@@ -179,8 +179,8 @@ def load_checkpoint(path, kind=None):
             raise BadInput(f"checkpoint {path} is not a regular file; give a checkpoint file (the .pt train.py writes)")
         raise BadInput(f"checkpoint not found: {path}")
     head = first_bytes(path, 4)
-    # torch.save writes a zip file ('PK'); its older format, and a raw pickle, begin with pickle's
-    # PROTO opcode (0x80). Anything else was never saved by torch: say so, not "refused"
+    # torch.save writes a zip file ('PK'); its older format, and a pickle of protocol 2 or later,
+    # begin with pickle's PROTO opcode (0x80). Anything else torch never saved: say so, not "refused"
     if head and not (head.startswith(b'PK') or head.startswith(b'\x80')):
         raise BadInput(f"{path} is not a PyTorch checkpoint (torch.save writes a zip file; this one begins "
                        f"{head!r}); give a checkpoint train.py wrote")
