@@ -31,7 +31,7 @@ def print_list():
         title = open(os.path.join(harness.HERE, name, 'README.md')).readline().lstrip('# ').strip()
         print(f"  {n}  {name:<20} {title}")
     if harness.solution_path(3) is None:   # a handout: the project decodes on the student's cache
-        print("\nStart with exercise 3: in this copy every decode runs on your cache (then 1, 2 and 4 to 8).")
+        print("\nStart with exercise 3: in this copy every decode runs on your cache (then 1, 2 and 4 to 9).")
     print("\npython -m exercises check N       run exercise N's checks on your student.py (--solution: the reference)"
           "\npython -m exercises try N         run your code through the decoder on train.py's checkpoints"
           "\npython -m exercises handout DIR   instructors: write a student's copy (no solutions) into DIR")

@@ -360,6 +360,6 @@ def summary(dest, n_files):
             print(f"  {entry:<{width}}    exercise {n} ({folder})")
     print("So several drafted paths per call (generate.py --paths, exercise 8's subject) need the full project.")
     print("Order: exercise 3 first, since every decode runs on the student's cache (plain decoding, `python "
-          "generate.py` without a drafter, runs once it is written), then 1, 2, 4 to 8: a check that decodes runs "
+          "generate.py` without a drafter, runs once it is written), then 1, 2, 4 to 9: a check that decodes runs "
           "the earlier exercises' code too (exercise 3's last check needs exercise 1's verify_greedy).")
     print(f"Next: cd {dest} && python -m exercises check 3")

@@ -21,9 +21,10 @@ HAVE_SOLUTIONS = all(harness.solution_path(n) for n in EXERCISES)
 CONTROLS = [(n, c) for n in EXERCISES for c in (harness.controls(n) if HAVE_SOLUTIONS else [])]
 
 
-def test_eight_exercises_in_course_order():
+def test_nine_exercises_in_course_order():
     assert [harness.exercises()[n][3:] for n in EXERCISES] == [
-        'bpd_verify', 'spec_sampling', 'cache', 'typical', 'mixture', 'al_loss', 'drafter', 'tree']
+        'bpd_verify', 'spec_sampling', 'cache', 'typical', 'mixture', 'al_loss', 'drafter', 'tree',
+        'tree_growth']
 
 
 @pytest.mark.parametrize('n', EXERCISES)

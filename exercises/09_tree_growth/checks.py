@@ -1,0 +1,191 @@
+"""Exercise 9's checks: a best-first token tree from a drafter's distributions (README.md). Each
+check reads the tree your grow_tree returns, node by node, against an enumeration of every prefix."""
+import itertools
+import math
+
+import torch
+
+from exercises import harness
+
+NAMES = ('grow_tree',)
+SEAMS = {'decode.grow_tree': 'grow_tree'}
+REFERENCE = {'grow_tree': 'heads.grow_tree'}   # in a handout: a call of student.py's
+STUBS = {}   # nothing else of the project is this answer
+MAY_USE = ('heads.Drafter.next_log_q', 'decode.tree_attend', 'decode.walk_down')
+
+
+class World:
+    """A drafter's distributions after every prefix of up to n tokens of a vocabulary of V, row by
+    row: log_q(d, prefix) reads them from a table (vectorised: no loop of its own), and every node
+    of the tree can be enumerated with its score."""
+
+    def __init__(self, B, V, n, seed=0, table=None):
+        g = torch.Generator().manual_seed(seed)
+        self.B, self.V, self.n = B, V, n
+        self.table = table or [torch.log_softmax(2 * torch.randn(B, V ** d, V, generator=g, dtype=torch.float64), -1)
+                               for d in range(n)]
+
+    def log_q(self, d, prefix):
+        place = self.V ** torch.arange(d - 1, -1, -1, device=prefix.device)
+        index = (prefix * place).sum(-1)                                              # (B, M)
+        return self.table[d].to(prefix.device).gather(1, index[..., None].expand(-1, -1, self.V))
+
+    def score(self, b, path):
+        """The score of the node whose prefix is `path` (a tuple of tokens), in row b."""
+        total = 0.0
+        for d, token in enumerate(path):
+            index = sum(t * self.V ** (d - 1 - i) for i, t in enumerate(path[:d]))
+            total += float(self.table[d][b, index, token])
+        return total
+
+    def nodes(self, b):
+        return {path: self.score(b, path) for j in range(1, self.n + 1)
+                for path in itertools.product(range(self.V), repeat=j)}
+
+    def m(self, nodes):
+        return min(nodes, sum(min(nodes, self.V ** j) for j in range(1, self.n + 1)))
+
+
+def grown(impl, world, nodes):
+    tokens, tree = impl.grow_tree(world.log_q, world.B, world.n, nodes, 'cpu')
+    m = world.m(nodes)
+    for name, t, shape in (('tokens', tokens, (world.B, m)), ('tree', tree, (world.B, 2, 1 + m))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.long:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            shaped = isinstance(t, torch.Tensor) and tuple(t.shape) == shape
+            raise harness.Fail(f"{name} is {got}, want {shape} torch.int64 (m = {m} for {nodes} nodes, V = {world.V}, "
+                               f"n = {world.n})", "long (int64) integers: decode indexes with them" if shaped else
+                               "m = min(nodes, c_1 + .. + c_n) with c_j = min(nodes, V ** j): the nodes the "
+                               "depth-by-depth search has as candidates, at most `nodes`")
+    return tokens, tree
+
+
+def paths(tokens, tree, b, n):
+    """{slot: its prefix (a tuple of tokens)} of row b, each slot checked against its parent's
+    (padding left out), or a Fail naming the first slot that is not a node of a tree."""
+    parent, depth = tree[b, 0].tolist(), tree[b, 1].tolist()
+    if parent[0] != 0 or depth[0] != 0:
+        raise harness.Fail(f"row {b}: slot 0 (the bonus) has parent {parent[0]}, depth {depth[0]}; want 0 and 0",
+                           "slot 0 is the bonus: its own parent, at depth 0")
+    found = {0: ()}
+    for j in range(1, len(parent)):
+        up = parent[j]
+        if up == -1:
+            continue
+        if not 0 <= up < j:
+            raise harness.Fail(f"row {b}: slot {j}'s parent is slot {up}; want a slot before it (or -1, padding)",
+                               "slots in the order of the candidates' depths: each node's parent was chosen at a "
+                               "depth before it, so its slot comes first")
+        if up not in found:
+            raise harness.Fail(f"row {b}: slot {j}'s parent, slot {up}, is padding", "padding has no children")
+        if depth[j] != depth[up] + 1 or depth[j] > n:
+            raise harness.Fail(f"row {b}: slot {j} at depth {depth[j]} has its parent, slot {up}, at depth "
+                               f"{depth[up]}; want {depth[up] + 1}",
+                               "a node chosen without its parent: its parent's slot cannot be found, so it points "
+                               "elsewhere. A child never scores more than its parent, so the m best, ties to the "
+                               "shallower, always hold the parent of each one")
+        found[j] = found[up] + (int(tokens[b, j - 1]),)
+    seen = {}
+    for j, path in found.items():
+        if path in seen:
+            raise harness.Fail(f"row {b}: slots {seen[path]} and {j} are the same node {list(path)}",
+                               "a node is a prefix: two children of one parent hold different tokens")
+        seen[path] = j
+    return found
+
+
+def scores_of(world, b, found):
+    return sorted((world.score(b, p) for s, p in found.items() if s), reverse=True)
+
+
+def test_the_best_nodes(impl):
+    """The m best nodes. In a world of V = 3 tokens and n = 3 depths (39 prefixes a row, each
+    enumerated with its score), 7 nodes: the chosen nodes' scores are the 7 best scores of each row.
+    Hint: a node's score is the sum of log_q along its whole prefix (the log of the product of its
+    tokens' probabilities); at each depth the `nodes` best children of the last depth's best are the
+    candidates, and of all depths' candidates the `nodes` best are taken."""
+    world = World(B=2, V=3, n=3, seed=0)
+    tokens, tree = grown(impl, world, 7)
+    for b in range(world.B):
+        found = paths(tokens, tree, b, world.n)
+        got, want = scores_of(world, b, found), sorted(world.nodes(b).values(), reverse=True)[:world.m(7)]
+        if len(got) != len(want) or any(abs(g - w) > 1e-9 for g, w in zip(got, want)):
+            raise harness.Fail(f"row {b}: the chosen nodes' scores {[round(x, 3) for x in got]}, want the "
+                               f"{len(want)} best {[round(x, 3) for x in want]}",
+                               f"{len(want) - len(got)} padding slot(s) where every node has probability: a "
+                               f"candidate of some probability taken for -inf?" if len(got) < len(want) else '')
+
+
+def test_every_row_is_a_tree(impl):
+    """Every row is a tree. 3 rows, V = 5, n = 4 depths, 12 nodes: slot 0 is the bonus, each other
+    slot's parent is a slot before it, one depth up, siblings hold different tokens, and each row's
+    nodes are that row's best.
+    Hint: rows are independent: each its own scores, its own tree, its own slots."""
+    world = World(B=3, V=5, n=4, seed=1)
+    tokens, tree = grown(impl, world, 12)
+    for b in range(world.B):
+        found = paths(tokens, tree, b, world.n)
+        got = scores_of(world, b, found)
+        want = sorted(world.nodes(b).values(), reverse=True)[:world.m(12)]
+        if any(abs(g - w) > 1e-9 for g, w in zip(got, want)) or len(got) != len(want):
+            raise harness.Fail(f"row {b}: the chosen nodes' scores {[round(x, 3) for x in got]}, want the "
+                               f"{len(want)} best {[round(x, 3) for x in want]}")
+
+
+def tie_world():
+    """V = 3, n = 2: tokens 0 and 1 at depth 1 with probability 1/2 each, then token 0 for sure: four
+    nodes of equal score (0, 1, 00, 10), the rest of probability 0."""
+    half, sure = math.log(0.5), 0.0
+    first = torch.tensor([[[half, half, -math.inf]]], dtype=torch.float64)
+    then = torch.tensor([[[sure, -math.inf, -math.inf]] * 3], dtype=torch.float64)
+    return World(B=1, V=3, n=2, table=[first, then])
+
+
+def test_ties_go_to_the_shallower(impl):
+    """Ties go to the shallower. Nodes 0, 1, 00 and 10 score the same (1/2 each) and 3 are taken:
+    both depth-1 nodes and one child, never a child without its parent.
+    Hint: of equal scores the shallower first (a stable sort of the candidates in depth order keeps
+    it so); a child never scores more than its parent, so then every chosen node's parent is chosen."""
+    world = tie_world()
+    tokens, tree = grown(impl, world, 3)
+    found = paths(tokens, tree, 0, world.n)
+    chosen = sorted(found[s] for s in found if s)
+    if chosen not in ([(0,), (0, 0), (1,)], [(0,), (1,), (1, 0)]):
+        raise harness.Fail(f"the chosen nodes {[list(p) for p in chosen]}, want [0], [1] and one of [0, 0], [1, 0]",
+                           "of equal scores the shallower first: both depth-1 nodes, then one child")
+
+
+def test_padding_where_the_drafter_gives_no_probability(impl):
+    """Padding where the drafter gives nothing. Only 3 nodes of V = 4, n = 2 have probability (0,
+    then 00 and 01); of the 6 slots the other 3 are padding: parent -1, which no walk follows.
+    Hint: a candidate of score -inf is still taken when fewer than m have more (static shapes), but
+    its parent slot is -1."""
+    world = World(B=1, V=4, n=2, table=[
+        torch.tensor([[[0.0, -math.inf, -math.inf, -math.inf]]], dtype=torch.float64),
+        torch.tensor([[[math.log(0.5), math.log(0.5), -math.inf, -math.inf]] * 4], dtype=torch.float64)])
+    tokens, tree = grown(impl, world, 6)
+    parent = tree[0, 0].tolist()
+    found = paths(tokens, tree, 0, world.n)
+    real = sorted(found[s] for s in found if s)
+    if real != [(0,), (0, 0), (0, 1)] or parent.count(-1) != 3:
+        raise harness.Fail(f"parents {parent}, the nodes they make {[list(p) for p in real]}; want [0], [0, 0] and "
+                           f"[0, 1], and the other 3 slots padding (parent -1)")
+
+
+def test_no_host_sync(impl):
+    """No host sync, no Python loop, no tensor on another device. grow_tree makes the host wait for
+    nothing, dispatches as many ops for 5 rows or 11 nodes as for 2 rows of 6 (its loop over the n
+    depths aside), and makes no tensor off `device` (run on PyTorch's 'meta' device, which refuses a
+    mix of devices as CUDA does)."""
+    world = World(B=2, V=5, n=3, seed=2)
+    with harness.HostSyncs() as syncs:
+        impl.grow_tree(world.log_q, 2, 3, 6, 'cpu')
+    if syncs.seen:
+        raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
+                           "the ops listed make the host wait for the device: a value read back (.item(), a Python "
+                           "if on a tensor) or a shape that depends on the data (boolean indexing, nonzero)")
+    sizes = [(f'B={B}, nodes={m}', World(B=B, V=5, n=3, seed=3), m) for B, m in ((2, 6), (5, 6), (2, 11))]
+    harness.assert_no_python_loop('grow_tree', [(size, lambda w=w, m=m: impl.grow_tree(w.log_q, w.B, 3, m, 'cpu'))
+                                                for size, w, m in sizes])
+    meta = World(B=2, V=5, n=3, table=[t.to('meta') for t in world.table])
+    harness.assert_on_the_inputs_device('grow_tree', lambda: impl.grow_tree(meta.log_q, 2, 3, 6, 'meta'))
