@@ -546,20 +546,31 @@ class Allocations(EagerMode):
 # running the code under test on inputs on PyTorch's 'meta' device (shapes without data), which
 # refuses a mix with the CPU as CUDA does; a 0-dim CPU tensor (a scalar) is allowed by both.
 
+# ops CUDA runs with a CPU tensor beside its own: indices may live on the host, a copy crosses over
+ACROSS_DEVICES = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
+                  aten.copy_.default, aten._to_copy.default}
+
+
 class MadeOnCpu(EagerMode):
     """Under inputs on 'meta': where each CPU tensor of one dimension or more inside the block was
     made (the op and the line of student.py that made it, followed through views and ops on it),
-    and `blamed`, where the first one that met a tensor of another device was made."""
+    and `blamed`, where the first one that met a tensor of another device was made. strict: an op
+    that 'meta' lets mix the devices but CUDA refuses (scatter_ with a CPU src) fails as on CUDA."""
 
-    def __init__(self):
+    def __init__(self, strict=False):
         super().__init__()
         self.made = {}          # id(tensor) -> (a weak reference to it, where it was made)
         self.blamed = None
+        self.strict = strict
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        on_cpu = [t for t in pytree.tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and t.device.type == 'cpu' and t.dim() > 0]
+        leaves = pytree.tree_leaves((args, kwargs))
+        on_cpu = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == 'cpu' and t.dim() > 0]
+        if self.strict and on_cpu and func not in ACROSS_DEVICES and any(
+                isinstance(t, torch.Tensor) and t.device.type == 'meta' for t in leaves):
+            self.blamed = self.blamed or self.where(on_cpu[0])
+            raise RuntimeError(f"{func}: expected all tensors on one device, found meta and cpu (as CUDA refuses)")
         try:
             out = func(*args, **kwargs)
         except Exception:
@@ -602,11 +613,12 @@ def on_meta(x):
     return copy.deepcopy(x).to('meta') if isinstance(x, torch.nn.Module) else x.to('meta')
 
 
-def assert_on_the_inputs_device(what, call):
+def assert_on_the_inputs_device(what, call, strict=False):
     """call() runs the code under test on inputs on 'meta' (see above): Fail if it makes a tensor
     on the CPU that meets them, or returns one. An error of another kind (an op 'meta' cannot run,
-    a read of a value, which the host-sync checks judge) says nothing about devices: no failure."""
-    with MadeOnCpu() as made, autocast_off_on_meta():
+    a read of a value, which the host-sync checks judge) says nothing about devices: no failure.
+    strict: also where 'meta' lets an op mix the devices that CUDA does not (MadeOnCpu)."""
+    with MadeOnCpu(strict) as made, autocast_off_on_meta():
         try:
             out = call()
         except Exception as e:

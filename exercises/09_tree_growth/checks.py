@@ -74,16 +74,22 @@ def paths(tokens, tree, b, n):
             continue
         if not 0 <= up < j:
             raise harness.Fail(f"row {b}: slot {j}'s parent is slot {up}; want a slot before it (or -1, padding)",
-                               "slots in the order of the candidates' depths: each node's parent was chosen at a "
-                               "depth before it, so its slot comes first")
+                               "What fits: a parent's candidate index (or id) taken for its slot, where a table from "
+                               "ids to slots is needed; or slots in an order where a child can come before its "
+                               "parent")
         if up not in found:
-            raise harness.Fail(f"row {b}: slot {j}'s parent, slot {up}, is padding", "padding has no children")
+            raise harness.Fail(f"row {b}: slot {j}'s parent, slot {up}, is padding",
+                               "padding (parent -1) is for nodes of score -inf only, and has no children. What fits: "
+                               "a node's score taken otherwise than the sum of log_q along its whole prefix (its own "
+                               "token's alone, or a prefix that lost its earlier tokens), so that a node of some "
+                               "probability is judged -inf, or is kept without its parent")
         if depth[j] != depth[up] + 1 or depth[j] > n:
             raise harness.Fail(f"row {b}: slot {j} at depth {depth[j]} has its parent, slot {up}, at depth "
                                f"{depth[up]}; want {depth[up] + 1}",
-                               "a node chosen without its parent: its parent's slot cannot be found, so it points "
-                               "elsewhere. A child never scores more than its parent, so the m best, ties to the "
-                               "shallower, always hold the parent of each one")
+                               "What fits: depths counted otherwise than the bonus 0 and a first drafted token 1; "
+                               "a parent slot that is not the parent's (the ids-to-slots table); or a node chosen "
+                               "without its parent, which the m best, ties to the shallower, never are (a child "
+                               "never scores more than its parent)")
         found[j] = found[up] + (int(tokens[b, j - 1]),)
     seen = {}
     for j, path in found.items():
@@ -100,27 +106,36 @@ def scores_of(world, b, found):
 
 def test_the_best_nodes(impl):
     """The m best nodes. In a world of V = 3 tokens and n = 3 depths (39 prefixes a row, each
-    enumerated with its score), 7 nodes: the chosen nodes' scores are the 7 best scores of each row.
+    enumerated with its score), 7 nodes: the chosen nodes' scores are the 7 best scores of each row;
+    with V = 2, n = 2 and 10 nodes, m is the 6 prefixes there are.
     Hint: a node's score is the sum of log_q along its whole prefix (the log of the product of its
     tokens' probabilities); at each depth the `nodes` best children of the last depth's best are the
     candidates, and of all depths' candidates the `nodes` best are taken."""
-    world = World(B=2, V=3, n=3, seed=0)
-    tokens, tree = grown(impl, world, 7)
+    for world, nodes in ((World(B=2, V=3, n=3, seed=0), 7), (World(B=1, V=2, n=2, seed=5), 10)):
+        best_nodes(impl, world, nodes)
+
+
+def best_nodes(impl, world, nodes):
+    tokens, tree = grown(impl, world, nodes)
     for b in range(world.B):
         found = paths(tokens, tree, b, world.n)
-        got, want = scores_of(world, b, found), sorted(world.nodes(b).values(), reverse=True)[:world.m(7)]
+        got, want = scores_of(world, b, found), sorted(world.nodes(b).values(), reverse=True)[:world.m(nodes)]
         if len(got) != len(want) or any(abs(g - w) > 1e-9 for g, w in zip(got, want)):
             raise harness.Fail(f"row {b}: the chosen nodes' scores {[round(x, 3) for x in got]}, want the "
                                f"{len(want)} best {[round(x, 3) for x in want]}",
-                               f"{len(want) - len(got)} padding slot(s) where every node has probability: a "
-                               f"candidate of some probability taken for -inf?" if len(got) < len(want) else '')
+                               f"{len(want) - len(got)} slot(s) fewer hold a node of some probability than there "
+                               f"are: such nodes marked padding, or reached through a wrong parent (a parent's "
+                               f"index into another list than its depth's kept nodes)" if len(got) < len(want)
+                               else '')
 
 
 def test_every_row_is_a_tree(impl):
     """Every row is a tree. 3 rows, V = 5, n = 4 depths, 12 nodes: slot 0 is the bonus, each other
     slot's parent is a slot before it, one depth up, siblings hold different tokens, and each row's
     nodes are that row's best.
-    Hint: rows are independent: each its own scores, its own tree, its own slots."""
+    Hint: the scores say which nodes are off. What fits: a node's score (the sum of log_q along its
+    whole prefix, carried from depth to depth with the prefix itself), the candidates (the `nodes`
+    best children of the last depth's `nodes` best), or a row's nodes taken from another row."""
     world = World(B=3, V=5, n=4, seed=1)
     tokens, tree = grown(impl, world, 12)
     for b in range(world.B):
@@ -188,4 +203,4 @@ def test_no_host_sync(impl):
     harness.assert_no_python_loop('grow_tree', [(size, lambda w=w, m=m: impl.grow_tree(w.log_q, w.B, 3, m, 'cpu'))
                                                 for size, w, m in sizes])
     meta = World(B=2, V=5, n=3, table=[t.to('meta') for t in world.table])
-    harness.assert_on_the_inputs_device('grow_tree', lambda: impl.grow_tree(meta.log_q, 2, 3, 6, 'meta'))
+    harness.assert_on_the_inputs_device('grow_tree', lambda: impl.grow_tree(meta.log_q, 2, 3, 6, 'meta'), strict=True)
