@@ -271,8 +271,8 @@ def test_lossless_through_generate(impl):
 
 def try_it(impl, tryout):
     """DBlast K = 4 at T = 1.5 and BPD heads at T = 1 on train.py's target: yours next to the
-    reference (in a handout, the target alone), and a chi-square p-value of the second token of 4,000 decodes of one prompt against
-    its exact distribution."""
+    reference (in a handout, the target alone), and a chi-square p-value of the second token of
+    4,000 decodes of one prompt against its exact distribution."""
     rows, missing = [], []
     for name, T in (('dblast_K4.pt', 1.5), ('heads.pt', 1.0)):
         try:
