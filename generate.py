@@ -318,15 +318,14 @@ def decode_cli(args, device, precision):
         g = torch.Generator(device=device).manual_seed(args.seed or 0)
         return timed_generate(model, prompt, max_new, **kw, **extra, generator=g)
 
+    compiling(args)
     if drafter is None:
-        compiling(args)
         gen()  # warm-up
         out, stats, dt = gen()
         print(vocab.decode(out[0].tolist()))
         print(f"\n--- {max_new} tokens in {dt:.3f}s: {max_new / dt:.1f} tokens/s, {stats['calls']} calls ({precision})")
         return
     spec = dict(drafter=drafter, k=args.k, accept=args.accept, paths=paths, nodes=args.nodes)
-    compiling(args)
     gen(**spec)  # warm-up both paths so neither pays first-call costs in the timing
     gen()
     out, stats, dt = gen(**spec)

@@ -439,7 +439,8 @@ FLAGS = [
     ('resume', None, 'switch', False, None, 'continue interrupted stages, skip finished ones'),
     ('seed', None, int, 1337, dict(lo=0, hi=2 ** 63 - 1), None),
     ('threads', None, int, None, dict(lo=1, hi=1024), "CPU threads (default: the cores not already busy, from "
-                                                      "/proc/stat over 0.2 s)"),
+                                                      "/proc/stat over 0.2 s, and read again every 10 s as a "
+                                                      "stage trains)"),
     ('tag', None, str, '', None, 'suffix of the drafter checkpoint names (heads{tag}.pt, dblast_K4{tag}.pt)'),
     ('batch_size', None, int, None, POS, None),
     ('warmup_iters', None, int, None, dict(lo=0), None),
