@@ -53,9 +53,9 @@ from contextlib import redirect_stdout
 
 import torch
 
-import decode
 import train
 import trainer
+from arguments import MAX_PATHS
 from cli import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number, decoding_precision,
                  intra_op_threads, num_threads, pick_device, run_script)
 from data import PROMPT_LEN, load_checkpoint, load_target
@@ -728,8 +728,8 @@ def parse_ks(text):
 
 
 def parse_paths(text):
-    return parse_list('--paths-list', text, int, lambda p: 1 <= p <= decode.MAX_PATHS,
-                      f"whole numbers from 1 to {decode.MAX_PATHS}")
+    return parse_list('--paths-list', text, int, lambda p: 1 <= p <= MAX_PATHS,
+                      f"whole numbers from 1 to {MAX_PATHS}")
 
 
 def parse_temps(text):

@@ -8,9 +8,10 @@ Read in this order (MATH.md has every equation):
   a token tree                         its block and its walks with the target's own choices (§10)
   merged_step                          one target call: verify, commit, propose
   the loop                             the prefill, advance (a step and what the loop keeps of
-                                       it), generate and its argument checks
+                                       it), generate
 What only `compile=True` needs (static buffers, compiled steps, several steps a host call, CUDA
-graphs) is runner.py's: the loop reads the same without it.
+graphs) is runner.py's: the loop reads the same without it. generate's argument checks are
+arguments.py's, but for the acceptance rule's, which sit beside its table (check_accept).
 Drafters follow one contract (heads.Drafter); drafters.py holds the ones that read the text, and
 loads any drafter. The command line is generate.py's; the model's own `GPT.generate` (no cache,
 full recompute) is the reference every greedy path here is tested against token for token, and
@@ -23,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 import runner
-from cli import BadInput, check_number, decoding_threads, num_threads
-from data import describe, is_real, is_whole
-from heads import Drafter, Text, grow_tree
-from model import GPT, sample, tempered, upcast
+from arguments import check_args, named
+from cli import BadInput, decoding_threads, num_threads
+from heads import Text, grow_tree
+from model import sample, tempered, upcast
 
 
 # ------------------------------------------------------------------------- verification
@@ -78,15 +79,6 @@ ACCEPT = {
 }
 
 
-def named(name, value, cli=False):
-    """How an error names what the user gave: 'k=9' to a Python caller, '--k 9' on the command line
-    (a switch as itself: '--no-sample-drafts')."""
-    flag = name.replace('_', '-')
-    if cli and isinstance(value, bool):
-        return f"--{'' if value else 'no-'}{flag}"
-    return f"--{flag} {value}" if cli else f"{name}={value!r}"
-
-
 def parse_accept(accept, vocab_size=None, cli=False):
     """'exact' | 'topk:N' | 'minblock:N' | any entry of ACCEPT -> (rule, param). Without a
     vocab_size only what the text itself says is checked (generate.py does it before loading)."""
@@ -99,6 +91,28 @@ def parse_accept(accept, vocab_size=None, cli=False):
         return rule, None if read is None else read(text, vocab_size)
     except ValueError as e:
         raise BadInput(f"{named('accept', accept, cli)}: {e} (use one of {usage})")
+
+
+def check_accept(accept, temperature, drafter, k, nodes, vocab_size, cli=False):
+    """The acceptance rule's own checks, after arguments.check_args has checked the rest (k is the
+    block's): a rule of ACCEPT that fits the other settings. Returns (rule, param)."""
+    if not isinstance(accept, str):
+        raise BadInput(f"{named('accept', accept, cli)}: want a rule's name, one of "
+                       + ', '.join(n if read is None else f"{n}:N" for n, (_, read) in ACCEPT.items()))
+    rule, param = parse_accept(accept, vocab_size, cli)
+    say, lossy = named('accept', accept, cli), accept != 'exact'
+    if lossy and drafter is None:
+        raise BadInput(f"{say} means nothing without a drafter: plain decoding takes the target's own token, one a "
+                       f"call")
+    if lossy and temperature > 0:
+        raise BadInput(f"{say} is lossy and greedy-only; with temperature > 0 use exact acceptance")
+    if lossy and nodes is not None:
+        raise BadInput(f"{say} with {named('nodes', nodes, cli)}: a tree is walked with the target's own choices, "
+                       f"exactly; the lossy rules judge one block")
+    if rule is min_block and param > k:   # it would take every draft and still not reach N
+        raise BadInput(f"{say} at {named('k', k, cli)}: a step commits at most k = {k} tokens, so at least {param} "
+                       f"cannot be kept; use minblock:N with N <= k (N = k takes every draft unverified)")
+    return rule, param
 
 
 def accept_sampled(p, Q, drafts, generator=None):
@@ -523,7 +537,7 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
 
     prompt: token ids (B, T0), an integer tensor on the model's device, every id in the model's
     vocabulary; one prompt is one row, (1, T0) (a 1-D prompt is refused, not guessed at:
-    prompt[None] makes it a row). Every argument is checked before any work (check_args): a bad
+    prompt[None] makes it a row). Every argument is checked before any work (arguments.py): a bad
     one, or one that means nothing here (k or accept without a drafter, several paths that would
     all be the same), is one BadInput naming it, what was given and what is allowed.
 
@@ -549,10 +563,11 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     more call, so plain decoding takes m calls for m tokens), tokens (new tokens over the batch),
     tokens_per_call (tokens / calls), mean_tau (tokens committed per step, bonus included, over
     every step of every row), accept_lengths (that tau, step by step, row by row), accept_rate
-    (per draft position, the share of steps it was accepted). merged_stats adds up several calls'.
+    (per draft position, the share of steps it was accepted). generate.merged_stats adds up several calls'.
     """
-    k, accept = check_args(model, prompt, max_new_tokens, drafter, k, temperature, accept, paths=paths, nodes=nodes,
-                           generator=generator, compile=compile, threads=threads)
+    k = check_args(model, prompt, max_new_tokens, drafter, k, temperature, paths=paths, nodes=nodes,
+                   generator=generator, compile=compile, threads=threads)
+    accept = check_accept(accept, temperature, drafter, k, nodes, model.config.vocab_size)
     with num_threads(decoding_threads(model, prompt.device) if threads == 'auto' else threads):
         return decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths,
                            nodes)
@@ -630,138 +645,3 @@ def finished(d, B, total, max_new_tokens, k):
                  mean_tau=float(tau.float().mean()) if len(tau) else float('nan'), accept_lengths=tau.tolist(),
                  accept_rate=accepted.float().mean(0).tolist() if k > 1 and len(tau) else [])
     return d.out[:, :total].clone(), stats
-
-
-def merged_stats(runs):
-    """The stats of several generate() calls (a list of their stats) as one call's: calls and tokens
-    summed, mean_tau and the acceptance per position over every step of every call."""
-    taus = [t for s in runs for t in s['accept_lengths']]
-    calls, tokens = sum(s['calls'] for s in runs), sum(s['tokens'] for s in runs)
-    width = max((len(s['accept_rate']) for s in runs), default=0)
-    rate = [sum(s['accept_rate'][j] * len(s['accept_lengths']) for s in runs if len(s['accept_rate']) > j)
-            / max(1, sum(len(s['accept_lengths']) for s in runs if len(s['accept_rate']) > j)) for j in range(width)]
-    return dict(calls=calls, tokens=tokens, tokens_per_call=tokens / max(1, calls),
-                mean_tau=sum(taus) / len(taus) if taus else float('nan'), accept_lengths=taus, accept_rate=rate)
-
-
-def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0, accept='exact', cli=False,
-               paths=1, generator=None, compile=False, threads=None, nodes=None):
-    """Every user error generate() can meet, before any work, as a one-line BadInput naming the
-    argument (the command-line flag when cli=True), what was given and what is allowed; a setting
-    that means nothing here is one too (a drafter says which of its own mean nothing:
-    heads.Drafter.meaningless). Returns k (the drafter's when None; 1 for plain decoding) and the
-    acceptance rule (rule, param)."""
-    def say(name, value):
-        return named(name, value, cli)
-
-    if not isinstance(model, GPT):
-        raise BadInput(f"model is {describe(model)}; want a model.GPT (data.load_target)")
-    if not isinstance(prompt, torch.Tensor):
-        raise BadInput(f"prompt is {describe(prompt)}; want a tensor of token ids (B, T), one row per prompt: "
-                       f"torch.tensor([ids])")
-    if prompt.dim() != 2:
-        raise BadInput(f"prompt has shape {tuple(prompt.shape)}; want (B, T), one row per prompt"
-                       + (f": prompt[None] is one row of {prompt.size(0)} tokens" if prompt.dim() == 1 else ''))
-    if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
-        raise BadInput(f"prompt is a {prompt.dtype} tensor; want integer token ids (torch.long)")
-    if prompt.numel() == 0:
-        raise BadInput(f"prompt is empty (shape {tuple(prompt.shape)}): give at least one row of at least one token")
-    device = model.lm_head.weight.device
-    if prompt.device != device:
-        raise BadInput(f"prompt is on {prompt.device}, the model on {device}: put them on one device")
-    V = model.config.vocab_size
-    lo, hi = int(prompt.min()), int(prompt.max())   # one read from the device, before any work
-    if lo < 0 or hi >= V:
-        raise BadInput(f"prompt holds token id {lo if lo < 0 else hi}; the model's vocabulary has ids 0..{V - 1}")
-    if not is_whole(max_new_tokens, 1):
-        raise BadInput(f"{say('max_new_tokens', max_new_tokens)}: want a whole number >= 1")
-    limit = model.config.block_size
-    if prompt.size(1) + max_new_tokens > limit:
-        raise BadInput(f"{say('max_new_tokens', max_new_tokens)}: the prompt ({prompt.size(1)} tokens) "
-                       f"and {max_new_tokens} new tokens exceed the model's context of {limit} tokens")
-    if not is_real(temperature):
-        raise BadInput(f"{say('temperature', temperature)}: want a number >= 0 (0 = greedy)")
-    check_number('--temperature' if cli else 'temperature', temperature, lo=0.0, note='0 = greedy')
-    if not isinstance(accept, str):
-        raise BadInput(f"{say('accept', accept)}: want a rule's name, one of "
-                       + ', '.join(n if read is None else f"{n}:N" for n, (_, read) in ACCEPT.items()))
-    rule, param = parse_accept(accept, V, cli)
-    if accept.partition(':')[0] != 'exact' and temperature > 0:
-        raise BadInput(f"{say('accept', accept)} is lossy and greedy-only; with temperature > 0 "
-                       f"use exact acceptance")
-    if not is_whole(paths, 1, MAX_PATHS):
-        raise BadInput(f"{say('paths', paths)}: drafted paths per call, a whole number from 1 to {MAX_PATHS}")
-    if nodes is not None and not is_whole(nodes, 1, MAX_NODES):
-        raise BadInput(f"{say('nodes', nodes)}: drafted tokens of a tree per call, a whole number from 1 to "
-                       f"{MAX_NODES}")
-    if nodes is not None and paths != 1:
-        raise BadInput(f"{say('nodes', nodes)} and {say('paths', paths)}: a call verifies one tree or several paths, "
-                       f"not both")
-    if nodes is not None and accept.partition(':')[0] != 'exact':
-        raise BadInput(f"{say('accept', accept)} with {say('nodes', nodes)}: a tree is walked with the target's own "
-                       f"choices, exactly; the lossy rules judge one block")
-    if drafter is None:
-        for name, value, default in (('k', k, None), ('accept', accept, 'exact')):
-            if value != default:
-                raise BadInput(f"{say(name, value)} means nothing without a drafter: plain decoding takes the "
-                               f"target's own token, one a call")
-        for name, value, default, what in (('paths', paths, 1, 'several paths need'),
-                                           ('nodes', nodes, None, 'a tree needs')):
-            if value != default:
-                raise BadInput(f"{say(name, value)}: {what} a drafter "
-                               + ("(--heads or --drafter)" if cli else "(drafter=...)"))
-        k = 1
-    else:
-        if not (callable(getattr(drafter, 'draft', None)) and is_whole(getattr(drafter, 'k', None), 2)):
-            raise BadInput(f"drafter is {describe(drafter)}; want a drafter (heads.Drafter: its k and draft)")
-        weights = next(drafter.parameters(), None) if isinstance(drafter, torch.nn.Module) else None
-        if weights is not None and weights.device != device:
-            raise BadInput(f"the drafter is on {weights.device}, the model on {device}: load it with "
-                           f"drafters.load_drafter(path, model), or move it")
-        why = drafter.does_not_fit(model) if isinstance(drafter, Drafter) else None
-        if why:
-            raise BadInput(f"the drafter does not fit this target: {why}")
-        k = drafter.k if k is None else k
-        if not is_whole(k):
-            raise BadInput(f"{say('k', k)}: want a whole number from 2 to the drafter's {drafter.k}")
-        if k < 2:
-            raise BadInput(f"{say('k', k)}: a drafter needs k >= 2 (1 bonus + at least one draft)")
-        if k > drafter.k:
-            raise BadInput(f"{say('k', k)}: the drafter was trained for k <= {drafter.k}")
-        if k > limit:   # a drafter that drafts any length (prompt lookup, a draft model) is given its k
-            raise BadInput(f"{say('k', k)}: a block of k tokens would be longer than the model's context of {limit} "
-                           f"tokens")
-        if nodes is not None and nodes * (k - 1) > MAX_TREE:
-            raise BadInput(f"{say('nodes', nodes)} at {say('k', k)}: growing a tree scores up to nodes x (k-1) = "
-                           f"{nodes * (k - 1)} drafted positions a call, more than {MAX_TREE}; use fewer nodes or a "
-                           f"smaller k")
-        if rule is min_block and param > k:   # it would take every draft and still not reach N
-            raise BadInput(f"{say('accept', accept)} at {say('k', k)}: a step commits at most k = {k} tokens, so "
-                           f"at least {param} cannot be kept; use minblock:N with N <= k (N = k takes every draft "
-                           f"unverified)")
-    if paths > 1 and not callable(getattr(drafter, 'draft_paths', None)):
-        raise BadInput(f"{say('paths', paths)}: this drafter drafts one path a call (no draft_paths: heads.Drafter's)")
-    if nodes is not None and getattr(type(drafter), 'next_log_q', Drafter.next_log_q) is Drafter.next_log_q:
-        raise BadInput(f"{say('nodes', nodes)}: this drafter grows no token trees (no next_log_q of its own: "
-                       f"heads.Drafter's)")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise BadInput(f"generator is {describe(generator)}; want a torch.Generator or None")
-    if generator is not None and generator.device.type != prompt.device.type:
-        raise BadInput(f"the generator is on {generator.device}, the prompt on {prompt.device}: make it with "
-                       f"torch.Generator(device=...) on the prompt's device")
-    if not isinstance(compile, bool):
-        raise BadInput(f"compile={compile!r}: want True or False")
-    if not (threads in (None, 'auto') or is_whole(threads, 1, 1024)):
-        raise BadInput(f"threads={threads!r}: want 'auto', None (torch's setting as it is) or a whole number from 1 "
-                       f"to 1024")
-    if isinstance(drafter, Drafter):
-        for setting, value, why in drafter.meaningless(temperature, paths):
-            raise BadInput(f"{say(setting, value)} means nothing here: {why}")
-    return k, (rule, param)
-
-
-MAX_PATHS = 64   # drafted paths per call: the block is 1 + paths * (k-1) tokens
-MAX_NODES = 1024   # drafted tokens of a tree per call: the block is 1 + nodes tokens
-# nodes x (k-1): the drafted positions a tree's growth may score per call, up to `nodes` at each of
-# its k-1 depths (a draft model feeds each depth's prefixes as chains, drafters.DraftModel.next_log_q)
-MAX_TREE = 16 * MAX_NODES

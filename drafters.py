@@ -40,7 +40,7 @@ class DraftModel(Drafter):
     read. Then k-2 calls of one token draft the rest (a token tree: one call a depth, next_log_q).
     Static shapes, no host sync.
 
-    model: a GPT of the target's vocabulary and at least its context (decode.check_args checks).
+    model: a GPT of the target's vocabulary and at least its context (arguments.check_args checks).
     k: the largest block a call drafts for (any k from 2; generate's k= picks it per call).
     sample_drafts: under sampling, draw each draft from the model's own q at the temperature (True)
     or take its argmax (a point mass)."""

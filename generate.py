@@ -34,11 +34,12 @@ import time
 import torch
 
 import runner
+from arguments import MAX_NODES, MAX_PATHS, check_args
 from cli import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number, decoding_precision,
                  intra_op_threads, pick_device, run_script)
 from data import load_checkpoint, target_from, vocab_for
 from dblast import PATHS_FROM, VERIFY
-from decode import MAX_NODES, MAX_PATHS, check_args, generate, merged_stats, parse_accept
+from decode import check_accept, generate, parse_accept
 from drafters import MixedPaths, PromptLookup, load_draft_model, load_drafter
 
 # the default block of the drafters that can draft any length: gpt-fast drafts 5 tokens with its
@@ -60,6 +61,18 @@ def timed_generate(*args, **kw):
     if prompt.is_cuda:
         torch.cuda.synchronize()
     return out, stats, time.perf_counter() - t0
+
+
+def merged_stats(runs):
+    """The stats of several generate() calls (a list of their stats) as one call's: calls and tokens
+    summed, mean_tau and the acceptance per position over every step of every call."""
+    taus = [t for s in runs for t in s['accept_lengths']]
+    calls, tokens = sum(s['calls'] for s in runs), sum(s['tokens'] for s in runs)
+    width = max((len(s['accept_rate']) for s in runs), default=0)
+    rate = [sum(s['accept_rate'][j] * len(s['accept_lengths']) for s in runs if len(s['accept_rate']) > j)
+            / max(1, sum(len(s['accept_lengths']) for s in runs if len(s['accept_rate']) > j)) for j in range(width)]
+    return dict(calls=calls, tokens=tokens, tokens_per_call=tokens / max(1, calls),
+                mean_tau=sum(taus) / len(taus) if taus else float('nan'), accept_lengths=taus, accept_rate=rate)
 
 
 def agreement(out, base, T0):
@@ -310,8 +323,8 @@ def decode_cli(args, device, precision):
     drafter = None if not drafters else drafters[0] if len(drafters) == 1 else MixedPaths(drafters)
     paths = args.paths if len(drafters) < 2 else len(drafters)
     # the drafter's own word on what means nothing here (heads.Drafter.meaningless), named as flags
-    check_args(model, prompt, max_new, drafter, args.k, args.temperature, args.accept, cli=True, paths=paths,
-               nodes=args.nodes)
+    k = check_args(model, prompt, max_new, drafter, args.k, args.temperature, cli=True, paths=paths, nodes=args.nodes)
+    check_accept(args.accept, args.temperature, drafter, k, args.nodes, model.config.vocab_size, cli=True)
     kw = dict(temperature=args.temperature, compile=args.compile, threads=None)   # intra_op_threads' above
 
     def gen(**extra):

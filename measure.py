@@ -28,7 +28,8 @@ import train
 from cli import BadInput, write_atomically
 from data import PROMPT_LEN, check_out_dir, heldout_prompts, load_dataset, newline_id
 from dblast import expected_tau
-from decode import generate, merged_stats
+from decode import generate
+from generate import merged_stats
 from model import GPT, GPTConfig, KVCache
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT
 
-ORDER = ['model', 'cli', 'data', 'heads', 'dblast', 'drafters', 'runner', 'decode', 'generate', 'trainer', 'train', 'measure', 'bench',
+ORDER = ['model', 'cli', 'data', 'heads', 'dblast', 'drafters', 'runner', 'arguments', 'decode', 'generate', 'trainer', 'train', 'measure', 'bench',
          'gpu_check']
 
 
