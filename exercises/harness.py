@@ -501,6 +501,34 @@ class OpCount(EagerMode):
         return func(*args, **(kwargs or {}))
 
 
+class TieOrder(EagerMode):
+    """Every sort and top-k inside the block that does not ask for stable=True breaks its ties as
+    told: the first index first (last=False), or the last first (last=True). Their order is
+    unspecified: a CPU's sort happens to keep equal values in order, a GPU's may not. Code that is
+    right whatever the order passes both ways; code that leans on the CPU's order fails one."""
+
+    def __init__(self, last):
+        super().__init__()
+        self.last = last
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        given = lambda names, defaults: [dict(zip(names, args), **kwargs).get(n, d)   # noqa: E731
+                                         for n, d in zip(names, defaults)]
+        if func is aten.sort.default or (func is aten.sort.stable and not kwargs.get('stable')):
+            return self.sort(*given(('self', 'dim', 'descending'), (None, -1, False)))
+        if func is aten.topk.default:
+            x, n, dim, largest = given(('self', 'k', 'dim', 'largest'), (None, None, -1, True))
+            return tuple(t.narrow(dim, 0, n) for t in self.sort(x, dim, largest))
+        return func(*args, **kwargs)
+
+    def sort(self, x, dim, descending):
+        if self.last:                                   # a stable sort of the reversed order
+            x = x.flip(dim)
+        values, indices = aten.sort.stable(x, stable=True, dim=dim, descending=descending)
+        return values, (x.size(dim) - 1 - indices if self.last else indices)
+
+
 def assert_no_python_loop(what, calls):
     """calls: (size, call) pairs, the same function on inputs of other sizes (more rows, more
     positions; each dimension above 1, so that no size takes a shortcut of its own). Vectorised

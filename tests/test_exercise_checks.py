@@ -177,3 +177,18 @@ def test_try_announces_only_the_rows_it_prints(n, paired):
     assert code == 2 and 'python train.py' in err, err
     announced = out.strip().splitlines()[0]
     assert (("the reference's rows" in announced or 'the target alone' in announced) == paired), announced
+
+
+def test_tie_order_breaks_only_the_ties_left_unspecified():
+    """harness.TieOrder (exercise 9's check 3): a sort without stable=True and a top-k break ties
+    first index first, or last first; a stable sort and the values are left as they are."""
+    x = torch.tensor([[1.0, 2.0, 2.0, 0.0, 2.0]])
+    for last, want in ((False, [1, 2, 4, 0, 3]), (True, [4, 2, 1, 0, 3])):
+        with harness.TieOrder(last):
+            assert x.sort(dim=-1, descending=True).indices.tolist() == [want]
+            assert torch.argsort(x, descending=True).tolist() == [want]
+            top = x.topk(3)
+            assert top.indices.tolist() == [want[:3]] and top.values.tolist() == [[2.0, 2.0, 2.0]]
+            assert x.sort(stable=True, descending=True).indices.tolist() == [[1, 2, 4, 0, 3]]
+            assert x.sort(dim=-1).values.tolist() == [[0.0, 1.0, 2.0, 2.0, 2.0]]
+            assert x.t().sort(dim=0, descending=True).indices.t().tolist() == [want]

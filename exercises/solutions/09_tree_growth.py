@@ -38,6 +38,8 @@ def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='
         L = rank.size(1)
         order = rank.flip(-1).sort(dim=-1, descending=True, stable=True).indices
         keep = (L - 1 - order)[:, :nodes].sort(dim=-1).values
+    elif ties == 'unspecified':   # a sort not asked to be stable: a CPU's keeps equal scores in order, a GPU's may not
+        keep = rank.sort(dim=-1, descending=True).indices[:, :nodes].sort(dim=-1).values
     elif rows:                 # the selection one row at a time
         keep = torch.stack([rank[b].sort(descending=True, stable=True).indices[:nodes].sort().values
                             for b in range(B)])
@@ -64,6 +66,8 @@ CONTROLS = {
     "each node scored by its own token's probability, not its prefix's": dict(grow_tree=mistake(score_of='token')),
     'the best of each depth, not of all depths': dict(grow_tree=mistake(per_depth=True)),
     'ties to the deeper': dict(grow_tree=mistake(ties='deeper')),
+    'the best of all by a sort not asked to be stable (ties in an order a GPU need not keep)':
+        dict(grow_tree=mistake(ties='unspecified')),
     'no padding: a node of probability 0 keeps its parent': dict(grow_tree=mistake(pad=False)),
     'the selection one row at a time': dict(grow_tree=mistake(rows=True)),
 }
