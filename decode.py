@@ -82,8 +82,10 @@ ACCEPT = {
 def parse_accept(accept, vocab_size=None, cli=False):
     """'exact' | 'topk:N' | 'minblock:N' | any entry of ACCEPT -> (rule, param). Without a
     vocab_size only what the text itself says is checked (generate.py does it before loading)."""
-    name, colon, text = accept.partition(':')
     usage = ', '.join(n if read is None else f"{n}:N" for n, (_, read) in ACCEPT.items())
+    if not isinstance(accept, str):
+        raise BadInput(f"{named('accept', accept, cli)}: want a rule's name, one of {usage}")
+    name, colon, text = accept.partition(':')
     if name not in ACCEPT or (ACCEPT[name][1] is None) != (not colon):
         raise BadInput(f"{named('accept', accept, cli)}: use one of {usage}")
     rule, read = ACCEPT[name]
@@ -96,9 +98,6 @@ def parse_accept(accept, vocab_size=None, cli=False):
 def check_accept(accept, temperature, drafter, k, nodes, vocab_size, cli=False):
     """The acceptance rule's own checks, after arguments.check_args has checked the rest (k is the
     block's): a rule of ACCEPT that fits the other settings. Returns (rule, param)."""
-    if not isinstance(accept, str):
-        raise BadInput(f"{named('accept', accept, cli)}: want a rule's name, one of "
-                       + ', '.join(n if read is None else f"{n}:N" for n, (_, read) in ACCEPT.items()))
     rule, param = parse_accept(accept, vocab_size, cli)
     say, lossy = named('accept', accept, cli), accept != 'exact'
     if lossy and drafter is None:
