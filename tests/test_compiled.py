@@ -2,8 +2,9 @@
 graphs: it makes no host sync, traces as one graph, and the compiled loop gives the eager loop's
 output (greedy and sampled). How the runner groups steps into units is tests/test_runner.py's.
 
-What needs no GPU runs on the CPU: a dispatch-level detector of host syncs, a full-graph trace, and
-compiled-vs-eager equality. On CUDA the sync test also runs under
+What needs no GPU runs on the CPU: a dispatch-level detector of host syncs, every tensor kept on the
+inputs' device (run on PyTorch's 'meta' device, which refuses a CPU tensor as CUDA does), a
+full-graph trace, and compiled-vs-eager equality. On CUDA the sync test also runs under
 torch.cuda.set_sync_debug_mode("error") (skipped without a GPU: CI has none).
 """
 from contextlib import nullcontext
@@ -16,7 +17,7 @@ import runner
 from dblast import DBlastDrafter
 from drafters import DraftModel, MixedPaths, PromptLookup
 from decode import Decoding, advance, generate, parse_accept, sample
-from exercises.harness import HostSyncs   # the host-sync detector the exercises' checks use too
+from exercises.harness import HostSyncs, MadeOnCpu, autocast_off_on_meta   # the exercises' checks use them too
 from heads import BlockHeads
 from model import GPT, GPTConfig
 from train import HeadsObjective
@@ -118,6 +119,47 @@ def test_host_sync_detector_catches_syncs():
         with HostSyncs() as detector:
             bad()
         assert detector.seen, bad
+
+
+@torch.no_grad()
+def steps_on_meta(kind, temperature, accept, paths=1, nodes=None):
+    """The prefill and two steps of the loop with the target, the drafter and every buffer on PyTorch's
+    'meta' device (shapes without data), which refuses a mix with a CPU tensor as CUDA does
+    (exercises.harness.MadeOnCpu, strict: also where 'meta' alone would let an op mix them).
+    Returns the loop's state."""
+    model, drafter = setup(kind, temperature)
+    model, drafter = model.to('meta'), None if drafter is None else drafter.to('meta')
+    k, B = 1 if drafter is None else 4, 3
+    with MadeOnCpu(strict=True), autocast_off_on_meta():
+        prompt = torch.zeros(B, 8, dtype=torch.long, device='meta')
+        cache = model.new_cache(B, 64 + paths * k + (nodes or 0))
+        state = None if drafter is None else drafter.new_state(B * paths, 64 + (nodes or 0) * k)
+        block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, None, paths, k, nodes, state)
+        d = Decoding.like(block, q, tree, 64, 40)
+        d.restart(block, q, tree, prompt)
+        d.total.fill_(48)
+        for _ in range(2):
+            advance(model, drafter, cache, d, temperature, parse_accept(accept, 64), None, paths, k, nodes, state)
+    return d
+
+
+@pytest.mark.parametrize('kind,temperature,accept,paths,nodes', STEP_CASES)
+def test_a_step_makes_no_tensor_off_the_device(kind, temperature, accept, paths, nodes):
+    """No tensor made without the inputs' device (a torch.arange(n) lands on the CPU: right on a CPU,
+    an error on a GPU) in the prefill or a step, for every configuration; the GPU check's parts run
+    what this cannot see."""
+    d = steps_on_meta(kind, temperature, accept, paths, nodes)
+    assert all(t.device.type == 'meta' for t in d if t is not None)
+
+
+def test_the_device_check_catches_a_tensor_made_on_the_cpu(monkeypatch):
+    """The negative control: commit_text with a torch.arange made without device= fails on 'meta'."""
+    def commit_text(text, kept, tau):
+        text.tokens.scatter_(1, text.n[:, None] + torch.arange(kept.size(1)), kept)   # no device=
+        return decode.Text(text.tokens, text.n + tau, text.state)
+    monkeypatch.setattr(decode, 'commit_text', commit_text)
+    with pytest.raises(RuntimeError, match='meta and cpu'):
+        steps_on_meta('heads', 0.0, 'exact')
 
 
 @pytest.mark.second_process
