@@ -16,8 +16,8 @@ import decode
 import runner
 from dblast import DBlastDrafter
 from drafters import DraftModel, MixedPaths, PromptLookup
-from decode import Decoding, advance, generate, parse_accept, sample
-from exercises.harness import HostSyncs, MadeOnCpu, autocast_off_on_meta   # the exercises' checks use them too
+from decode import Decoding, advance, generate, parse_accept
+from exercises.harness import EagerMode, HostSyncs, MadeOnCpu, autocast_off_on_meta   # the exercises' use them too
 from heads import BlockHeads
 from model import GPT, GPTConfig
 from train import HeadsObjective
@@ -121,12 +121,28 @@ def test_host_sync_detector_catches_syncs():
         assert detector.seen, bad
 
 
+class FromTheHost(EagerMode):
+    """Records each copy inside the block from a CPU tensor to another device: CUDA allows one in
+    eager code, but not while a CUDA graph is captured (the runner captures the prefill and steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and any(
+                isinstance(t, torch.Tensor) and t.device.type == 'cpu' for t in args) and out.device.type != 'cpu':
+            self.seen.append(str(func))
+        return out
+
+
 @torch.no_grad()
 def steps_on_meta(kind, temperature, accept, paths=1, nodes=None):
     """The prefill and two steps of the loop with the target, the drafter and every buffer on PyTorch's
     'meta' device (shapes without data), which refuses a mix with a CPU tensor as CUDA does
     (exercises.harness.MadeOnCpu, strict: also where 'meta' alone would let an op mix them).
-    Returns the loop's state."""
+    Returns the loop's state and the copies from the host (FromTheHost) in the prefill and steps."""
     model, drafter = setup(kind, temperature)
     model, drafter = model.to('meta'), None if drafter is None else drafter.to('meta')
     k, B = 1 if drafter is None else 4, 3
@@ -134,22 +150,27 @@ def steps_on_meta(kind, temperature, accept, paths=1, nodes=None):
         prompt = torch.zeros(B, 8, dtype=torch.long, device='meta')
         cache = model.new_cache(B, 64 + paths * k + (nodes or 0))
         state = None if drafter is None else drafter.new_state(B * paths, 64 + (nodes or 0) * k)
-        block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, None, paths, k, nodes, state)
+        with FromTheHost() as copies:
+            block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, None, paths, k, nodes,
+                                                state)
         d = Decoding.like(block, q, tree, 64, 40)
         d.restart(block, q, tree, prompt)
         d.total.fill_(48)
-        for _ in range(2):
-            advance(model, drafter, cache, d, temperature, parse_accept(accept, 64), None, paths, k, nodes, state)
-    return d
+        rule = parse_accept(accept, 64)
+        with copies:
+            for _ in range(2):
+                advance(model, drafter, cache, d, temperature, rule, None, paths, k, nodes, state)
+    return d, copies.seen
 
 
 @pytest.mark.parametrize('kind,temperature,accept,paths,nodes', STEP_CASES)
 def test_a_step_makes_no_tensor_off_the_device(kind, temperature, accept, paths, nodes):
     """No tensor made without the inputs' device (a torch.arange(n) lands on the CPU: right on a CPU,
-    an error on a GPU) in the prefill or a step, for every configuration; the GPU check's parts run
-    what this cannot see."""
-    d = steps_on_meta(kind, temperature, accept, paths, nodes)
+    an error on a GPU) and none copied from the host (which a CUDA graph's capture refuses) in the
+    prefill or a step, for every configuration; the GPU check's parts run what this cannot see."""
+    d, copies = steps_on_meta(kind, temperature, accept, paths, nodes)
     assert all(t.device.type == 'meta' for t in d if t is not None)
+    assert copies == []
 
 
 def test_the_device_check_catches_a_tensor_made_on_the_cpu(monkeypatch):
@@ -160,6 +181,16 @@ def test_the_device_check_catches_a_tensor_made_on_the_cpu(monkeypatch):
     monkeypatch.setattr(decode, 'commit_text', commit_text)
     with pytest.raises(RuntimeError, match='meta and cpu'):
         steps_on_meta('heads', 0.0, 'exact')
+
+
+def test_the_copy_check_catches_a_copy_from_the_host(monkeypatch):
+    """The negative control: commit_text with a torch.arange made on the CPU and moved to the device."""
+    def commit_text(text, kept, tau):
+        at = torch.arange(kept.size(1)).to(kept.device)                                 # a copy from the host
+        text.tokens.scatter_(1, text.n[:, None] + at, kept)
+        return decode.Text(text.tokens, text.n + tau, text.state)
+    monkeypatch.setattr(decode, 'commit_text', commit_text)
+    assert steps_on_meta('heads', 0.0, 'exact')[1] == ['aten._to_copy.default'] * 2   # one a step
 
 
 @pytest.mark.second_process
