@@ -474,7 +474,8 @@ def gpu_check(args, device, prompts, val):
     c = Check(args, device, prompts, val)
     saved = runner.BACKEND
     backend = ('inductor, the compiled step captured by hand as CUDA graphs of up to '
-               f"{runner.UNIT['cuda']} steps" if c.cuda else f"inductor, units of {runner.UNIT['cpu']} steps")
+               f"{runner.UNIT['cuda']} steps" if c.cuda else
+               f"inductor, units of {runner.UNIT['cpu plain']} steps (plain decoding) or {runner.UNIT['cpu']}")
     if args.quick and not c.cuda:   # inductor's C++ codegen would cost seconds per graph on a small CPU
         runner.BACKEND = 'aot_eager'
         backend = "aot_eager (CPU under --quick: dynamo's graphs, guards and recompiles, no codegen)"

@@ -323,9 +323,10 @@ LAUNCHES = ('cudaLaunchKernel', 'cudaLaunchKernelExC', 'cuLaunchKernel', 'cuLaun
 def ways_of_calling(device):
     """The ways a decoding step can be run, for the 'calls' table: name -> (compile, the runner's
     settings for runner_settings). Eager; compiled with one step a host call; compiled in units of
-    runner.UNIT steps (generate(compile=True)); on CUDA also the unit as the eager step captured by
+    runner.unit_for's steps (generate(compile=True)); on CUDA also the unit as the eager step captured by
     hand, and one step a host call as torch.compile's own CUDA graphs."""
-    unit = runner.UNIT[torch.device(device).type]
+    plain, drafted = runner.unit_for(device, True), runner.unit_for(device, False)
+    unit = drafted if plain == drafted else f"{plain} (plain) or {drafted}"
     ways = {'eager': (False, {}), 'compiled, 1 step a host call': (True, dict(unit=1)),
             f'compiled, {unit} steps a host call': (True, {})}
     if torch.device(device).type == 'cuda':
@@ -342,7 +343,9 @@ def runner_settings(device, unit=None, mode=None):
     as `mode` (runner.CUDA_MODE)."""
     with ExitStack() as stack:
         if unit is not None:
-            stack.enter_context(mock.patch.dict(runner.UNIT, {torch.device(device).type: unit}))
+            kind = torch.device(device).type       # plain decoding's unit too, where it has its own
+            stack.enter_context(mock.patch.dict(runner.UNIT, {key: unit for key in runner.UNIT
+                                                              if key.split()[0] == kind}))
         if mode is not None:
             stack.enter_context(mock.patch.object(runner, 'CUDA_MODE', mode))
         yield

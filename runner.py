@@ -29,11 +29,13 @@ import torch
 from heads import Drafter
 
 # Steps per host call: on CUDA, graphs of 1, 2, 4 .. UNIT['cuda'] steps (capture is cheap, so the
-# steps needed are run exactly); on a CPU one compiled unit of UNIT['cpu'] steps, whose compile time
-# grows with the unit: at b82362a on the README's 2-core Xeon, in one run, a tiny target's
-# (measure.TINY_TARGET) plain unit of 4 steps compiled cold in 22 s and ran at 46 us a call, one of 8
-# in 132 s for 35 us.
-UNIT = {'cuda': 16, 'cpu': 4}
+# steps needed are run exactly); on a CPU one compiled unit, whose compile time grows with it and
+# whose steps past the last one needed are spent for nothing: UNIT['cpu'] steps with a drafter,
+# UNIT['cpu plain'] for plain decoding. On the README's 2-core Xeon at 0b5e3c1 (cold compiles), a
+# tiny target's (measure.TINY_TARGET) plain unit of 8 compiled in 24 s and ran at 29 us a step, one
+# of 4 at 37 us; with the CPU preset's shapes, 221 us against 237 for plain decoding, but 713 against
+# 633 for k = 8 blocks, whose unit of 8 also compiled in 45 s against 22.
+UNIT = {'cuda': 16, 'cpu': 4, 'cpu plain': 8}
 # How CUDA runs a unit: 'captured' (the compiled step, captured by hand), 'captured-eager' (the eager
 # step, captured by hand: no compile), or 'reduce-overhead' (torch.compile's own CUDA graphs of the
 # unit). On one H200 'captured' took 536 us a plain call of the GPU preset's target, 'captured-eager'
@@ -46,8 +48,12 @@ BACKEND = None
 # Inductor's settings on a CPU: its kernels called from one C++ function (cpp_wrapper) rather than
 # one Python call each. On the README's 2-core Xeon, in one run of both, it took a tiny target's
 # compiled step from 52 to 39 us (k = 8: 134 to 93; past generate's fixed costs, measure.call_costs),
-# and in another a unit of 4 steps compiled cold in 22 s with it, 23 s without.
-CPU_OPTIONS = {'cpp_wrapper': True}
+# and in another a unit of 4 steps compiled cold in 22 s with it, 23 s without. A computation of more
+# than 8 ops is kept in a buffer rather than written again into each kernel that reads it
+# (realize_opcount_threshold; inductor's default is 30): the loop's state passes from step to step
+# through chains of small ops, and inlined, every step's kernels grew with the steps before it. A
+# tiny target's plain unit of 8 steps compiled cold in 131 s without it, 24 s with it.
+CPU_OPTIONS = {'cpp_wrapper': True, 'realize_opcount_threshold': 8}
 
 
 # ----------------------------------------------------------------------------- compiling
@@ -103,6 +109,12 @@ def capture(fn, n, state, device):
     return graph
 
 
+def unit_for(device, plain):
+    """Steps one host call runs on `device` (UNIT): plain decoding (plain=True) or with a drafter."""
+    kind = torch.device(device).type
+    return UNIT.get(f'{kind} plain', UNIT[kind]) if plain else UNIT[kind]
+
+
 def largest_unit():
     """The most steps one host call runs, on any device: how far past the last needed step a loop
     can go."""
@@ -125,7 +137,7 @@ class Compiled:
 
     start(prompt, total) runs the prefill and returns the loop's state (decode.Decoding), kept on
     the model for this configuration; steps(n) runs n more steps: exactly n with CUDA graphs
-    captured by hand, otherwise whole units (of UNIT['cpu'] steps on a CPU; a step that no row needs
+    captured by hand, otherwise whole units (unit_for's steps on a CPU; a step that no row needs
     any more commits nothing: decode.advance).
 
     prefill(cache, drafter_state, prompt) -> (block, Q, tree) and step(cache, drafter_state, state)
@@ -143,7 +155,7 @@ class Compiled:
         self.device = model.lm_head.weight.device
         self.cuda = self.device.type == 'cuda'
         self.mode = CUDA_MODE if self.cuda else 'cpu'
-        self.unit = UNIT[self.device.type]
+        self.unit = unit_for(self.device, drafter is None)
         self.cache = static_cache(model, B, room)
         weights = tuple(t.data_ptr() for m in (model, drafter) if isinstance(m, torch.nn.Module)
                         for t in list(m.parameters()) + list(m.buffers()))

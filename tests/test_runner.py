@@ -96,7 +96,7 @@ def test_every_configuration_runs_in_units_of_steps(kind, temperature, accept, p
     kw = dict(drafter=drafter, k=None if drafter is None else 4, temperature=temperature, accept=accept, paths=paths,
               nodes=nodes, generator=torch.Generator().manual_seed(0))
     out, stats = generate(model, prompt, 29, compile=True, **kw)
-    unit = runner.UNIT['cpu']
+    unit = runner.unit_for('cpu', drafter is None)
     want = sum(-(-(-(-b // k)) // unit) for b in counted['behind'] if b > 0)
     assert len(counted['units']) == want > 0 and len(counted['steps']) == unit * want
     assert stats['calls'] - 1 <= len(counted['steps']) < stats['calls'] - 1 + unit
