@@ -31,10 +31,12 @@ from heads import Drafter
 # Steps per host call: on CUDA, graphs of 1, 2, 4 .. UNIT['cuda'] steps (capture is cheap, so the
 # steps needed are run exactly); on a CPU one compiled unit, whose compile time grows with it and
 # whose steps past the last one needed are spent for nothing: UNIT['cpu'] steps with a drafter,
-# UNIT['cpu plain'] for plain decoding. On the README's 2-core Xeon at 0b5e3c1 (cold compiles), a
-# tiny target's (measure.TINY_TARGET) plain unit of 8 compiled in 24 s and ran at 29 us a step, one
-# of 4 at 37 us; with the CPU preset's shapes, 221 us against 237 for plain decoding, but 713 against
-# 633 for k = 8 blocks, whose unit of 8 also compiled in 45 s against 22.
+# UNIT['cpu plain'] for plain decoding, whose steps each commit one token, so that only its last
+# unit runs past the end. On the README's 2-core Xeon (scratch scripts, cold compiles, just before
+# af5c5e3 made these the settings) a tiny target's (measure.TINY_TARGET) plain unit of 8 compiled
+# in 24 s and ran at 29 us a step, one of 4 at 37 us; with the CPU preset's shapes, 221 us against
+# 237. With a drafter a unit of 8 compiled in 45 s against 22 at those shapes, and each read of the
+# device rounds the steps it asks for up to a whole unit.
 UNIT = {'cuda': 16, 'cpu': 4, 'cpu plain': 8}
 # How CUDA runs a unit: 'captured' (the compiled step, captured by hand), 'captured-eager' (the eager
 # step, captured by hand: no compile), or 'reduce-overhead' (torch.compile's own CUDA graphs of the
