@@ -562,7 +562,8 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     more call, so plain decoding takes m calls for m tokens), tokens (new tokens over the batch),
     tokens_per_call (tokens / calls), mean_tau (tokens committed per step, bonus included, over
     every step of every row), accept_lengths (that tau, step by step, row by row), accept_rate
-    (per draft position, the share of steps it was accepted). generate.merged_stats adds up several calls'.
+    (per draft position, the share of steps it was accepted). generate.merged_stats adds up
+    several calls'.
     """
     k = check_args(model, prompt, max_new_tokens, drafter, k, temperature, paths=paths, nodes=nodes,
                    generator=generator, compile=compile, threads=threads)
