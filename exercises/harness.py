@@ -31,6 +31,7 @@ from statistics import NormalDist
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -474,19 +475,56 @@ class EagerMode(TorchDispatchMode):
 
 class HostSyncs(EagerMode):
     """Records every op inside the block that would stall the host on a GPU (.item(), nonzero,
-    boolean indexing, ...). It works on the CPU too, so a check made here holds on CUDA."""
+    boolean indexing, .tolist(), ...). It works on the CPU too, so a check made here holds on CUDA:
+    what stalls only a CPU is left out (F.one_hot given its num_classes checks its input's range on
+    the host on a CPU, and not on a GPU, which leaves it to the device's own asserts)."""
 
     def __init__(self):
         super().__init__()
         self.seen = []
+        self.cpu_only = 0          # inside a call whose host reads a GPU does not make
+        self.reads = HostReads(self)
+
+    def __enter__(self):
+        self.reads.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.reads.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         bool_index = func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
-        if func in SYNC_OPS or bool_index:
+        if (func in SYNC_OPS or bool_index) and not (self.cpu_only and func == aten._local_scalar_dense.default):
             self.seen.append(str(func))
         return func(*args, **kwargs)
+
+
+class HostReads(TorchFunctionMode):
+    """HostSyncs' view of the calls themselves, above the ops: a CPU tensor's .tolist(), .numpy()
+    or .cpu() reads it where it lies, with no op dispatched, where on a GPU each copies it to the
+    host, which waits; and F.one_hot with its num_classes, whose range checks only a CPU makes."""
+    READS = ('tolist', 'numpy', '__array__', 'cpu')
+
+    def __init__(self, syncs):
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, '__name__', '')
+        if name in self.READS:   # not .to(device): on a GPU that device is the GPU
+            self.syncs.seen.append(f"Tensor.{name}()")
+        cpu_only = name == 'one_hot' and (args[1] if len(args) > 1 else kwargs.get('num_classes', -1)) != -1
+        self.syncs.cpu_only += cpu_only
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.syncs.cpu_only -= cpu_only
 
 
 class OpCount(EagerMode):

@@ -55,16 +55,20 @@ def assert_outputs(accepted, n_acc, bonus, B, k):
             raise harness.Fail(f"{name}: got {got}, want a (B,) = ({B},) torch.long (or int32) tensor",
                                f"{name} holds one whole number per row, and decode.generate indexes the block with "
                                f"it: a float, a bool or an integer narrower than int32 cannot index, and a shape "
-                               f"other than (B,) broadcasts against the rows wrongly")
+                               f"other than (B,) broadcasts against the rows wrongly" + (
+                                   ". With one row, squeeze() without a dimension drops the rows' one too: name the "
+                                   "dimension to squeeze" if isinstance(t, torch.Tensor) and t.dim() == 0 else ''))
 
 
 def test_every_draft_right(impl):
     """All drafts right. Every draft is the target's argmax: all are committed, and the bonus
-    follows the last one. Hint: the bonus is the target's argmax after the last committed draft,
-    here the last one: with every draft right, a bonus read elsewhere shows."""
+    follows the last one; with one row (a single prompt), the same shapes, B = 1. Hint: the bonus
+    is the target's argmax after the last committed draft, here the last one: with every draft
+    right, a bonus read elsewhere shows."""
     greedy = torch.randint(11, (3, 5), generator=torch.Generator().manual_seed(0))
     accepted, n_acc, bonus = impl.verify_greedy(scripted(greedy, 11), greedy[:, :-1], EXACT)
     assert_outputs(accepted, n_acc, bonus, 3, 5)
+    assert_outputs(*impl.verify_greedy(scripted(greedy[:1], 11), greedy[:1, :-1], EXACT), 1, 5)
     assert accepted.all(), f"every draft is right: accepted {accepted.tolist()}, want all True"
     assert n_acc.tolist() == [4, 4, 4], f"n_acc {n_acc.tolist()}, want [4, 4, 4]"
     assert torch.equal(bonus.long(), greedy[:, -1]), \

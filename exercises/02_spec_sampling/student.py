@@ -23,8 +23,8 @@ def verify_sampled(logits, Q, drafts, temperature, generator=None):
     logits[:, j] / T; nothing counts past the first rejection; the bonus is a sample of
     norm(max(0, P - Q)) at the rejected position (of P there, row by row, where that residual is
     zero everywhere), or of P_{k-1} when every draft was accepted.
-    No Python loop over positions or rows, no .item() or other host sync (F.one_hot reads its
-    input's range on the host), no division by zero, every tensor on the logits' device.
+    No Python loop over positions or rows, no .item() or other host sync (torch.multinomial is
+    one: it checks its weights on the host), no division by zero, every tensor on the logits' device.
     """
     raise NotImplementedError("exercise 2: write verify_sampled in exercises/02_spec_sampling/student.py "
                               "(in a handout, speculative sampling runs on it: train.py's DBlast demos, "

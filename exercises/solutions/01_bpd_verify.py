@@ -34,9 +34,27 @@ def one_row_at_a_time(logits, drafts, accept):
     return tuple(torch.cat(parts) for parts in zip(*rows))
 
 
+def every_dimension_squeezed(logits, drafts, accept):
+    rule, param = accept
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze()   # one row: shape (), not (1,)
+
+
+def prefix_read_on_the_host(logits, drafts, accept):
+    rule, param = accept
+    ok = rule(logits, drafts, param).tolist()           # the verdicts read back, then counted in Python
+    n = [next((j for j, v in enumerate(row) if not v), len(row)) for row in ok]
+    n_acc = torch.tensor(n, device=logits.device)
+    accepted = torch.arange(drafts.size(1), device=logits.device) < n_acc[:, None]
+    return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+
+
 CONTROLS = {
     'counts past the first rejection': dict(verify_greedy=counts_past_the_first_rejection),
     'bonus one position late': dict(verify_greedy=bonus_one_position_late),
     'ignores the acceptance rule': dict(verify_greedy=argmax_whatever_the_rule),
     'a Python loop over the rows': dict(verify_greedy=one_row_at_a_time),
+    'the bonus squeezed of every dimension (one row: a 0-dim tensor)': dict(verify_greedy=every_dimension_squeezed),
+    'the prefix counted in Python from .tolist() (a host sync)': dict(verify_greedy=prefix_read_on_the_host),
 }

@@ -54,12 +54,29 @@ def bonus_from_the_global_rng(logits, Q, drafts, temperature, generator=None):
     return accept_prefix(ok, sample(weights))                          # generator forgotten here
 
 
-def point_mass_by_one_hot(logits, Q, drafts, temperature, generator=None):
+def fallback_over_the_whole_block(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
-    point = F.one_hot(drafts, p.size(-1)).to(p.dtype) if Q is None else Q    # exact, but syncs on the host
-    ok = accept_sampled(p[:, :-1], point, drafts, generator)
-    weights = torch.cat([residual(p[:, :-1], point, drafts), p[:, -1:]], 1)
-    return accept_prefix(ok, sample(weights, generator))
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
+    r = torch.where(r.sum((-2, -1), keepdim=True) > 0, r, p[:, :-1])   # one verdict for a row's positions
+    return accept_prefix(ok, sample(torch.cat([r, p[:, -1:]], 1), generator))
+
+
+def fallback_by_a_tolerance(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
+    r = torch.where(r.sum(-1, keepdim=True) > 0.05, r, p[:, :-1])     # a small residual taken for none
+    return accept_prefix(ok, sample(torch.cat([r, p[:, -1:]], 1), generator))
+
+
+def every_dimension_squeezed(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    accepted, n_acc, _ = accept_prefix(ok, weights[..., 0])
+    bonus = sample(weights, generator).gather(1, n_acc[:, None]).squeeze()   # one row: shape (), not (1,)
+    return accepted, n_acc, bonus
 
 
 def residual_without_its_fallback(logits, Q, drafts, temperature, generator=None):
@@ -110,7 +127,9 @@ CONTROLS = {
     'acceptance ratio upside down': dict(verify_sampled=ratio_upside_down),
     'the coins drawn from the global RNG': dict(verify_sampled=coins_from_the_global_rng),
     'the bonus drawn from the global RNG': dict(verify_sampled=bonus_from_the_global_rng),
-    'a point mass made with F.one_hot (a host sync)': dict(verify_sampled=point_mass_by_one_hot),
+    "the residual's fallback decided over a row's whole block": dict(verify_sampled=fallback_over_the_whole_block),
+    "the residual's fallback decided by a tolerance (0.05)": dict(verify_sampled=fallback_by_a_tolerance),
+    'the bonus squeezed of every dimension (one row: a 0-dim tensor)': dict(verify_sampled=every_dimension_squeezed),
     'the residual without its fallback to P': dict(verify_sampled=residual_without_its_fallback),
     "the residual's fallback decided over the whole batch": dict(verify_sampled=fallback_over_the_whole_batch),
     "the coins drawn without the logits' device": dict(verify_sampled=coins_off_the_logits_device),
