@@ -173,8 +173,8 @@ def test_the_parameter_is_read_and_checked(impl):
                                "is a bound written otherwise than the statement's (< where it says <=, or the two "
                                "bounds of epsilon and delta exchanged)")
         assert got == want, f"'typical:{edge}' gave {got}, want {want}"
-    for bad in ('0.09', 'a,b', '0,0.3', '0.09,1', '1.5,0.3', '-1,0.3', 'nan,0.3', '0.3,nan', 'nan,nan', 'inf,0.3',
-                '0.1,0.2,0.3', ''):
+    for bad in ('0.09', 'a,b', '0,0.3', '0.09,1', '1.5,0.3', '-1,0.3', '0.3,0', '0.3,-0.5', 'nan,0.3', '0.3,nan',
+                'nan,nan', 'inf,0.3', '0.1,0.2,0.3', ''):
         try:
             decode.parse_accept(f'typical:{bad}', 50, cli=True)
         except BadInput as e:

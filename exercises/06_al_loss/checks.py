@@ -34,10 +34,13 @@ def random_block(N=8, K=3, n=4, seed=0):
 
 def test_the_prefix_weights_by_enumeration(impl):
     """The prefix weights, directly. a_j = log prod_{i<=j} min(1, Q_i(x_i) / p_i(x_i)) with Q_i
-    the mixture's conditional, computed in probability space. Hint: a_j takes the acceptance
-    ratios of drafts 1..j, each clamped at 1 (each term at 0 in log space), with Q_i the mixture's
+    the mixture's conditional, computed in probability space, and its gradient in log q~ (K = 3:
+    a clamped term's q~ still reaches the later Q_i through the posterior, MATH.md §6); and a
+    draft the drafter gives almost nothing (log q~ = -40). Hint: a_j takes the acceptance ratios
+    of drafts 1..j, each clamped at 1 (each term at 0 in log space), with Q_i the mixture's
     conditional given the block's tokens before i."""
     log_prior, log_qx, log_px = random_block()
+    log_qx.requires_grad_()
     a = impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture')
     assert a.shape == (8, 4), f"a should be (N, n) = (8, 4), got {tuple(a.shape)}"
     pi, q = log_prior.exp(), log_qx.exp()
@@ -46,6 +49,30 @@ def test_the_prefix_weights_by_enumeration(impl):
     want = torch.minimum(torch.ones_like(Q), Q / log_px.exp()).cumprod(-1).log()
     err = (a - want).abs().max().item()
     assert err < 1e-12, f"a differs from log prod min(1, Q_i / p_i) by {err:.1e}, want below 1e-12"
+    weights = torch.rand(a.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    if not a.requires_grad:
+        raise harness.Fail("a has no gradient in log q~, want one: the AL loss trains the drafter through it",
+                           "what fits: a .detach() (or torch.no_grad) on the way from log q~ to a")
+    got, = torch.autograd.grad((a * weights).sum(), log_qx)
+    expected, = torch.autograd.grad((want * weights).sum(), log_qx)
+    err = (got - expected).abs().max().item()
+    if not err < 1e-9:
+        b, z, i = (int(x) for x in ((got - expected).abs() == err).nonzero()[0])
+        raise harness.Fail(f"the gradient of a in log q~ differs from that of log prod min(1, Q_i / p_i) by {err:.1e} "
+                           f"(row {b}, branch {z}, position {i}: {got[b, z, i].item():.4g}, want "
+                           f"{expected[b, z, i].item():.4g}), want below 1e-9",
+                           "a clamped term (Q_i above p_i) gives no gradient of its own, but its q~ still weighs the "
+                           "branches of every later Q_i (the posterior): what fits is a .detach() of log q~ where a "
+                           "term is clamped, in place of a clamp of the term alone")
+    deep = impl.prefix_log_accept(torch.zeros(1, 1, dtype=torch.float64),
+                                  torch.tensor([[[-1.0, -40.0, -1.0, -1.0]]], dtype=torch.float64),
+                                  torch.full((1, 4), -1.0, dtype=torch.float64), 'mixture').detach()
+    want = torch.tensor([[0.0, -39.0, -39.0, -39.0]], dtype=torch.float64)        # one branch: Q_i = q~_i
+    if not torch.allclose(deep, want, rtol=0, atol=1e-9):
+        raise harness.Fail(f"one branch, log q~ = [-1, -40, -1, -1], log p = -1 at every position: a = {fmt(deep)}, "
+                           f"want {fmt(want)}", "a draft the drafter gives almost nothing weighs as little as it "
+                           "is given: what fits is a guard of modest size (a clamp of log q~, an epsilon added to a "
+                           "probability) where only log 0 needed one")
 
 
 def test_a_block_off_every_branch(impl):
@@ -113,8 +140,10 @@ def test_the_threshold_and_the_fallback(impl):
 
 def test_the_threshold_at_its_edges(impl):
     """The threshold at its edges. A prefix exactly at the threshold is kept (a_j >= log
-    tau_threshold: at tau_threshold e^-30, a_j = -30 is in R), and tau_threshold 0 keeps every
-    prefix however small its weight (e^-31 .. e^-700), never the NLL."""
+    tau_threshold: at tau_threshold e^-30, a_j = -30 is in R); tau_threshold 0 keeps every prefix
+    however small its weight (e^-31 .. e^-900 in float64, e^-90 .. e^-101 in float32), never the
+    NLL; and the prefixes of a block off every greedy branch's path (a_j = -inf) stay out of R
+    without a NaN."""
     a = torch.tensor([[-29.0, -30.0, -30.5, -31.0], [-31.0, -40.0, -80.0, -700.0]], dtype=torch.float64)
     nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
     t = torch.stack([torch.logsumexp(a[:, j:], -1) for j in range(4)], -1)
@@ -129,14 +158,33 @@ def test_the_threshold_at_its_edges(impl):
                 if torch.allclose(got, nll[:1]) else '')
         raise harness.Fail(f"tau_threshold e^-30, a = {fmt(a[0])}: {fmt(got)}, want {fmt(want)} (R = positions 0 "
                            f"and 1, a_1 = -30 being at the threshold)", hint)
-    got = impl.al_surrogate(a[1:], nll[1:], 0.0)
-    want = -t[1].mean()
+    deeper = [(a[1:], nll[1:]), (torch.tensor([[-750.0, -760.0, -800.0, -900.0]], dtype=torch.float64), nll[1:]),
+              (torch.tensor([[-90.0, -95.0, -100.0, -101.0]]), nll[1:].float())]   # float32, as training upcasts
+    for a_, nll_ in deeper:
+        got = impl.al_surrogate(a_, nll_, 0.0)
+        t_ = torch.stack([torch.logsumexp(a_[:, j:], -1) for j in range(4)], -1)
+        want = -t_[0].mean()
+        if not torch.allclose(got, want.reshape(1)):
+            hint = ("tau_threshold 0 keeps every prefix: log 0 is -inf, below every a_j, whatever its size; a guard "
+                    "such as log(max(tau_threshold, 1e-12)) turns 0 into a threshold of e^-27.6, and one of the "
+                    "smallest positive number into e^-708 (float64) or e^-87 (float32), which drop these prefixes"
+                    if torch.allclose(got, nll_) else
+                    "the tails λ_j = log sum_{j' >= j} exp(a_j') overflow or vanish here: what fits is exp taken "
+                    "before the log (log(cumsum(exp(a))), 0 below e^-745 in float64), where logcumsumexp keeps the "
+                    "sum in log space" if not torch.isfinite(got).all() else '')
+            raise harness.Fail(f"tau_threshold 0, a = {fmt(a_[0])} ({a_.dtype}): {fmt(got)}, want -mean_j λ_j = "
+                               f"{fmt(want)} (every prefix kept{', not the NLL' if torch.allclose(got, nll_) else ''})",
+                               hint)
+    # a block that leaves the greedy branches' paths has a_j = -inf from there: R leaves those out, and
+    # the loss stays finite (no -inf times 0)
+    a_ = torch.tensor([[-0.1, -0.5, -math.inf, -math.inf]], dtype=torch.float64)
+    got = impl.al_surrogate(a_, nll[:1], 0.01)
+    want = -(torch.logsumexp(a_[0], 0) + torch.logsumexp(a_[0, 1:], 0)) / 2
     if not torch.allclose(got, want.reshape(1)):
-        hint = ("tau_threshold 0 keeps every prefix: log 0 is -inf, below every a_j, whatever its size; a guard "
-                "such as log(max(tau_threshold, 1e-12)) turns 0 into a threshold of e^-27.6, which drops these "
-                "prefixes")
-        raise harness.Fail(f"tau_threshold 0, a = {fmt(a[1])}: {fmt(got)}, want -mean_j λ_j = {fmt(want)} (every "
-                           f"prefix kept{', not the NLL' if torch.allclose(got, nll[1:]) else ''})", hint)
+        raise harness.Fail(f"tau_threshold 0.01, a = {fmt(a_[0])} (a block off every greedy branch from position 2): "
+                           f"{fmt(got)}, want {fmt(want)}", "the prefixes of a = -inf are not in R, and their tails "
+                           "λ_j are -inf: what fits a NaN is a mask applied by multiplying (-inf times 0 is NaN), "
+                           "where torch.where picks")
 
 
 def test_gradient_reaches_past_R(impl):

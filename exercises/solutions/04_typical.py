@@ -83,6 +83,16 @@ def nan_delta_let_through(text, vocab_size):
     return epsilon, delta
 
 
+def delta_of_zero_let_through(text, vocab_size):
+    try:
+        epsilon, delta = (float(x) for x in text.split(','))
+    except ValueError:
+        raise ValueError("want EPSILON,DELTA") from None
+    if not (0 < epsilon <= 1 and delta < 1):                        # DELTA's lower bound forgotten
+        raise ValueError("need 0 < EPSILON <= 1 and DELTA < 1")
+    return epsilon, delta
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
@@ -92,4 +102,5 @@ CONTROLS = {
     'parse_typical returns its parts swapped': dict(parse_typical=parts_swapped),
     'parse_typical refuses an epsilon of exactly 1': dict(parse_typical=epsilon_of_one_refused),
     'parse_typical lets a nan DELTA through': dict(parse_typical=nan_delta_let_through),
+    'parse_typical lets a DELTA of 0 or below through': dict(parse_typical=delta_of_zero_let_through),
 }

@@ -56,6 +56,30 @@ def divides_by_an_empty_R(a, nll, tau_threshold):
     return torch.where(n_keep > 0, al, nll)
 
 
+def clamped_terms_detached(log_prior, log_qx, log_px, verify='mixture'):
+    clamped = (log_conditionals(log_prior, log_qx) - log_px).detach() >= 0            # (N, n) Q_i above p_i
+    cut = torch.where(clamped[:, None, :], log_qx.detach(), log_qx)   # the later posteriors lose these q~
+    return (log_conditionals(log_prior, cut) - log_px).clamp(max=0.0).cumsum(-1)
+
+
+def log_q_clamped(log_prior, log_qx, log_px, verify='mixture'):
+    log_q = log_conditionals(log_prior, log_qx.clamp(min=-30.0))     # "log 0" made finite: e^-30
+    return (log_q - log_px).clamp(max=0.0).cumsum(-1)
+
+
+def guarded_by_the_smallest_number(a, nll, tau_threshold):
+    return project_al_surrogate(a, nll, max(tau_threshold, torch.finfo(a.dtype).tiny))   # e^-708 in float64
+
+
+def tails_in_probability_space(a, nll, tau_threshold):
+    log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_threshold
+    lam = a.exp().flip(-1).cumsum(-1).flip(-1).log()              # exp(-750) is 0: log 0 = -inf, the loss inf
+    n_keep = keep.sum(-1)
+    al = -torch.where(keep, lam, 0.0).sum(-1) / n_keep.clamp(min=1)
+    return torch.where(n_keep > 0, al, nll)
+
+
 CONTROLS = {
     'no clamp at 1': dict(prefix_log_accept=no_clamp),
     'NaN off every branch, where the answer is -inf': dict(prefix_log_accept=conditionals_without_their_guard),
@@ -64,4 +88,9 @@ CONTROLS = {
     'a strict threshold (a_j > log tau_threshold)': dict(al_surrogate=strict_threshold),
     'tau_threshold 0 guarded as 1e-12': dict(al_surrogate=guarded_log_of_zero),
     'divides by an empty R (a NaN gradient)': dict(al_surrogate=divides_by_an_empty_R),
+    'log q~ detached where its term is clamped (the later posteriors lose it)':
+        dict(prefix_log_accept=clamped_terms_detached),
+    'log q~ clamped at -30': dict(prefix_log_accept=log_q_clamped),
+    'tau_threshold 0 guarded as the smallest positive number': dict(al_surrogate=guarded_by_the_smallest_number),
+    'the tails summed in probability space (log of a cumsum of exp)': dict(al_surrogate=tails_in_probability_space),
 }
