@@ -21,7 +21,8 @@ def tokens(shape, seed):
 @torch.no_grad()
 def test_a_prefill_matches_the_full_forward(impl):
     """A prefill matches the full forward. The prompt's keys and values written, then committed:
-    the logits equal a full causal forward over it, and each row's length is the prompt's.
+    the logits equal a full causal forward over it, and each row's length is the prompt's; then one
+    token a row, as plain decoding writes them.
     Hint: write at cache.k[layer_idx] along the position dimension (dim 2 of (B, nh, max_len, hs))."""
     model = harness.tiny_target()
     prompt = tokens((2, 9), 0)
@@ -31,6 +32,15 @@ def test_a_prefill_matches_the_full_forward(impl):
     assert cache.lengths.tolist() == [9, 9], f"lengths {cache.lengths.tolist()} after committing 9 tokens, want [9, 9]"
     err = (model.lm_head(h) - model(prompt)[0]).abs().max().item()
     assert err < TOL, f"cached logits differ from the full forward by {err:.2e}, want below {TOL:g}"
+    nxt = tokens((2, 1), 5)
+    try:
+        h = model.forward_cached(nxt, cache)
+    except RuntimeError as e:
+        raise harness.Fail(f"a block of one token (plain decoding's): {harness.first_line(e)}"
+                           f"{harness.where_in_student(e)}", "squeeze() without a dimension drops every dimension "
+                           "of size 1: with one token the positions' too; name the dimension")
+    err = (model.lm_head(h)[:, -1] - model(torch.cat([prompt, nxt], 1))[0][:, -1]).abs().max().item()
+    assert err < TOL, f"a block of one token: its logits differ from the full forward by {err:.2e}, want below {TOL:g}"
 
 
 def test_rows_keep_their_own_lengths(impl):
@@ -125,8 +135,8 @@ def test_nothing_the_size_of_a_layer_is_allocated(impl):
 
 def test_no_host_sync(impl):
     """No host sync, no tensor on another device. write and commit make the host wait for nothing,
-    and make no tensor off the cache's device (run on PyTorch's 'meta' device, which refuses a mix
-    of devices as CUDA does)."""
+    and make no tensor off the cache's device, commit given a tensor or an int (run on PyTorch's
+    'meta' device, where an op that mixes a CPU tensor with the cache's fails as on CUDA)."""
     model = harness.tiny_target()
     cache = model.new_cache(2, 32)
     k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
@@ -142,8 +152,9 @@ def test_no_host_sync(impl):
                            "the data (boolean indexing, nonzero)")
     cache = KVCache(model.config, 2, 32, 'meta', torch.float64)
     k, pos, n = (harness.on_meta(t) for t in (k, pos, n))
-    harness.assert_on_the_inputs_device('write', lambda: impl.write(cache, 1, k, k, pos))
-    harness.assert_on_the_inputs_device('commit', lambda: impl.commit(cache, n))
+    harness.assert_on_the_inputs_device('write', lambda: impl.write(cache, 1, k, k, pos), strict=True)
+    harness.assert_on_the_inputs_device('commit', lambda: impl.commit(cache, n), strict=True)
+    harness.assert_on_the_inputs_device('commit of an int', lambda: impl.commit(cache, 3), strict=True)
 
 
 def test_decodes_exactly_greedy(impl):

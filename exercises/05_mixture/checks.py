@@ -73,7 +73,8 @@ def test_the_posterior_by_enumeration(impl):
 
 def test_the_conditionals_by_enumeration(impl):
     """The conditionals by enumeration. Q_i = sum_z w_{i,z} q~_i(. | z) for sampled branches, and
-    for greedy ones (one-hot q~, log 0 = -inf): a distribution at every position, no NaN.
+    for greedy ones (one-hot q~, log 0 = -inf): a distribution at every position, no NaN; and for
+    a block of one draft (n = 1), with one row and with three.
     Hint: -inf in log q~ is fine in log space (logsumexp, log_softmax); it is 0 * inf that is not."""
     log_prior, log_q, drafts = random_mixture(seed=1)
     Q = impl.conditionals(log_prior, log_q, drafts)
@@ -99,6 +100,16 @@ def test_the_conditionals_by_enumeration(impl):
     err = (Q - want).abs().max().item()
     assert err < 1e-12, f"greedy branches: Q differs from the posterior mass on each path's token by {err:.1e}, " \
                         f"want below 1e-12"
+    for N in (1, 3):   # a block of one draft (k = 2: generate.py --k 2), for one row and for three
+        log_prior, log_q, drafts = random_mixture(N=N, n=1, seed=4)
+        Q = impl.conditionals(log_prior, log_q, drafts)
+        if tuple(Q.shape) != (N, 1, 5):
+            raise harness.Fail(f"a block of one draft (n = 1), {N} row(s): Q has shape {tuple(Q.shape)}, want (N, n, V) "
+                               f"= ({N}, 1, 5)", "squeeze() without a dimension drops every dimension of size 1: with "
+                               "one draft (k = 2) the positions' too, with one row the rows'; name the dimension")
+        err = (Q - brute_force(log_prior, log_q, drafts)[1]).abs().max().item()
+        assert err < 1e-12, f"a block of one draft (n = 1): Q differs from the prior's mixture by {err:.1e}, " \
+                            f"want below 1e-12"
 
 
 def test_no_underflow_over_32_tokens(impl):
@@ -125,7 +136,8 @@ def test_no_underflow_over_32_tokens(impl):
 
 def test_no_host_sync(impl):
     """No host sync, no Python loop, no tensor on another device. posterior and conditionals make the
-    host wait for nothing, dispatch as many ops for 8 rows or 6 positions as for 4 rows of 3, and
+    host wait for nothing, dispatch as many ops for 8 rows, 6 positions or 5 branches as for 4 rows
+    of 3 positions and 3 branches, and
     make no tensor off their inputs' device (run on PyTorch's 'meta' device, which refuses a mix of
     devices as CUDA does)."""
     log_prior, log_q, drafts = random_mixture(seed=2)
@@ -135,7 +147,8 @@ def test_no_host_sync(impl):
         raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
                            "the ops listed make the host wait for the device: a value read back (.item(), a Python "
                            "if on a tensor) or a shape that depends on the data (boolean indexing, nonzero)")
-    sizes = [(f'N={N}, n={n}', random_mixture(N=N, n=n, seed=3)) for N, n in ((4, 3), (8, 3), (4, 6))]
+    sizes = [(f'N={N}, n={n}, K={K}', random_mixture(N=N, n=n, K=K, seed=3))
+             for N, n, K in ((4, 3, 3), (8, 3, 3), (4, 6, 3), (4, 3, 5))]
     harness.assert_no_python_loop('conditionals', [(size, lambda m=m: impl.conditionals(*m)) for size, m in sizes])
     harness.assert_no_python_loop('posterior', [(size, lambda m=m: impl.posterior(m[0], drafted(*m[1:])))
                                                 for size, m in sizes])

@@ -172,7 +172,9 @@ def test_ties_go_to_the_shallower(impl):
 
 def test_padding_where_the_drafter_gives_no_probability(impl):
     """Padding where the drafter gives nothing. Only 3 nodes of V = 4, n = 2 have probability (0,
-    then 00 and 01); of the 6 slots the other 3 are padding: parent -1, which no walk follows.
+    then 00 and 01); of the 6 slots the other 3 are padding: parent -1, which no walk follows. The
+    same with V = 2, where the padding holds the children of node 1 (probability 0), whose own
+    tokens have probability 1/2 each.
     Hint: a candidate of score -inf is still taken when fewer than m have more (static shapes), but
     its parent slot is -1."""
     world = World(B=1, V=4, n=2, table=[
@@ -185,6 +187,18 @@ def test_padding_where_the_drafter_gives_no_probability(impl):
     if real != [(0,), (0, 0), (0, 1)] or parent.count(-1) != 3:
         raise harness.Fail(f"parents {parent}, the nodes they make {[list(p) for p in real]}; want [0], [0, 0] and "
                            f"[0, 1], and the other 3 slots padding (parent -1)")
+    # below a node of no probability, children whose own token has some: their score is still -inf
+    world = World(B=1, V=2, n=2, table=[torch.tensor([[[0.0, -math.inf]]], dtype=torch.float64),
+                                        torch.full((1, 2, 2), math.log(0.5), dtype=torch.float64)])
+    tokens, tree = grown(impl, world, 6)
+    parent = tree[0, 0].tolist()
+    found = paths(tokens, tree, 0, world.n)
+    real = sorted(found[s] for s in found if s)
+    if real != [(0,), (0, 0), (0, 1)] or parent.count(-1) != 3:
+        raise harness.Fail(f"V = 2: parents {parent}, the nodes they make {[list(p) for p in real]}; want [0], [0, 0] "
+                           f"and [0, 1], and the other 3 slots padding (parent -1), [1]'s children among them",
+                           "a child of a node of probability 0 has probability 0 whatever its own token's: what "
+                           "fits is padding judged by the node's own token's log q rather than its prefix's score")
 
 
 def test_no_host_sync(impl):

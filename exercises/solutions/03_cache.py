@@ -43,6 +43,19 @@ def layer_rebuilt_and_copied_back(cache, layer_idx, k, v, pos):
     return cache.k[layer_idx], cache.v[layer_idx]
 
 
+def commit_of_an_int_on_the_cpu(cache, n):
+    if not isinstance(n, torch.Tensor):
+        n = torch.full(cache.lengths.shape, n)          # no device=: the CPU's, wherever the cache is
+    cache.lengths += n
+
+
+def write_squeezed(cache, layer_idx, k, v, pos):
+    at = (cache.layers[layer_idx], cache.rows, slice(None), pos)
+    cache.k[at] = k.transpose(1, 2).squeeze().to(cache.k.dtype)      # one token: (B, nh, hs), not (B, 1, nh, hs)
+    cache.v[at] = v.transpose(1, 2).squeeze().to(cache.v.dtype)
+    return cache.k[layer_idx], cache.v[layer_idx]
+
+
 CONTROLS = {
     'commits the same length for every row': dict(commit=same_length_for_every_row),
     'writes the block at the start of the buffer': dict(write=write_at_the_start),
@@ -50,4 +63,6 @@ CONTROLS = {
     'commit rebinds the lengths to a new tensor': dict(commit=lengths_rebound),
     'write rebuilds the buffers (torch.cat of the layers)': dict(write=buffers_rebuilt),
     'write builds the layer anew and copies it back': dict(write=layer_rebuilt_and_copied_back),
+    'commit of an int makes its tensor on the CPU': dict(commit=commit_of_an_int_on_the_cpu),
+    'write squeezes every dimension (a block of one token)': dict(write=write_squeezed),
 }

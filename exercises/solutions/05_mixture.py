@@ -33,7 +33,25 @@ def with_posterior(wrong):
     return conditionals
 
 
+def drafts_read_by_squeeze(log_prior, log_q, drafts):
+    B, K, n, V = log_q.shape
+    log_qd = log_q.gather(-1, drafts.view(B, 1, n, 1).expand(B, K, n, 1)).squeeze()   # n = 1: (B, K), not (B, K, 1)
+    w = dblast.posterior(log_prior, log_qd).exp()
+    return torch.einsum('nik,nkiv->niv', w, log_q.exp())
+
+
+def a_loop_over_the_branches(log_prior, log_q, drafts):
+    B, K, n, V = log_q.shape
+    log_qd = log_q.gather(-1, drafts.view(B, 1, n, 1).expand(B, K, n, 1)).squeeze(-1)
+    w = dblast.posterior(log_prior, log_qd).exp()                                   # (B, n, K)
+    return sum(w[:, :, z, None] * log_q[:, z].exp() for z in range(K))               # K times the ops
+
+
 CONTROLS = {name: dict(posterior=fn, conditionals=with_posterior(fn)) for name, fn in [
     ('the prior at every position', prior_at_every_position),
     ('conditioned on the draft itself', conditioned_on_the_draft_itself),
     ('products of probabilities', products_of_probabilities)]}
+CONTROLS.update({
+    'conditionals squeezed of every dimension (a block of one draft)': dict(conditionals=drafts_read_by_squeeze),
+    'a Python loop over the branches': dict(conditionals=a_loop_over_the_branches),
+})

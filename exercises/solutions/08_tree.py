@@ -53,10 +53,11 @@ def commit_branch(cache, branch, n, n_acc, active):
 
 @torch.no_grad()
 def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
-                nodes='prefix', move=True, clamp=True, on_device=True):
+                nodes='prefix', move=True, clamp=True, on_device=True, squeeze=False):
     """tree_step, and (by its keywords) the wrong answers below: nodes 'prefix' shares a node
     between branches with the same prefix (right), 'none' gives every branch its own, 'token' shares
-    it between branches with the same token at that depth, whatever came before."""
+    it between branches with the same token at that depth, whatever came before, 'first' shares the
+    first depth's nodes only."""
     B, K, n = paths.shape
     dev = paths.device
     depth, attend = tree_layout(K, n, dev)
@@ -77,6 +78,8 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     if nodes == 'prefix':
         same = same.long().cumprod(-1).bool()                                           # the whole prefix
     canon = torch.arange(K, device=dev)[None, :, None].expand(B, K, n) if nodes == 'none' else same.long().argmax(2)
+    if nodes == 'first':                                        # below the first depth each branch its own
+        canon = torch.cat([canon[..., :1], torch.arange(K, device=dev)[None, :, None].expand(B, K, n - 1)], -1)
     node = 1 + canon * n + torch.arange(n, device=dev)                                  # (B, K, n)
     parent = torch.cat([torch.zeros(B, K, 1, dtype=torch.long, device=dev), node[:, :, :-1]], -1)
     match = x.gather(1, parent.flatten(1)).view(B, K, n) == paths                       # sample at parent = token
@@ -89,6 +92,8 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
         next_bonus = sample(F.softmax(tempered(logits.gather(1, last.view(B, 1, 1).expand(B, 1, logits.size(-1)))
                                                .squeeze(1), temperature), -1), generator)
     h = H.gather(1, last.view(B, 1, 1).expand(B, 1, H.size(-1))).squeeze(1)
+    if squeeze:                                                 # one row: shapes () and (C,), not (1,) and (1, C)
+        next_bonus, h = next_bonus.squeeze(), h.squeeze()
     commit_branch(cache, branch if move else torch.zeros_like(branch), n, n_acc, active)
     return n_acc, branch, next_bonus, h
 
@@ -105,6 +110,8 @@ CONTROLS = {
     'a fresh sample for the bonus': wrong(fresh_bonus=True),
     'each branch samples shared nodes anew': wrong(nodes='none'),
     'nodes shared by the token at a depth, not by the prefix': wrong(nodes='token'),
+    'nodes shared at the first depth only': wrong(nodes='first'),
+    'the bonus and h squeezed of every dimension (one row)': wrong(squeeze=True),
     "branch 0's keys and values committed": wrong(move=False),
     'positions not clamped near the end of the context': wrong(clamp=False),
     "the node samples drawn without the logits' device": wrong(on_device=False),

@@ -5,12 +5,13 @@ import math
 import torch
 
 
-def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='shallower', pad=True, rows=False):
+def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='shallower', pad=True, rows=False,
+          pad_by='prefix'):
     """heads.grow_tree's way, with one of the mistakes switched on."""
     score = torch.zeros(B, 1, device=device)
     prefix = torch.zeros(B, 1, 0, dtype=torch.long, device=device)
     ids = torch.zeros(B, 1, dtype=torch.long, device=device)
-    scores, tokens, parents, depths, count = [], [], [], [], 1
+    scores, tokens, parents, depths, owns, count = [], [], [], [], [], 1
     for d in range(n):
         own = log_q(d, prefix)                                                       # (B, M, V)
         child = own if score_of == 'token' else score[:, :, None] + own
@@ -26,6 +27,7 @@ def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='
         scores.append(own.flatten(1).gather(1, flat) if score_of == 'token' else score)
         tokens.append(token)
         depths.append(torch.full_like(token, d + 1))
+        owns.append(own.flatten(1).gather(1, flat))                                  # the node's own token's
     rank, token, parent, depth = (torch.cat(t, dim=1) for t in (scores, tokens, parents, depths))
     if per_depth:              # the best of each depth, a share of the budget each, not the best of all
         share = max(1, nodes // n)
@@ -50,7 +52,8 @@ def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='
     slot.scatter_(1, 1 + keep, torch.arange(1, m + 1, device=device).expand(B, -1))
     kept_parent = slot.gather(1, parent.gather(1, keep))
     if pad:
-        kept_parent = torch.where(rank.gather(1, keep) > -math.inf, kept_parent, -1)
+        judged = rank if pad_by == 'prefix' else torch.cat(owns, 1)
+        kept_parent = torch.where(judged.gather(1, keep) > -math.inf, kept_parent, -1)
     root = torch.zeros(B, 1, dtype=torch.long, device=device)
     tree = torch.stack([torch.cat([root, kept_parent], 1), torch.cat([root, depth.gather(1, keep)], 1)], dim=1)
     return token.gather(1, keep), tree
@@ -70,4 +73,5 @@ CONTROLS = {
         dict(grow_tree=mistake(ties='unspecified')),
     'no padding: a node of probability 0 keeps its parent': dict(grow_tree=mistake(pad=False)),
     'the selection one row at a time': dict(grow_tree=mistake(rows=True)),
+    "padding judged by the node's own token, not its prefix's score": dict(grow_tree=mistake(pad_by='token')),
 }
