@@ -177,28 +177,23 @@ def test_padding_where_the_drafter_gives_no_probability(impl):
     tokens have probability 1/2 each.
     Hint: a candidate of score -inf is still taken when fewer than m have more (static shapes), but
     its parent slot is -1."""
-    world = World(B=1, V=4, n=2, table=[
+    four = World(B=1, V=4, n=2, table=[
         torch.tensor([[[0.0, -math.inf, -math.inf, -math.inf]]], dtype=torch.float64),
         torch.tensor([[[math.log(0.5), math.log(0.5), -math.inf, -math.inf]] * 4], dtype=torch.float64)])
-    tokens, tree = grown(impl, world, 6)
-    parent = tree[0, 0].tolist()
-    found = paths(tokens, tree, 0, world.n)
-    real = sorted(found[s] for s in found if s)
-    if real != [(0,), (0, 0), (0, 1)] or parent.count(-1) != 3:
-        raise harness.Fail(f"parents {parent}, the nodes they make {[list(p) for p in real]}; want [0], [0, 0] and "
-                           f"[0, 1], and the other 3 slots padding (parent -1)")
     # below a node of no probability, children whose own token has some: their score is still -inf
-    world = World(B=1, V=2, n=2, table=[torch.tensor([[[0.0, -math.inf]]], dtype=torch.float64),
-                                        torch.full((1, 2, 2), math.log(0.5), dtype=torch.float64)])
-    tokens, tree = grown(impl, world, 6)
-    parent = tree[0, 0].tolist()
-    found = paths(tokens, tree, 0, world.n)
-    real = sorted(found[s] for s in found if s)
-    if real != [(0,), (0, 0), (0, 1)] or parent.count(-1) != 3:
-        raise harness.Fail(f"V = 2: parents {parent}, the nodes they make {[list(p) for p in real]}; want [0], [0, 0] "
-                           f"and [0, 1], and the other 3 slots padding (parent -1), [1]'s children among them",
-                           "a child of a node of probability 0 has probability 0 whatever its own token's: what "
-                           "fits is padding judged by the node's own token's log q rather than its prefix's score")
+    two = World(B=1, V=2, n=2, table=[torch.tensor([[[0.0, -math.inf]]], dtype=torch.float64),
+                                      torch.full((1, 2, 2), math.log(0.5), dtype=torch.float64)])
+    for world, what, hint in ((four, '', ''), (two, "V = 2: ", "a child of a node of probability 0 has probability 0 "
+                                                "whatever its own token's: what fits is padding judged by the node's "
+                                                "own token's log q rather than its prefix's score")):
+        tokens, tree = grown(impl, world, 6)
+        parent = tree[0, 0].tolist()
+        found = paths(tokens, tree, 0, world.n)
+        real = sorted(found[s] for s in found if s)
+        if real != [(0,), (0, 0), (0, 1)] or parent.count(-1) != 3:
+            raise harness.Fail(f"{what}parents {parent}, the nodes they make {[list(p) for p in real]}; want [0], "
+                               f"[0, 0] and [0, 1], and the other 3 slots padding (parent -1)"
+                               + (", [1]'s children among them" if what else ''), hint)
 
 
 def test_no_host_sync(impl):
