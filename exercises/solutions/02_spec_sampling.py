@@ -54,20 +54,30 @@ def bonus_from_the_global_rng(logits, Q, drafts, temperature, generator=None):
     return accept_prefix(ok, sample(weights))                          # generator forgotten here
 
 
-def fallback_over_the_whole_block(logits, Q, drafts, temperature, generator=None):
-    p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
-    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
-    r = torch.where(r.sum((-2, -1), keepdim=True) > 0, r, p[:, :-1])   # one verdict for a row's positions
-    return accept_prefix(ok, sample(torch.cat([r, p[:, -1:]], 1), generator))
+def residual_falling_back(fallback):
+    """verify_sampled with the residual's fallback to P written as fallback(r, p, logits): r the
+    residual max(0, P - Q) and p the target's P (B, k-1, V) at the drafted positions, logits
+    (B, k, V). The right one is torch.where(r.sum(-1, keepdim=True) > 0, r, p)."""
+    def verify_sampled(logits, Q, drafts, temperature, generator=None):
+        p = F.softmax(tempered(logits, temperature), -1)
+        ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+        r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
+        return accept_prefix(ok, sample(torch.cat([fallback(r, p[:, :-1], logits), p[:, -1:]], 1), generator))
+    return verify_sampled
 
 
-def fallback_by_a_tolerance(logits, Q, drafts, temperature, generator=None):
-    p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
-    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
-    r = torch.where(r.sum(-1, keepdim=True) > 0.05, r, p[:, :-1])     # a small residual taken for none
-    return accept_prefix(ok, sample(torch.cat([r, p[:, -1:]], 1), generator))
+# an all-zero row stays all zero
+residual_without_its_fallback = residual_falling_back(lambda r, p, logits: r)
+# one verdict for every row at once
+fallback_over_the_whole_batch = residual_falling_back(lambda r, p, logits: torch.where(r.sum() > 0, r, p))
+# one verdict for a row's positions
+fallback_over_the_whole_block = residual_falling_back(
+    lambda r, p, logits: torch.where(r.sum((-2, -1), keepdim=True) > 0, r, p))
+# a small residual taken for none
+fallback_by_a_tolerance = residual_falling_back(lambda r, p, logits: torch.where(r.sum(-1, keepdim=True) > 0.05, r, p))
+# P at T = 1, not at T
+fallback_to_p_at_one = residual_falling_back(
+    lambda r, p, logits: torch.where(r.sum(-1, keepdim=True) > 0, r, F.softmax(logits[:, :-1], -1)))
 
 
 def every_dimension_squeezed(logits, Q, drafts, temperature, generator=None):
@@ -79,22 +89,6 @@ def every_dimension_squeezed(logits, Q, drafts, temperature, generator=None):
     return accepted, n_acc, bonus
 
 
-def residual_without_its_fallback(logits, Q, drafts, temperature, generator=None):
-    p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
-    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
-    weights = torch.cat([r, p[:, -1:]], 1)                               # an all-zero row stays all zero
-    return accept_prefix(ok, sample(weights, generator))
-
-
-def fallback_over_the_whole_batch(logits, Q, drafts, temperature, generator=None):
-    p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
-    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
-    r = torch.where(r.sum() > 0, r, p[:, :-1])                         # one verdict for every row at once
-    return accept_prefix(ok, sample(torch.cat([r, p[:, -1:]], 1), generator))
-
-
 def coins_off_the_logits_device(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
     p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
@@ -102,14 +96,6 @@ def coins_off_the_logits_device(logits, Q, drafts, temperature, generator=None):
     coin = torch.rand(p_d.shape, generator=generator, dtype=p.dtype)  # no device=: the CPU's, wherever p is
     weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
     return accept_prefix(coin * q_d < p_d, sample(weights, generator))
-
-
-def fallback_to_p_at_one(logits, Q, drafts, temperature, generator=None):
-    p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
-    r = p[:, :-1].scatter(-1, drafts.unsqueeze(-1), 0.0) if Q is None else (p[:, :-1] - Q).clamp(min=0.0)
-    r = torch.where(r.sum(-1, keepdim=True) > 0, r, F.softmax(logits[:, :-1], -1))   # P at T = 1, not at T
-    return accept_prefix(ok, sample(torch.cat([r, p[:, -1:]], 1), generator))
 
 
 def bonus_by_multinomial(logits, Q, drafts, temperature, generator=None):
