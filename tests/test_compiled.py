@@ -56,10 +56,10 @@ TEXT_DRAFTERS = {'draft-model': lambda cfg, small: DraftModel(small, k=4),
 
 
 @torch.no_grad()
-def first_state(model, drafter, B, k, temperature, g, paths=1, nodes=None):
+def first_state(model, drafter, B, k, temperature, g, paths=1, nodes=None, device=DEV):
     """A prefilled cache, the drafter's own state and the loop's state, as generate() leaves them
     before step 1, with room for 40 more tokens a row."""
-    prompt = torch.randint(64, (B, 8), device=DEV, generator=g)
+    prompt = torch.randint(64, (B, 8), device=device, generator=g)
     cache = model.new_cache(B, 64 + paths * k + (nodes or 0))
     state = None if drafter is None else drafter.new_state(B * paths, 64 + (nodes or 0) * k)   # a tree's chains
     block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes, state)
@@ -143,24 +143,14 @@ def steps_on_meta(kind, temperature, accept, paths=1, nodes=None):
     """The prefill and two steps of the loop with the target, the drafter and every buffer on PyTorch's
     'meta' device (shapes without data), which refuses a mix with a CPU tensor as CUDA does
     (exercises.harness.MadeOnCpu, strict: also where 'meta' alone would let an op mix them).
-    Returns the loop's state and the copies from the host (FromTheHost) in the prefill and steps."""
+    Returns the loop's state and the copies from the host (FromTheHost) from the set-up on."""
     model, drafter = setup(kind, temperature)
     model, drafter = model.to('meta'), None if drafter is None else drafter.to('meta')
-    k, B = 1 if drafter is None else 4, 3
-    with MadeOnCpu(strict=True), autocast_off_on_meta():
-        prompt = torch.zeros(B, 8, dtype=torch.long, device='meta')
-        cache = model.new_cache(B, 64 + paths * k + (nodes or 0))
-        state = None if drafter is None else drafter.new_state(B * paths, 64 + (nodes or 0) * k)
-        with FromTheHost() as copies:
-            block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, None, paths, k, nodes,
-                                                state)
-        d = Decoding.like(block, q, tree, 64, 40)
-        d.restart(block, q, tree, prompt)
-        d.total.fill_(48)
-        rule = parse_accept(accept, 64)
-        with copies:
-            for _ in range(2):
-                advance(model, drafter, cache, d, temperature, rule, None, paths, k, nodes, state)
+    k, rule = 1 if drafter is None else 4, parse_accept(accept, 64)
+    with MadeOnCpu(strict=True), autocast_off_on_meta(), FromTheHost() as copies:
+        cache, state, d = first_state(model, drafter, 3, k, temperature, None, paths, nodes, device='meta')
+        for _ in range(2):
+            advance(model, drafter, cache, d, temperature, rule, None, paths, k, nodes, state)
     return d, copies.seen
 
 
