@@ -283,8 +283,8 @@ def sampling_hint(off):
                 "where the walk stopped, a draft accepted otherwise than by equalling the sample at its parent "
                 "node, or the samples drawn at another temperature")
     if (1,) in off:
-        return ("the first token is right, the one after the first token 1 (a node branches 0 and 2 share) is not. "
-                "What fits: each branch drawing its own sample at a node it shares with another (one sample per "
+        return ("the first token is right, the one after the first token 1 (a node branches 0, 2, 3 and 4 share) is "
+                "not. What fits: each branch drawing its own sample at a node it shares with another (one sample per "
                 "node, shared), or a bonus drawn anew")
     if (1, 6) in off:
         return ("the first two tokens are right, the one after [1, 6] (a node branches 0, 3 and 4 share, two deep) "
