@@ -211,6 +211,16 @@ def where_in_student(exc):
     return f" (student.py line {frames[-1].lineno})" if frames else ''
 
 
+def raised_by_a_stub(exc):
+    """Whether a NotImplementedError comes from a `raise` in Python outside torch (a stub, or code a
+    student left unwritten), not from an op torch lacks for a dtype or a device (which says so in
+    the same type: bincount of floats, say)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    last = frames[-1] if frames else None
+    return last is None or ((last.line or '').lstrip().startswith('raise')
+                            and f'{os.sep}torch{os.sep}' not in last.filename)
+
+
 def run_check(checks, impl, name, fn):
     title, hint = docstring_parts(fn)
     t0 = time.perf_counter()
@@ -219,7 +229,10 @@ def run_check(checks, impl, name, fn):
         with plugged(checks, impl):
             fn(impl)
     except NotImplementedError as e:
-        reason, not_written = f"not written yet: {e or 'NotImplementedError'}", True
+        if raised_by_a_stub(e):
+            reason, not_written = f"not written yet: {e or 'NotImplementedError'}", True
+        else:                # an op torch does not have for what it was given
+            reason = f"NotImplementedError: {first_line(e)}{where_in_student(e)}"
     except AssertionError as e:
         reason = first_line(e, 'an assertion failed', limit=None)
         hint = getattr(e, 'hint', '') or hint     # a Fail knows its cause better than the docstring
@@ -612,7 +625,9 @@ class Allocations(EagerMode):
 # running the code under test on inputs on PyTorch's 'meta' device (shapes without data), which
 # refuses a mix with the CPU as CUDA does; a 0-dim CPU tensor (a scalar) is allowed by both.
 
-# ops CUDA runs with a CPU tensor beside its own: indices may live on the host, a copy crosses over
+# ops CUDA runs with a CPU tensor beside its own (indices on the host, a copy or .to() from it), as
+# 'meta' does: CUDA first copies the tensor from the host, a copy that waits for the GPU to finish
+# its work (a host sync) and that a CUDA graph's capture refuses. Refused here, as other mixes are.
 ACROSS_DEVICES = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default,
                   aten.copy_.default, aten._to_copy.default}
 
@@ -620,8 +635,10 @@ ACROSS_DEVICES = {aten.index.Tensor, aten.index_put.default, aten.index_put_.def
 class MadeOnCpu(EagerMode):
     """Under inputs on 'meta': where each CPU tensor of one dimension or more inside the block was
     made (the op and the line of student.py that made it, followed through views and ops on it),
-    and `blamed`, where the first one that met a tensor of another device was made. strict: an op
-    that 'meta' lets mix the devices but CUDA refuses (scatter_ with a CPU src) fails as on CUDA."""
+    and `blamed`, where the first one that met a tensor of another device was made. A CPU tensor
+    that an op of ACROSS_DEVICES sends to the device (indices, a copy) fails: on CUDA it is a host
+    sync. strict: so does an op that 'meta' lets mix the devices but CUDA refuses (scatter_ with a
+    CPU src)."""
 
     def __init__(self, strict=False):
         super().__init__()
@@ -633,8 +650,12 @@ class MadeOnCpu(EagerMode):
         kwargs = kwargs or {}
         leaves = pytree.tree_leaves((args, kwargs))
         on_cpu = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == 'cpu' and t.dim() > 0]
-        if self.strict and on_cpu and func not in ACROSS_DEVICES and any(
-                isinstance(t, torch.Tensor) and t.device.type == 'meta' for t in leaves):
+        meets = any(isinstance(t, torch.Tensor) and t.device.type == 'meta' for t in leaves)
+        if on_cpu and func in ACROSS_DEVICES and (meets or str(kwargs.get('device')) == 'meta'):
+            self.blamed = self.blamed or self.where(on_cpu[0])
+            raise RuntimeError(f"{func}: a tensor on the cpu sent to the device (meta here): on CUDA a copy from the "
+                               f"host that waits for the GPU, a host sync, and one a CUDA graph cannot hold")
+        if self.strict and on_cpu and meets:
             self.blamed = self.blamed or self.where(on_cpu[0])
             raise RuntimeError(f"{func}: expected all tensors on one device, found meta and cpu (as CUDA refuses)")
         try:
@@ -706,7 +727,8 @@ def assert_on_the_inputs_device(what, call, strict=False):
 
 DEVICE_HINT = ("a tensor made without a device (torch.rand, torch.randn, torch.randint, torch.arange, torch.zeros, "
                "torch.full, torch.tensor, ...) is made on the CPU, and so is a tensor attribute of a module that is "
-               "not a parameter or a buffer (.to() does not move it): right on a CPU, an error on a GPU")
+               "not a parameter or a buffer (.to() does not move it): right on a CPU, an error on a GPU, or, as "
+               "indices or moved there by .to(), a copy from the host that waits for the GPU at every call")
 
 
 # ----------------------------------------------------------------------------- trying it for real

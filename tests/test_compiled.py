@@ -174,13 +174,29 @@ def test_the_device_check_catches_a_tensor_made_on_the_cpu(monkeypatch):
         steps_on_meta('heads', 0.0, 'exact')
 
 
-def test_the_copy_check_catches_a_copy_from_the_host(monkeypatch):
-    """The negative control: commit_text with a torch.arange made on the CPU and moved to the device."""
-    def commit_text(text, kept, tau):
+def test_the_device_check_catches_indices_and_copies_from_the_host(monkeypatch):
+    """The negative controls: commit_text with indices made on the CPU, or a torch.arange made there and
+    moved by .to(). CUDA runs both, by a copy from the host that waits for the GPU, and that a CUDA
+    graph's capture refuses: MadeOnCpu fails them. A scalar moved by .to() shows only to FromTheHost."""
+    def on_cpu_indices(text, kept, tau):
+        rows = torch.arange(kept.size(0))[:, None]                                      # no device=
+        text.tokens[rows, text.n[:, None] + torch.arange(kept.size(1), device=kept.device)] = kept
+        return decode.Text(text.tokens, text.n + tau, text.state)
+
+    def moved(text, kept, tau):
         at = torch.arange(kept.size(1)).to(kept.device)                                 # a copy from the host
         text.tokens.scatter_(1, text.n[:, None] + at, kept)
         return decode.Text(text.tokens, text.n + tau, text.state)
-    monkeypatch.setattr(decode, 'commit_text', commit_text)
+
+    def scalar_moved(text, kept, tau):
+        at = torch.arange(kept.size(1), device=kept.device) + torch.tensor(0).to(kept.device)
+        text.tokens.scatter_(1, text.n[:, None] + at, kept)
+        return decode.Text(text.tokens, text.n + tau, text.state)
+    for wrong in (on_cpu_indices, moved):
+        monkeypatch.setattr(decode, 'commit_text', wrong)
+        with pytest.raises(RuntimeError, match='a tensor on the cpu sent to the device'):
+            steps_on_meta('heads', 0.0, 'exact')
+    monkeypatch.setattr(decode, 'commit_text', scalar_moved)
     assert steps_on_meta('heads', 0.0, 'exact')[1] == ['aten._to_copy.default'] * 2   # one a step
 
 

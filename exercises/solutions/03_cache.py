@@ -49,6 +49,13 @@ def commit_of_an_int_on_the_cpu(cache, n):
     cache.lengths += n
 
 
+def write_rows_indexed_from_the_cpu(cache, layer_idx, k, v, pos):
+    rows = torch.arange(pos.size(0))[:, None]           # no device=: on a GPU, copied from the host at every write
+    cache.k[layer_idx][rows, :, pos] = k.transpose(1, 2).to(cache.k.dtype)     # (B, L, nh, hs)
+    cache.v[layer_idx][rows, :, pos] = v.transpose(1, 2).to(cache.v.dtype)
+    return cache.k[layer_idx], cache.v[layer_idx]
+
+
 def write_squeezed(cache, layer_idx, k, v, pos):
     at = (cache.layers[layer_idx], cache.rows, slice(None), pos)
     cache.k[at] = k.transpose(1, 2).squeeze().to(cache.k.dtype)      # one token: (B, nh, hs), not (B, 1, nh, hs)
@@ -64,5 +71,6 @@ CONTROLS = {
     'write rebuilds the buffers (torch.cat of the layers)': dict(write=buffers_rebuilt),
     'write builds the layer anew and copies it back': dict(write=layer_rebuilt_and_copied_back),
     'commit of an int makes its tensor on the CPU': dict(commit=commit_of_an_int_on_the_cpu),
+    "write's row indices are made on the CPU": dict(write=write_rows_indexed_from_the_cpu),
     'write squeezes every dimension (a block of one token)': dict(write=write_squeezed),
 }

@@ -31,9 +31,9 @@ def tree_forward(model, cache, tokens, depth, attend, clamp=True):
 def tree_layout(K, n, device):
     """Slot 0 the bonus, then branch z's tokens at slots 1 + z*n + i: each slot's depth (position
     after the bonus) and who may attend to whom (the bonus, and earlier tokens of the own branch)."""
-    depth = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(1, n + 1).repeat(K)]).to(device)
-    branch = torch.cat([torch.tensor([-1]), torch.arange(K).repeat_interleave(n)]).to(device)
     slot = torch.arange(1 + K * n, device=device)
+    branch = (slot - 1).div(n, rounding_mode='floor')                 # the bonus: -1
+    depth = torch.where(slot == 0, 0, (slot - 1) % n + 1)
     attend = (slot[None, :] == 0) | ((branch[:, None] == branch[None, :]) & (depth[None, :] <= depth[:, None]))
     return depth, attend
 
