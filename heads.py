@@ -68,8 +68,9 @@ class Drafter(nn.Module):
     from), or None when the drafts are a point mass (argmax drafting, or greedy decoding, where
     verification only compares argmaxes). The draws come from `generator`. No host sync and no
     Python loop over rows: the step that calls it runs as one CUDA graph. A loop over the k-1
-    drafted positions is one only a drafter whose draft i needs the sampled draft i-1 has reason
-    for (a recurrent one, or a draft model; k is fixed per graph, so a compiled step unrolls it).
+    drafted positions has a fixed length (k is fixed per graph), so a compiled step unrolls it: a
+    drafter whose draft i needs the sampled draft i-1 loops so (a recurrent one, or a draft model),
+    and one module per offset may; BlockHeads batches its heads instead, fewer kernels a call.
 
     A drafter that reads the text instead of (or besides) the target's state sets `reads_text`;
     its draft then also gets text=Text(tokens, n, state): the committed tokens of each row, and the

@@ -262,6 +262,82 @@ class LastHeads(MyDrafter):
         return upcast(target.lm_head(self.ln(z)))
 
 
+class FirstHeadTrained(MyDrafter):
+    """The loss trains the first head only: tau, which counts the first draft most, rises, while the
+    later drafts stay as untrained as they started."""
+
+    def loss(self, h, bonus, target, x, temperature=1.0):
+        logits = self.logits(h, bonus, target, x.size(1))
+        return F.cross_entropy(tempered(logits[:, 0], temperature), x[:, 0])
+
+
+class TemperatureNowhere(MyDrafter):
+    """The temperature left out of draft and loss alike: drafts and Q agree (lossless), and the loss
+    trains what draft proposes, but at every T the drafter proposes its T = 1 distribution."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        return super().draft(h, bonus, target, k, temperature and 1.0, generator)
+
+    def loss(self, h, bonus, target, x, temperature=1.0):
+        return super().loss(h, bonus, target, x, 1.0)
+
+
+class ThawsTheTarget(MyDrafter):
+    """The loss turns the target's gradients on (to reach its embedding, say): a backward then fills
+    the target's .grad, and a joint optimizer would train it."""
+
+    def loss(self, h, bonus, target, x, temperature=1.0):
+        target.requires_grad_(True)
+        return super().loss(h, bonus, target, x, temperature)
+
+
+class RowByRow(MyDrafter):
+    """Drafts one row at a time: right values, and as many launches a step as rows."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        rows = [super(RowByRow, self).draft(h[i:i + 1], bonus[i:i + 1], target, k, temperature, generator)
+                for i in range(h.size(0))]
+        drafts, Q = zip(*rows)
+        return torch.cat(drafts), None if Q[0] is None else torch.cat(Q)
+
+
+class PriorMixture(MyDrafter):
+    """Two branches of heads (the reference's, each on its own input map) and a prior over them: a block
+    is drawn by drawing a branch, then its drafts. Q_i weighs the branches by the prior, not by
+    their posterior given the drafts before i: after the first draft, not what draft i was drawn
+    from (lossy)."""
+
+    def __init__(self, config, k, sample_drafts=True):
+        super().__init__(config, k, sample_drafts)
+        self.w_in_2 = nn.Linear(2 * config.n_embd, config.n_embd)
+        self.prior = nn.Parameter(torch.zeros(2))                   # logits: the same prior in every context
+
+    def branches(self, h, bonus, target, n):
+        """The prior's log-weights (N, 2) and each branch's logits (N, 2, n, V)."""
+        hb = torch.cat([h, target.transformer.wte(bonus)], -1)
+        logits = [upcast(target.lm_head(self.ln(torch.stack([u + head(u) for head in self.heads[:n]], 1))))
+                  for u in (self.w_in(hb), self.w_in_2(hb))]
+        return F.log_softmax(upcast(self.prior), -1).expand(h.size(0), 2), torch.stack(logits, 1)
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        log_prior, logits = self.branches(h, bonus, target, k - 1)
+        if temperature == 0.0 or not self.sample_drafts:
+            return logits[torch.arange(h.size(0), device=h.device), log_prior.argmax(-1)].argmax(-1), None
+        q = F.softmax(tempered(logits, temperature), -1)                          # (N, 2, n, V)
+        z = sample(log_prior.exp(), generator)                                    # (N,) the branch
+        drafts = sample(q[torch.arange(h.size(0), device=h.device), z], generator)
+        return drafts, (log_prior.exp()[:, :, None, None] * q).sum(1)            # the prior's, at every i
+
+    def loss(self, h, bonus, target, x, temperature=1.0):
+        log_prior, logits = self.branches(h, bonus, target, x.size(1))
+        log_q = F.log_softmax(tempered(logits, temperature), -1)
+        log_qx = log_q.gather(-1, x[:, None, :, None].expand(-1, 2, -1, 1)).squeeze(-1).sum(-1)   # (N, 2)
+        return -torch.logsumexp(log_prior + log_qx, -1).mean()
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
@@ -279,4 +355,9 @@ CONTROLS = {
     'the last heads drafting at a shorter k': dict(MyDrafter=LastHeads),
     'the temperature applied twice after the first draft': dict(MyDrafter=TemperedTwiceAfterTheFirst),
     'draws by torch.multinomial (a host sync on a GPU)': dict(MyDrafter=DrawsByMultinomial),
+    'the loss trains the first head only': dict(MyDrafter=FirstHeadTrained),
+    'the temperature left out of draft and loss alike': dict(MyDrafter=TemperatureNowhere),
+    "the loss turns the target's gradients on": dict(MyDrafter=ThawsTheTarget),
+    'drafts one row at a time': dict(MyDrafter=RowByRow),
+    "a mixture's Q weighed by the prior, not the posterior": dict(MyDrafter=PriorMixture),
 }
