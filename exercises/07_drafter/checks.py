@@ -397,7 +397,8 @@ def test_training_beats_a_uniform_drafter(impl):
     # by Gumbel-max (0.15 / 0.08 / 0.08, +0.27 to +0.29), a recurrent drafter fed back its expected
     # embedding (0.12 / 0.14 / 0.13, +0.16 to +0.28). Wrong ones: only the first head trained
     # (0.35 / 0.035 / 0.041, +0.48 to +0.52: tau mostly counts the first draft, hence the rate at
-    # each), each head trained on the token before its own (0.040 at the first draft, +0.01 to
+    # each; the control of that name, whose heads share an input map, 0.48 / 0.085 / 0.041), each
+    # head trained on the token before its own (0.040 at the first draft, +0.01 to
     # +0.06), a recurrent drafter whose loss leaks the label (0.05 / 0.02 / 0.03, -0.08 to -0.11).
     d = trained(impl.MyDrafter)
     model, _, _, stream = periodic_world()
