@@ -1,6 +1,6 @@
 """The exercises' checks on answers the negative controls of exercises/solutions/ (which
 tests/test_exercises.py runs) do not cover: a tensor made off the inputs' device, in every exercise
-whose controls have none; right drafters of other designs than the reference's, which exercise 7's
+whose controls have none, and exercise 8's layout moved there from the host; right drafters of other designs than the reference's, which exercise 7's
 training checks must pass whatever their initialisation; hints that name no op of the answer; and
 `try` announcing only the rows it prints."""
 import ast
