@@ -55,6 +55,7 @@ class Drafter(nn.Module):
         drafter.sample_drafts   under sampling (temperature > 0): True draws each draft from the
                                 drafter's own distribution at that temperature, False takes its
                                 argmax (a point mass); at temperature 0 drafts are always argmax
+                                (DBlastDrafter's: the argmax path of a branch drawn from its prior)
         drafts, Q = drafter.draft(h, bonus, target, k, temperature=0.0, generator=None)
         drafter.meaningless(temperature, paths)   what a call would ask of it in vain (checked first)
         drafter.does_not_fit(target)              why it cannot serve this target (checked first)

@@ -67,7 +67,8 @@ def test_the_contract(impl):
             raise harness.Fail(f"greedy, k={k}: {int((drafts != full[:, :k - 1]).any(-1).sum())} of {N} rows of drafts "
                                f"differ from the first {k - 1} drafts at k = 4, want none",
                                "draft i is the guess at the i-th token after the bonus, whatever k is. What fits: "
-                               "the last k-1 heads (or positions) taken where the first k-1 are meant")
+                               "the last k-1 heads (or positions) taken where the first k-1 are meant, or a draw "
+                               "at T = 0 (of a branch, say: the generator moves on between the calls)")
     d.sample_drafts = True
     drafts, Q = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1))
     assert drafts.shape == (N, 3) and drafts.dtype == torch.long, \
@@ -487,11 +488,13 @@ def entropy(Q):
 
 def sharper_when_colder(impl):
     """The drafter trained above drafts at the temperature asked: on 2,000 held-out contexts its Q at
-    T = 0.5 has a mean entropy below 0.7 times its Q's at T = 1.5, at every draft."""
-    # logits / T: right drafters of 15 designs and the reference, 0.08 to 0.44 (a K = 4 mixture of
-    # the project's, DBlastDrafter, 0.23 to 0.42); the temperature left out of both draft and loss 1
-    # exactly, logits * T in both 1.40 to 1.88. Neither shows in the self-training below: draft and
-    # loss agree there, at the wrong temperature.
+    T = 0.5 has a mean entropy below 0.95 times its Q's at T = 1.5, at every draft."""
+    # logits / T: right drafters of 15 designs and the reference, 0.08 to 0.44; mixtures whose prior
+    # no temperature touches (DBlastDrafter's at Z_T = 1) less, the more branches: the project's
+    # DBlastDrafter 0.23 to 0.42 at K = 4, 0.59 to 0.60 at its first draft at K = 32, a mixture
+    # 0.63 to 0.66 at K = 16, 0.73 to 0.74 at K = 64. The temperature left out of both draft and loss:
+    # 1 exactly; logits * T in both, 1.40 to 1.88. Neither shows in the self-training below: draft
+    # and loss agree there, at the wrong temperature.
     d = trained(impl.MyDrafter)
     model = periodic_world()[0]
     h, bonus, _ = heldout_contexts(2000, 3)
@@ -500,10 +503,10 @@ def sharper_when_colder(impl):
         H = {T: entropy(d.draft(h, bonus, model, 4, T, torch.Generator().manual_seed(4))[1].double()).mean(0)
              for T in (0.5, T_TRAIN)}
     ratio = H[0.5] / H[T_TRAIN]
-    if not (ratio < 0.7).all():
+    if not (ratio < 0.95).all():
         i = int(ratio.argmax())
         raise harness.Fail(f"trained, your Q at draft {i} has a mean entropy of {H[0.5][i]:.2f} nats at T = 0.5 and "
-                           f"{H[T_TRAIN][i]:.2f} at T = {T_TRAIN}: {ratio[i]:.2f} times as much, want below 0.7 "
+                           f"{H[T_TRAIN][i]:.2f} at T = {T_TRAIN}: {ratio[i]:.2f} times as much, want below 0.95 "
                            f"(a lower temperature, a sharper Q: softmax(logits / T))", "draft does not propose at "
                            "the temperature asked. What fits: the temperature left out of draft and loss alike "
                            "(the same Q at every T), or applied the other way round (logits * T)")
@@ -512,7 +515,7 @@ def sharper_when_colder(impl):
 def test_it_proposes_what_its_loss_trains(impl):
     """It proposes what its loss trains, at the same temperature. The drafter trained above proposes
     at the temperature asked: on held-out contexts its Q at T = 0.5 is sharper than at T = 1.5 (a
-    mean entropy below 0.7 times as much, at every draft). Trained 100 steps more by its loss at
+    mean entropy below 0.95 times as much, at every draft). Trained 100 steps more by its loss at
     T = 1.5 on its own drafts at T = 1.5 (drawn by a copy of it, kept as it was), it keeps the scale
     of its log Q at each of its 3 drafts on 2,000 held-out contexts: fitting log Q' = s log Q over
     each context's likely tokens (Q before, Q' after), the median s is between 0.8 and 1.25 at
