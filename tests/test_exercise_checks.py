@@ -205,3 +205,16 @@ def test_tie_order_breaks_only_the_ties_left_unspecified():
             assert x.sort(stable=True, descending=True).indices.tolist() == [[1, 2, 4, 0, 3]]
             assert x.sort(dim=-1).values.tolist() == [[0.0, 1.0, 2.0, 2.0, 2.0]]
             assert x.t().sort(dim=0, descending=True).indices.t().tolist() == [want]
+
+
+@pytest.mark.slow
+def test_exercise_7s_conformance_checks_pass_the_projects_heads():
+    """Exercise 7's statement says its conformance checks (1-3, 5 and 6) pass the project's own BPD
+    heads (heads.BlockHeads) too."""
+    from heads import BlockHeads
+    checks = harness.checks_of(7)
+    impl = types.SimpleNamespace(MyDrafter=BlockHeads, which='heads.BlockHeads')
+    for name in ('test_the_contract', 'test_no_host_sync', 'test_q_is_what_the_drafts_were_drawn_from',
+                 'test_greedy_output_is_plain_greedy', 'test_sampling_is_lossless'):
+        r = harness.run_check(checks, impl, name, getattr(checks, name))
+        assert r.passed, f"heads.BlockHeads: {r.title}: {r.reason}"
