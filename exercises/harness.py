@@ -851,7 +851,7 @@ class Tryout:
     def plain_row(self, temperature=0.0, p_value=False):
         """The target alone by full recompute: plain greedy decoding (the `same` column's reference),
         or plain sampling."""
-        P, m, T0 = len(self.prompts), self.max_new, self.prompts.size(1)
+        P, m = len(self.prompts), self.max_new
         g = torch.Generator(device=self.prompts.device).manual_seed(0)
         out = self.truth() if temperature == 0 else self.sampled(self.prompts, m, temperature, g)
         r = dict(label='the target alone, by full recompute (no cache, no verifier)', T=temperature, tau='1.00',

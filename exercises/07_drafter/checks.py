@@ -13,7 +13,7 @@ import train
 from dblast import contexts
 from exercises import harness
 from heads import Drafter
-from model import GPT, GPTConfig, tempered
+from model import GPT, GPTConfig
 
 NAMES = ('MyDrafter',)
 STUBS = {}   # a new drafter: its answer was only ever in exercises/solutions/
