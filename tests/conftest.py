@@ -198,9 +198,10 @@ class Proc:
 # ----------------------------------------------------------------------------- the second core
 # Every test runs on one intra-op thread, so one pytest process leaves the second core of a 2-core
 # machine idle. The tests marked `second_process` (those that build a handout, compile, train at
-# the GPU preset's shapes or run the exercises' reference checks, and a few more that balance the
-# two processes) run in a second pytest process, started with this one and given the same tests,
-# -k and -m: it runs the marked ones while this process runs the others, then this process reports
+# the GPU preset's shapes or run the exercises' checks on the references and the negative controls,
+# and a few more that balance the two processes) run in a second pytest process, started with this
+# one and given the same tests, -k and -m: it runs the marked ones while this process runs the
+# others, then this process reports
 # each marked test as the second one reported it (pytest's own report serialisation: the same
 # outcome, traceback and captured output). Each test still runs alone as usual.
 # BLOCKWISE_ONE_PROCESS=1 runs everything in this process (for --pdb); so does a one-core machine.

@@ -46,6 +46,7 @@ def test_every_check_passes_on_the_reference(n):
 @pytest.mark.skipif(not HAVE_SOLUTIONS, reason="a handout: exercises/solutions/ was removed")
 @pytest.mark.parametrize('n,control', CONTROLS, ids=[f"{n}-{c}" for n, c in CONTROLS])
 @pytest.mark.slow
+@pytest.mark.second_process   # on the other core (conftest.py): about 30 s of checks
 def test_the_checks_catch_the_negative_control(n, control):
     failed = [r for r in harness.run(n, control, stop_at_first_failure=True) if not r.passed]
     assert failed, f"exercise {n}: the wrong answer '{control}' passes every check"
