@@ -24,6 +24,11 @@ def fmt(t):
     return '[' + ', '.join(f"{x:.4g}" for x in t.detach().reshape(-1).tolist()) + ']'
 
 
+def tails(a):
+    """λ_j = log sum_{j' >= j} exp(a_j') for every position j of a (..., n), position by position."""
+    return torch.stack([torch.logsumexp(a[..., j:], -1) for j in range(a.size(-1))], -1)
+
+
 def random_block(N=8, K=3, n=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     log_prior = F.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64), -1)
@@ -113,7 +118,7 @@ def test_the_threshold_and_the_fallback(impl):
     over j' >= j: a flipped logcumsumexp; tau_threshold 0 keeps everything (log 0 = -inf)."""
     a = torch.tensor([[-0.1, -0.5, -2.0, -4.0], [-3.0, -3.5, -5.0, -6.0]], dtype=torch.float64)
     nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
-    t = torch.stack([torch.logsumexp(a[:, j:], -1) for j in range(4)], -1)
+    t = tails(a)
     got = impl.al_surrogate(a, nll, 0.0)
     if not torch.allclose(got, -t.mean(-1)):
         hint = ("tau_threshold 0 keeps every prefix (log 0 = -inf, below any a_j): take it as -inf, not as a "
@@ -146,7 +151,7 @@ def test_the_threshold_at_its_edges(impl):
     without a NaN."""
     a = torch.tensor([[-29.0, -30.0, -30.5, -31.0], [-31.0, -40.0, -80.0, -700.0]], dtype=torch.float64)
     nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
-    t = torch.stack([torch.logsumexp(a[:, j:], -1) for j in range(4)], -1)
+    t = tails(a)
     got = impl.al_surrogate(a[:1], nll[:1], math.exp(-30.0))                 # R = {0, 1}: -30 >= -30
     want = -(t[0, 0] + t[0, 1]) / 2
     if not torch.allclose(got, want.reshape(1)):
@@ -162,8 +167,7 @@ def test_the_threshold_at_its_edges(impl):
               (torch.tensor([[-90.0, -95.0, -100.0, -101.0]]), nll[1:].float())]   # float32, as training upcasts
     for a_, nll_ in deeper:
         got = impl.al_surrogate(a_, nll_, 0.0)
-        t_ = torch.stack([torch.logsumexp(a_[:, j:], -1) for j in range(4)], -1)
-        want = -t_[0].mean()
+        want = -tails(a_)[0].mean()
         if not torch.allclose(got, want.reshape(1)):
             hint = ("tau_threshold 0 keeps every prefix: log 0 is -inf, below every a_j, whatever its size; a guard "
                     "such as log(max(tau_threshold, 1e-12)) turns 0 into a threshold of e^-27.6, and one of the "
@@ -179,7 +183,7 @@ def test_the_threshold_at_its_edges(impl):
     # the loss stays finite (no -inf times 0)
     a_ = torch.tensor([[-0.1, -0.5, -math.inf, -math.inf]], dtype=torch.float64)
     got = impl.al_surrogate(a_, nll[:1], 0.01)
-    want = -(torch.logsumexp(a_[0], 0) + torch.logsumexp(a_[0, 1:], 0)) / 2
+    want = -tails(a_)[0, :2].mean()
     if not torch.allclose(got, want.reshape(1)):
         raise harness.Fail(f"tau_threshold 0.01, a = {fmt(a_[0])} (a block off every greedy branch from position 2): "
                            f"{fmt(got)}, want {fmt(want)}", "the prefixes of a = -inf are not in R, and their tails "
