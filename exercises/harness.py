@@ -725,6 +725,8 @@ def assert_on_the_inputs_device(what, call, strict=False):
                    f"device)", DEVICE_HINT)
 
 
+ONE_ROW_HINT = "with one row, squeeze() without a dimension drops the rows' one too: name the dimension to squeeze"
+
 DEVICE_HINT = ("a tensor made without a device (torch.rand, torch.randn, torch.randint, torch.arange, torch.zeros, "
                "torch.full, torch.tensor, ...) is made on the CPU, and so is a tensor attribute of a module that is "
                "not a parameter or a buffer (.to() does not move it): right on a CPU, an error on a GPU, or, as "

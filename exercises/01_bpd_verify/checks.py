@@ -56,8 +56,8 @@ def assert_outputs(accepted, n_acc, bonus, B, k):
                                f"{name} holds one whole number per row, and decode.generate indexes the block with "
                                f"it: a float, a bool or an integer narrower than int32 cannot index, and a shape "
                                f"other than (B,) broadcasts against the rows wrongly" + (
-                                   ". With one row, squeeze() without a dimension drops the rows' one too: name the "
-                                   "dimension to squeeze" if isinstance(t, torch.Tensor) and t.dim() == 0 else ''))
+                                   f". {harness.ONE_ROW_HINT.capitalize()}"
+                                   if isinstance(t, torch.Tensor) and t.dim() == 0 else ''))
 
 
 def test_every_draft_right(impl):

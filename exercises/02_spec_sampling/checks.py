@@ -83,8 +83,7 @@ def test_shapes_and_the_prefix(impl):
             f"accepted is {tuple(accepted.shape)} {accepted.dtype}, want (B, k-1) = {(rows, k - 1)} torch.bool"
         if not (n_acc.shape == (rows,) and bonus.shape == (rows,)):
             raise harness.Fail(f"n_acc is {tuple(n_acc.shape)}, bonus {tuple(bonus.shape)}, want (B,) = ({rows},) "
-                               f"each", "with one row, squeeze() without a dimension drops the rows' one too: name "
-                               "the dimension to squeeze" if rows == 1 else '')
+                               f"each", harness.ONE_ROW_HINT if rows == 1 else '')
     prefix = accepted.long().cumprod(-1).bool()
     bad = (accepted != prefix).any(-1).long().argmax()
     assert torch.equal(accepted, prefix), \

@@ -150,8 +150,7 @@ def test_greedy_accepts_the_longest_branch(impl):
     want = [(1,), (1,), (1,), (1, h.size(-1))]
     if shapes != want:
         raise harness.Fail(f"one row (B = 1): n_acc, branch, the bonus and h have shapes {shapes}, want {want}",
-                           "with one row, squeeze() without a dimension drops the rows' one too: name the dimension "
-                           "to squeeze")
+                           harness.ONE_ROW_HINT)
     if [int(got[0]), int(got[1]), int(got[2])] != [int(n_acc[0]), int(branch[0]), int(nxt[0])]:
         raise harness.Fail(f"one row (B = 1): n_acc, branch and the bonus {[int(t) for t in got[:3]]}, want row 0's of "
                            f"the batch {[int(n_acc[0]), int(branch[0]), int(nxt[0])]}", "")
