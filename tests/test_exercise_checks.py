@@ -108,7 +108,7 @@ def other_designs():
 
         def logits(self, h, bonus, target, n):
             u = self.w_in(torch.cat([h, target.transformer.wte(bonus) @ self.turn.to(h.dtype)], -1))
-            return upcast(target.lm_head(self.ln(torch.stack([u + head(u) for head in self.heads[:n]], 1))))
+            return self.heads_logits(u, self.heads[:n], target)
 
     class TanhDrafter(solution.MyDrafter):
         """One linear map of [h; E(bonus)] and a tanh per head, then the target's unembedding: it

@@ -25,7 +25,11 @@ class MyDrafter(Drafter):
     def logits(self, h, bonus, target, n):
         """The first n heads' logits (N, n, V)."""
         u = self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1))
-        z = torch.stack([u + head(u) for head in self.heads[:n]], 1)          # (N, n, C)
+        return self.heads_logits(u, self.heads[:n], target)
+
+    def heads_logits(self, u, heads, target):
+        """The logits (N, len(heads), V) of `heads` on u (N, C)."""
+        z = torch.stack([u + head(u) for head in heads], 1)                   # (N, n, C)
         return upcast(target.lm_head(self.ln(z)))
 
     @torch.no_grad()
@@ -128,9 +132,7 @@ class KeepsTheUnembedding(MyDrafter):
 
     def logits(self, h, bonus, target, n):
         self.unembed = target.lm_head
-        u = self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1))
-        z = torch.stack([u + head(u) for head in self.heads[:n]], 1)
-        return upcast(self.unembed(self.ln(z)))
+        return super().logits(h, bonus, target, n)
 
 
 class SamplesAtZero(MyDrafter):
@@ -258,8 +260,7 @@ class LastHeads(MyDrafter):
 
     def logits(self, h, bonus, target, n):
         u = self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1))
-        z = torch.stack([u + head(u) for head in self.heads[len(self.heads) - n:]], 1)
-        return upcast(target.lm_head(self.ln(z)))
+        return self.heads_logits(u, self.heads[len(self.heads) - n:], target)
 
 
 class FirstHeadTrained(MyDrafter):
@@ -317,8 +318,7 @@ class PriorMixture(MyDrafter):
     def branches(self, h, bonus, target, n):
         """The prior's log-weights (N, 2) and each branch's logits (N, 2, n, V)."""
         hb = torch.cat([h, target.transformer.wte(bonus)], -1)
-        logits = [upcast(target.lm_head(self.ln(torch.stack([u + head(u) for head in self.heads[:n]], 1))))
-                  for u in (self.w_in(hb), self.w_in_2(hb))]
+        logits = [self.heads_logits(u, self.heads[:n], target) for u in (self.w_in(hb), self.w_in_2(hb))]
         return F.log_softmax(upcast(self.prior), -1).expand(h.size(0), 2), torch.stack(logits, 1)
 
     @torch.no_grad()
