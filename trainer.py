@@ -83,8 +83,8 @@ class Runtime:
         return dict(gen=[s[0] for s in states], torch=[s[1] for s in states], dgen=[s[2] for s in states])
 
     def print(self, *a):
-        if self.master:
-            tqdm.write(' '.join(str(x) for x in a))
+        if self.master:   # one write, newline included: under torchrun the ranks share one pipe
+            tqdm.write(' '.join(str(x) for x in a) + '\n', end='')
 
     def all_done(self):
         """Wait for every rank at the end of a run. Gloo's worker threads can still hold work from
