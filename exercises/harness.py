@@ -512,7 +512,10 @@ class HostSyncs(EagerMode):
         kwargs = kwargs or {}
         bool_index = func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
-        if (func in SYNC_OPS or bool_index) and not (self.cpu_only and func == aten._local_scalar_dense.default):
+        # repeat_interleave told its output_size need not read the repeats back to learn it
+        sized = func == aten.repeat_interleave.Tensor and kwargs.get('output_size') is not None
+        if (func in SYNC_OPS or bool_index) and not sized and not (
+                self.cpu_only and func == aten._local_scalar_dense.default):
             self.seen.append(str(func))
         return func(*args, **kwargs)
 
@@ -635,26 +638,48 @@ ACROSS_DEVICES = {aten.index.Tensor, aten.index_put.default, aten.index_put_.def
 class MadeOnCpu(EagerMode):
     """Under inputs on 'meta': where each CPU tensor of one dimension or more inside the block was
     made (the op and the line of student.py that made it, followed through views and ops on it),
-    and `blamed`, where the first one that met a tensor of another device was made. A CPU tensor
-    that an op of ACROSS_DEVICES sends to the device (indices, a copy) fails: on CUDA it is a host
-    sync. strict: so does an op that 'meta' lets mix the devices but CUDA refuses (scatter_ with a
-    CPU src)."""
+    and `blamed`, where the first one that met a tensor of another device was made. strict: an op
+    that 'meta' lets mix the devices but CUDA refuses (scatter_ with a CPU src) fails too. copies:
+    so does a copy between the host and the device, each of which waits for the GPU on CUDA (a
+    host sync) and is refused by a CUDA graph's capture: a CPU tensor that an op of ACROSS_DEVICES
+    sends to the device (indices, .to()), Python data of one dimension or more made into a tensor
+    on the device (torch.tensor(list, device=...), HostData), and a tensor copied to the CPU."""
 
-    def __init__(self, strict=False):
+    def __init__(self, strict=False, copies=True):
         super().__init__()
         self.made = {}          # id(tensor) -> (a weak reference to it, where it was made)
         self.blamed = None
-        self.strict = strict
+        self.copied = None      # a copy between the host and the device that dispatches no CPU tensor to blame
+        self.strict, self.copies = strict, copies
+        self.data = HostData(self)
+
+    def __enter__(self):
+        if self.copies:
+            self.data.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self.copies:
+                self.data.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves = pytree.tree_leaves((args, kwargs))
         on_cpu = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == 'cpu' and t.dim() > 0]
         meets = any(isinstance(t, torch.Tensor) and t.device.type == 'meta' for t in leaves)
-        if on_cpu and func in ACROSS_DEVICES and (meets or str(kwargs.get('device')) == 'meta'):
+        if self.copies and on_cpu and func in ACROSS_DEVICES and (meets or str(kwargs.get('device')) == 'meta'):
             self.blamed = self.blamed or self.where(on_cpu[0])
             raise RuntimeError(f"{func}: a tensor on the cpu sent to the device (meta here): on CUDA a copy from the "
                                f"host that waits for the GPU, a host sync, and one a CUDA graph cannot hold")
+        to_host = (func == aten._to_copy.default and args[0].device.type == 'meta'
+                   and str(kwargs.get('device')) == 'cpu') or (func == aten.copy_.default and args[0].device.type ==
+                                                               'cpu' and args[1].device.type == 'meta')
+        if self.copies and to_host:
+            self.copied = self.copied or f"a tensor copied to the CPU (.cpu(), .to('cpu'){student_line()})"
+            raise RuntimeError(f"{func}: a tensor on the device (meta here) copied to the cpu")
         if self.strict and on_cpu and meets:
             self.blamed = self.blamed or self.where(on_cpu[0])
             raise RuntimeError(f"{func}: expected all tensors on one device, found meta and cpu (as CUDA refuses)")
@@ -666,12 +691,8 @@ class MadeOnCpu(EagerMode):
             raise
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type == 'cpu' and t.dim() > 0:
-                if on_cpu:                       # made from a CPU tensor: where that one was made
-                    where = self.where(on_cpu[0])
-                else:
-                    frames = [f for f in traceback.extract_stack() if os.path.basename(f.filename) == 'student.py']
-                    where = f"{func}{f' at student.py line {frames[-1].lineno}' if frames else ''}"
-                self.made[id(t)] = (weakref.ref(t), where)
+                # made from a CPU tensor: where that one was made
+                self.made[id(t)] = (weakref.ref(t), self.where(on_cpu[0]) if on_cpu else f"{func}{student_line()}")
         return out
 
     def where(self, t):
@@ -679,6 +700,40 @@ class MadeOnCpu(EagerMode):
         if ref is not None and ref() is t:
             return where
         return "a CPU tensor made before the call (one that .to() did not move?)"
+
+
+class HostData(TorchFunctionMode):
+    """MadeOnCpu's view of the calls that dispatch no op it could see: torch.tensor (as_tensor,
+    asarray) of Python data of one dimension or more, made on the device. On CUDA torch makes it on
+    the host and copies it over, a copy that waits for the GPU; a number alone (a 0-dim tensor) is
+    let through, as MadeOnCpu lets 0-dim CPU tensors through."""
+    MAKERS = ('tensor', 'as_tensor', 'asarray', 'new_tensor')
+
+    def __init__(self, made):
+        super().__init__()
+        self.made = made
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, '__name__', '')
+        data = args[0] if args else kwargs.get('data')
+        device = kwargs.get('device', args[2] if name == 'as_tensor' and len(args) > 2 else None)
+        if name == 'new_tensor':                            # x.new_tensor(data): on x's device
+            data, device = args[1] if len(args) > 1 else kwargs.get('data'), kwargs.get('device', args[0].device)
+        if (name in self.MAKERS and device is not None and torch.device(device).type != 'cpu'
+                and (isinstance(data, (list, tuple)) or getattr(data, 'ndim', 0) > 0)
+                and not isinstance(data, torch.Tensor)):
+            where = (f"{'Tensor' if name == 'new_tensor' else 'torch'}.{name} of Python data{student_line()}, made "
+                     f"on the host and copied to the device")
+            self.made.copied = self.made.copied or where
+            raise RuntimeError(f"{where} (meta here), from the cpu")
+        return func(*args, **kwargs)
+
+
+def student_line():
+    """' at student.py line N' for the innermost frame of student.py on the stack, else ''."""
+    frames = [f for f in traceback.extract_stack() if os.path.basename(f.filename) == 'student.py']
+    return f' at student.py line {frames[-1].lineno}' if frames else ''
 
 
 @contextmanager
@@ -700,12 +755,13 @@ def on_meta(x):
     return copy.deepcopy(x).to('meta') if isinstance(x, torch.nn.Module) else x.to('meta')
 
 
-def assert_on_the_inputs_device(what, call, strict=False):
+def assert_on_the_inputs_device(what, call, strict=False, copies=True):
     """call() runs the code under test on inputs on 'meta' (see above): Fail if it makes a tensor
     on the CPU that meets them, or returns one. An error of another kind (an op 'meta' cannot run,
     a read of a value, which the host-sync checks judge) says nothing about devices: no failure.
-    strict: also where 'meta' lets an op mix the devices that CUDA does not (MadeOnCpu)."""
-    with MadeOnCpu(strict) as made, autocast_off_on_meta():
+    strict: also where 'meta' lets an op mix the devices that CUDA does not; copies: also a copy
+    between the host and the device (MadeOnCpu), which a step must not make (training code may)."""
+    with MadeOnCpu(strict, copies) as made, autocast_off_on_meta():
         try:
             out = call()
         except Exception as e:
@@ -714,6 +770,9 @@ def assert_on_the_inputs_device(what, call, strict=False):
                 raise                                   # not written yet (torch's own say 'Meta')
             if not ('meta' in message and 'cpu' in message):
                 return
+            if made.copied:
+                raise Fail(f"{what}: {made.copied}; want no copy between the host and the device (on CUDA each waits "
+                           f"for the GPU, a host sync, and a CUDA graph cannot hold one)", DEVICE_HINT)
             where = made.blamed or f"an op{where_in_student(e)}"
             raise Fail(f"{what}: {where} made a tensor on the CPU, which met the inputs on another device "
                        f"({first_line(e)}); want every tensor on the inputs' device (run here on PyTorch's 'meta' "
@@ -730,7 +789,8 @@ ONE_ROW_HINT = "with one row, squeeze() without a dimension drops the rows' one 
 DEVICE_HINT = ("a tensor made without a device (torch.rand, torch.randn, torch.randint, torch.arange, torch.zeros, "
                "torch.full, torch.tensor, ...) is made on the CPU, and so is a tensor attribute of a module that is "
                "not a parameter or a buffer (.to() does not move it): right on a CPU, an error on a GPU, or, as "
-               "indices or moved there by .to(), a copy from the host that waits for the GPU at every call")
+               "indices or moved there by .to() (or torch.tensor(list, device=...)), a copy from the host that waits "
+               "for the GPU at every call; so does a copy back to the host (.cpu(), .to('cpu'))")
 
 
 # ----------------------------------------------------------------------------- trying it for real

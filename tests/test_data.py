@@ -222,6 +222,19 @@ def test_data_folder_takes_regular_files_only(tmp_path):
         s.close()
 
 
+def test_a_file_name_that_is_not_utf8_is_read_like_any_other(tmp_path):
+    """A corpus folder holding a file whose name is bytes no encoding decodes (Python hands it over
+    with surrogates): its text is read, and its name goes into the cache's key as the bytes it is."""
+    data = tmp_path / 'corpus'
+    data.mkdir()
+    with open(os.path.join(os.fsencode(data), b'f\xff.txt'), 'w') as f:
+        f.write(TEXT)
+    ds = load_dataset(str(data), str(tmp_path / 'cache'))
+    assert bytes(np.concatenate([ds.train, ds.val])) == TEXT.encode()
+    again = load_dataset(str(data), str(tmp_path / 'cache'), write_cache=False)   # from the cache
+    assert bytes(np.concatenate([again.train, again.val])) == TEXT.encode()
+
+
 # ----------------------------------------------------------------------------- a nanoGPT user's path
 
 @pytest.fixture(scope='module')

@@ -4,6 +4,7 @@ whose controls have none, and exercise 8's layout moved there from the host; rig
 training checks must pass whatever their initialisation; hints that name no op of the answer; and
 `try` announcing only the rows it prints."""
 import ast
+import math
 import os
 import types
 
@@ -59,7 +60,7 @@ def tree_layout_moved_from_the_host(K, n, device):
 
 
 def al_surrogate_off_device(a, nll, tau_threshold):
-    floor = torch.full(a.shape, torch.log(torch.tensor(tau_threshold)).item())              # no device=
+    floor = torch.full(a.shape, math.log(tau_threshold) if tau_threshold > 0 else -math.inf)   # no device=
     keep = a.detach() >= floor
     tail = torch.logcumsumexp(a.flip(-1), -1).flip(-1)
     n_keep = keep.sum(-1)
@@ -89,6 +90,35 @@ def test_a_tensor_made_off_the_device_fails_on_a_cpu(n, name, wrong, check, monk
         setattr(impl, name, wrong)  # (exercise 5's conditionals calls the posterior plugged into dblast)
     r = harness.run_check(checks, impl, check, getattr(checks, check))
     assert not r.passed and 'made a tensor on the CPU' in r.reason and 'want every tensor' in r.reason, r.reason
+
+
+def test_the_device_check_sees_copies_between_the_host_and_the_device():
+    """harness.MadeOnCpu's copies (on CUDA each waits for the GPU, and a CUDA graph cannot hold it):
+    a list made a tensor on the device, or a tensor copied to the CPU, fails; a number (0-dim) does
+    not, and training code (copies=False) may copy, though not mix the devices."""
+    x = torch.zeros(3, device='meta')
+    for copy, needle in ((lambda: x + torch.tensor([1.0, 2.0, 3.0], device=x.device), 'torch.tensor of Python data'),
+                         (lambda: x + torch.as_tensor((1.0, 2.0, 3.0), device=x.device), 'torch.as_tensor'),
+                         (lambda: x + x.new_tensor([1.0, 2.0, 3.0]), 'Tensor.new_tensor'),
+                         (lambda: x.to('cpu'), 'copied to the CPU'),
+                         (lambda: x + torch.arange(3.0).to(x.device), 'made a tensor on the CPU')):
+        with pytest.raises(harness.Fail, match=needle):
+            harness.assert_on_the_inputs_device('f', copy)
+        if needle != 'copied to the CPU':
+            harness.assert_on_the_inputs_device('f', copy, copies=False)
+    harness.assert_on_the_inputs_device('f', lambda: x + torch.tensor(1.0, device=x.device))
+    with pytest.raises(harness.Fail, match='made a tensor on the CPU'):
+        harness.assert_on_the_inputs_device('f', lambda: x + torch.arange(3.0), copies=False)
+
+
+def test_the_host_sync_check_lets_repeat_interleave_given_its_output_size_through():
+    """repeat_interleave learns its output's size by reading the repeats back (a host sync), unless
+    output_size says it (torch's documentation: "it will avoid stream synchronization")."""
+    repeats = torch.tensor([1, 2, 0])
+    for output_size, seen in ((None, True), (3, False)):
+        with harness.HostSyncs() as syncs:
+            torch.arange(3).repeat_interleave(repeats, output_size=output_size)
+        assert bool(syncs.seen) == seen, syncs.seen
 
 
 def other_designs():

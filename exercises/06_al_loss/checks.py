@@ -29,6 +29,27 @@ def tails(a):
     return torch.stack([torch.logsumexp(a[..., j:], -1) for j in range(a.size(-1))], -1)
 
 
+def prefix(impl, log_prior, log_qx, log_px):
+    """impl.prefix_log_accept, its shape checked: a (N, n)."""
+    a = impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture')
+    want = tuple(log_px.shape)
+    if not isinstance(a, torch.Tensor) or tuple(a.shape) != want:
+        got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
+        raise harness.Fail(f"prefix_log_accept returned {got}, want a of (N, n) = {want}",
+                           harness.ONE_ROW_HINT if want[0] == 1 else '')
+    return a
+
+
+def surrogate(impl, a, nll, tau_threshold):
+    """impl.al_surrogate, its shape checked: L per row (N,)."""
+    loss = impl.al_surrogate(a, nll, tau_threshold)
+    if not isinstance(loss, torch.Tensor) or tuple(loss.shape) != tuple(nll.shape):
+        got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise harness.Fail(f"al_surrogate returned {got}, want the loss of each row, (N,) = {tuple(nll.shape)}",
+                           harness.ONE_ROW_HINT if len(nll) == 1 else "one loss per row: no mean over the rows")
+    return loss
+
+
 def random_block(N=8, K=3, n=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     log_prior = F.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64), -1)
@@ -44,10 +65,10 @@ def test_the_prefix_weights_by_enumeration(impl):
     draft the drafter gives almost nothing (log q~ = -40). Hint: a_j takes the acceptance ratios
     of drafts 1..j, each clamped at 1 (each term at 0 in log space), with Q_i the mixture's
     conditional given the block's tokens before i."""
-    log_prior, log_qx, log_px = random_block()
-    log_qx.requires_grad_()
-    a = impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture')
-    assert a.shape == (8, 4), f"a should be (N, n) = (8, 4), got {tuple(a.shape)}"
+    prior_logits, log_qx, log_px = random_block()
+    prior_logits.requires_grad_(), log_qx.requires_grad_()
+    log_prior = F.log_softmax(prior_logits, -1)             # the drafter's prior, trained through a too
+    a = prefix(impl, log_prior, log_qx, log_px)
     pi, q = log_prior.exp(), log_qx.exp()
     joint = (pi[..., None] * q.cumprod(-1)).sum(1)                                 # Q(x_1..x_i)
     Q = joint / torch.cat([torch.ones_like(joint[:, :1]), joint[:, :-1]], 1)       # Q_i(x_i)
@@ -58,8 +79,15 @@ def test_the_prefix_weights_by_enumeration(impl):
     if not a.requires_grad:
         raise harness.Fail("a has no gradient in log q~, want one: the AL loss trains the drafter through it",
                            "what fits: a .detach() (or torch.no_grad) on the way from log q~ to a")
-    got, = torch.autograd.grad((a * weights).sum(), log_qx)
-    expected, = torch.autograd.grad((want * weights).sum(), log_qx)
+    got, got_prior = torch.autograd.grad((a * weights).sum(), (log_qx, prior_logits), allow_unused=True,
+                                           retain_graph=True)   # log_prior's graph serves want's too
+    expected, expected_prior = torch.autograd.grad((want * weights).sum(), (log_qx, prior_logits))
+    if got_prior is None or not (got_prior - expected_prior).abs().max() < 1e-9:
+        raise harness.Fail(f"the gradient of a in the prior's logits is "
+                           f"{'none' if got_prior is None else fmt(got_prior[0])} (row 0), want "
+                           f"{fmt(expected_prior[0])}, that of log prod min(1, Q_i / p_i)",
+                           "the prior weighs the branches of every Q_i (the posterior, MATH.md §6), and the AL loss "
+                           "trains it through a: what fits is log_prior detached on its way to a")
     err = (got - expected).abs().max().item()
     if not err < 1e-9:
         b, z, i = (int(x) for x in ((got - expected).abs() == err).nonzero()[0])
@@ -69,12 +97,12 @@ def test_the_prefix_weights_by_enumeration(impl):
                            "a clamped term (Q_i above p_i) gives no gradient of its own, but its q~ still weighs the "
                            "branches of every later Q_i (the posterior): what fits is a .detach() of log q~ where a "
                            "term is clamped, in place of a clamp of the term alone")
-    deep = impl.prefix_log_accept(torch.zeros(1, 1, dtype=torch.float64),
-                                  torch.tensor([[[-1.0, -40.0, -1.0, -1.0]]], dtype=torch.float64),
-                                  torch.full((1, 4), -1.0, dtype=torch.float64), 'mixture').detach()
-    want = torch.tensor([[0.0, -39.0, -39.0, -39.0]], dtype=torch.float64)        # one branch: Q_i = q~_i
+    deep = prefix(impl, torch.zeros(1, 1, dtype=torch.float64),
+                  torch.tensor([[[-1.0, -300.0, -1.0, -1.0]]], dtype=torch.float64),
+                  torch.full((1, 4), -1.0, dtype=torch.float64)).detach()
+    want = torch.tensor([[0.0, -299.0, -299.0, -299.0]], dtype=torch.float64)     # one branch: Q_i = q~_i
     if not torch.allclose(deep, want, rtol=0, atol=1e-9):
-        raise harness.Fail(f"one branch, log q~ = [-1, -40, -1, -1], log p = -1 at every position: a = {fmt(deep)}, "
+        raise harness.Fail(f"one branch, log q~ = [-1, -300, -1, -1], log p = -1 at every position: a = {fmt(deep)}, "
                            f"want {fmt(want)}", "a draft the drafter gives almost nothing weighs as little as it "
                            "is given: what fits is a guard of modest size (a clamp of log q~, an epsilon added to a "
                            "probability) where only log 0 needed one")
@@ -83,7 +111,7 @@ def test_the_prefix_weights_by_enumeration(impl):
 def test_a_block_off_every_branch(impl):
     """A block off every branch's path. With greedy branches (log q~ is 0 on a branch's path and
     -inf off it) a block that leaves every branch's path has Q_i(x_i) = 0 from there on: a_j is
-    -inf (or so far below that exp(a_j) is 0), never NaN, and exact before it."""
+    -inf (below -230 at least: exp(a_j) under 1e-100), never NaN, and exact before it."""
     inf = math.inf
     log_prior = torch.log(torch.tensor([[0.6, 0.4]] * 3, dtype=torch.float64))
     log_qx = torch.tensor([[[0, 0, 0, 0], [0, -inf, -inf, -inf]],           # row 0: branch 0's whole path
@@ -91,7 +119,7 @@ def test_a_block_off_every_branch(impl):
                            [[-inf, 0, 0, -inf], [-inf, -inf, 0, 0]]],       # row 2: off both from position 0
                           dtype=torch.float64)
     log_px = -torch.tensor([[0.5, 1.0, 0.2, 2.0]] * 3, dtype=torch.float64)
-    a = impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture')
+    a = prefix(impl, log_prior, log_qx, log_px)
     joint = (log_prior.exp()[..., None] * log_qx.exp().cumprod(-1)).sum(1)          # Q(x_1..x_i), 0 off the paths
     before = torch.cat([torch.ones_like(joint[:, :1]), joint[:, :-1]], 1)
     Q = torch.where(before > 0, joint / before.clamp(min=1e-300), 0.0)
@@ -103,6 +131,13 @@ def test_a_block_off_every_branch(impl):
                            "logsumexps that are both -inf (-inf - (-inf) is NaN), 0 * -inf, or 0 / 0 in probability "
                            "space")
     err = (a.exp() - want).abs().max().item()
+    left = (want == 0) & (a > -230.0)                       # exp(a) above 1e-100 where it is 0
+    if left.any():
+        b, j = (int(i) for i in left.nonzero()[0])
+        raise harness.Fail(f"a = {fmt(a[b])} at row {b}: position {j} is {a[b, j].item():.4g}, where the block has "
+                           f"left every branch's path, want -inf (exp(a_j) = 0)",
+                           "what fits: a guard that turns log 0 into a finite number (an epsilon added to a "
+                           "probability, a clamp of log q~); -inf stays -inf through logsumexp, min and cumsum")
     if not err < 1e-12:
         off = (a.exp() - want).abs().amax(-1).argmax().item()
         raise harness.Fail(f"exp(a) differs from prod min(1, Q_i / p_i) by {err:.1e} (row {off}: exp(a) = "
@@ -119,12 +154,12 @@ def test_the_threshold_and_the_fallback(impl):
     a = torch.tensor([[-0.1, -0.5, -2.0, -4.0], [-3.0, -3.5, -5.0, -6.0]], dtype=torch.float64)
     nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
     t = tails(a)
-    got = impl.al_surrogate(a, nll, 0.0)
+    got = surrogate(impl, a, nll, 0.0)
     if not torch.allclose(got, -t.mean(-1)):
         hint = ("tau_threshold 0 keeps every prefix (log 0 = -inf, below any a_j): take it as -inf, not as a "
                 "math error" if not torch.isfinite(got).all() else '')
         raise harness.Fail(f"tau_threshold 0: {fmt(got)}, want -mean_j λ_j {fmt(-t.mean(-1))}", hint)
-    got = impl.al_surrogate(a, nll, math.exp(-1.0))                 # keeps a[0, 0] and a[0, 1], nothing of row 1
+    got = surrogate(impl, a, nll, math.exp(-1.0))                   # keeps a[0, 0] and a[0, 1], nothing of row 1
     want = torch.stack([-(t[0, 0] + t[0, 1]) / 2, nll[1]])
     if not torch.allclose(got, want):
         hint = ("row 1 keeps no prefix (every a_j below log tau_threshold): its loss is its NLL, nll[1]"
@@ -134,13 +169,26 @@ def test_the_threshold_and_the_fallback(impl):
         raise harness.Fail(f"tau_threshold e^-1: {fmt(got)}, want {fmt(want)} (row 0 keeps positions 0 and 1, "
                            f"row 1 nothing)", hint)
     a_, nll_ = a.clone().requires_grad_(), nll.clone().requires_grad_()
-    impl.al_surrogate(a_, nll_, math.exp(-1.0)).sum().backward()
+    surrogate(impl, a_, nll_, math.exp(-1.0)).sum().backward()
     if not (torch.isfinite(a_.grad).all() and (a_.grad[1] == 0).all() and nll_.grad.tolist() == [0.0, 1.0]):
         raise harness.Fail(f"tau_threshold e^-1, backward: a gets gradient {fmt(a_.grad)}, nll {fmt(nll_.grad)}; want "
                            f"row 1's loss, its NLL, to give a none and nll (0, 1)",
                            "row 1 keeps no prefix: its loss is its NLL, and so is its gradient. What fits: a division "
                            "by |R| = 0 in that row, which torch.where hides in the forward pass but not in the backward "
                            "(0/0 there is NaN, and NaN times 0 is NaN)")
+    # the whole gradient in a, against autograd through the tails themselves
+    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    for tau_threshold, kept in ((0.0, [[0, 1, 2, 3], [0, 1, 2, 3]]), (math.exp(-1.0), [[0, 1], []])):
+        a_ = a.clone().requires_grad_()
+        got, = torch.autograd.grad((surrogate(impl, a_, nll, tau_threshold) * weights).sum(), a_)
+        a_ = a.clone().requires_grad_()
+        want = torch.stack([-tails(a_)[r, js].mean() if js else nll[r] for r, js in enumerate(kept)])
+        want, = torch.autograd.grad((want * weights).sum(), a_, allow_unused=True)
+        if not (got - want).abs().max() < 1e-9:
+            raise harness.Fail(f"tau_threshold {tau_threshold:.3g}: the loss's gradient in a is {fmt(got[0])} (row 0), "
+                               f"want {fmt(want[0])}, that of -mean over R of λ_j",
+                               "the values are right and the gradient is not: what fits is a part of λ_j detached "
+                               "(the max a logsumexp is shifted by, say), which leaves the value as it was")
 
 
 def test_the_threshold_at_its_edges(impl):
@@ -152,7 +200,7 @@ def test_the_threshold_at_its_edges(impl):
     a = torch.tensor([[-29.0, -30.0, -30.5, -31.0], [-31.0, -40.0, -80.0, -700.0]], dtype=torch.float64)
     nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
     t = tails(a)
-    got = impl.al_surrogate(a[:1], nll[:1], math.exp(-30.0))                 # R = {0, 1}: -30 >= -30
+    got = surrogate(impl, a[:1], nll[:1], math.exp(-30.0))                   # R = {0, 1}: -30 >= -30
     want = -(t[0, 0] + t[0, 1]) / 2
     if not torch.allclose(got, want.reshape(1)):
         hint = ("a_j equal to log tau_threshold is in R: the test is a_j >= log tau_threshold, not a_j > "
@@ -163,26 +211,45 @@ def test_the_threshold_at_its_edges(impl):
                 if torch.allclose(got, nll[:1]) else '')
         raise harness.Fail(f"tau_threshold e^-30, a = {fmt(a[0])}: {fmt(got)}, want {fmt(want)} (R = positions 0 "
                            f"and 1, a_1 = -30 being at the threshold)", hint)
+    # tails far below the row's largest a_j too: a shift by the row's max leaves them 0, log 0 = -inf
     deeper = [(a[1:], nll[1:]), (torch.tensor([[-750.0, -760.0, -800.0, -900.0]], dtype=torch.float64), nll[1:]),
-              (torch.tensor([[-90.0, -95.0, -100.0, -101.0]]), nll[1:].float())]   # float32, as training upcasts
+              (torch.tensor([[-1.0, -2.0, -800.0, -900.0]], dtype=torch.float64), nll[1:]),
+              (torch.tensor([[-90.0, -95.0, -100.0, -101.0]]), nll[1:].float()),   # float32, as training upcasts
+              (torch.tensor([[-1.0, -3.0, -110.0, -120.0]]), nll[1:].float())]
     for a_, nll_ in deeper:
-        got = impl.al_surrogate(a_, nll_, 0.0)
+        got = surrogate(impl, a_, nll_, 0.0)
         want = -tails(a_)[0].mean()
+        if isinstance(got, torch.Tensor) and got.dtype != want.dtype:   # a loss in float64 of float32's a: fine
+            got = got.to(want.dtype)
         if not torch.allclose(got, want.reshape(1)):
             hint = ("tau_threshold 0 keeps every prefix: log 0 is -inf, below every a_j, whatever its size; a guard "
                     "such as log(max(tau_threshold, 1e-12)) turns 0 into a threshold of e^-27.6, and one of the "
                     "smallest positive number into e^-708 (float64) or e^-87 (float32), which drop these prefixes"
                     if torch.allclose(got, nll_) else
                     "the tails λ_j = log sum_{j' >= j} exp(a_j') overflow or vanish here: what fits is exp taken "
-                    "before the log (log(cumsum(exp(a))), 0 below e^-745 in float64), where logcumsumexp keeps the "
-                    "sum in log space" if not torch.isfinite(got).all() else '')
+                    "before the log (log(cumsum(exp(a))), 0 below e^-745 in float64; after one shift by the row's "
+                    "largest a_j, 0 for a tail that far below it), where logcumsumexp keeps the sum in log space"
+                    if not torch.isfinite(got).all() else '')
             raise harness.Fail(f"tau_threshold 0, a = {fmt(a_[0])} ({a_.dtype}): {fmt(got)}, want -mean_j λ_j = "
                                f"{fmt(want)} (every prefix kept{', not the NLL' if torch.allclose(got, nll_) else ''})",
                                hint)
+    # exactly at a threshold no float32 computes (float32's log 0.4 lies above float64's), and just below one
+    edges = ((math.log(0.4), 0.4, 1, "a_0 = log 0.4 is kept"),
+             (math.log(0.01) - 5e-7, 0.01, 0, "a_0, 5e-7 below log 0.01, is not kept: the NLL"))
+    for a_0, tau_threshold, keep, why in edges:
+        a_ = torch.tensor([[a_0, -6.0, -7.0, -8.0]], dtype=torch.float64)
+        got = surrogate(impl, a_, nll[:1], tau_threshold)
+        want = -tails(a_)[0, :keep].mean().reshape(1) if keep else nll[:1]
+        if not torch.allclose(got, want):
+            raise harness.Fail(f"tau_threshold {tau_threshold}, a = [{a_0:.17g}, -6, -7, -8] (float64): {fmt(got)}, "
+                               f"want {fmt(want)} ({why})",
+                               "compare a_j with log tau_threshold in a's own precision (math.log(tau_threshold), "
+                               "float64 here), exactly: what fits is the threshold's log taken in float32 (a "
+                               "torch.tensor(tau_threshold) is float32), or a tolerance added to it")
     # a block that leaves the greedy branches' paths has a_j = -inf from there: R leaves those out, and
     # the loss stays finite (no -inf times 0)
     a_ = torch.tensor([[-0.1, -0.5, -math.inf, -math.inf]], dtype=torch.float64)
-    got = impl.al_surrogate(a_, nll[:1], 0.01)
+    got = surrogate(impl, a_, nll[:1], 0.01)
     want = -tails(a_)[0, :2].mean()
     if not torch.allclose(got, want.reshape(1)):
         raise harness.Fail(f"tau_threshold 0.01, a = {fmt(a_[0])} (a block off every greedy branch from position 2): "
@@ -197,12 +264,12 @@ def test_gradient_reaches_past_R(impl):
     where q >= p it gets none. Hint: choose R on a.detach(), and keep λ_j whole."""
     log_qx = torch.tensor([[[-1.0, -1.0, -1.0, -3.0]]], dtype=torch.float64, requires_grad=True)   # K = 1, n = 4
     log_px = torch.tensor([[-0.5, -0.5, -2.0, -0.5]], dtype=torch.float64)        # position 2: q above p
-    a = impl.prefix_log_accept(torch.zeros(1, 1, dtype=torch.float64), log_qx, log_px, 'mixture')
+    a = prefix(impl, torch.zeros(1, 1, dtype=torch.float64), log_qx, log_px)
     want = torch.tensor([[-0.5, -1.0, -1.0, -3.5]], dtype=torch.float64)
     if not torch.allclose(a.detach(), want):
         raise harness.Fail(f"a = {fmt(a)}, want {fmt(want)}", "a itself is off (the first check tests it alone): "
                            "a_j = sum_{i<=j} min(0, log Q_i(x_i) - log p_i(x_i)), clamped term by term")
-    loss = impl.al_surrogate(a, torch.zeros(1, dtype=torch.float64), math.exp(-0.75))     # R = {0}
+    loss = surrogate(impl, a, torch.zeros(1, dtype=torch.float64), math.exp(-0.75))       # R = {0}
     want = -torch.logsumexp(a.detach()[0], 0).reshape(1)
     if not torch.allclose(loss, want):
         raise harness.Fail(f"with R = {{0}} the loss is {fmt(loss)}, want -λ_0 = {fmt(want)}",
@@ -247,13 +314,15 @@ def test_no_tensor_on_another_device(impl):
     (run on PyTorch's 'meta' device, which refuses a mix of devices as CUDA does): train.py calls
     them on the GPU it trains on."""
     log_prior, log_qx, log_px = (harness.on_meta(t) for t in random_block(seed=4))
+    # training code: a copy from the host (a .to(device)) costs a wait there, not a step's graph
     harness.assert_on_the_inputs_device('prefix_log_accept',
-                                        lambda: impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture'))
+                                        lambda: impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture'),
+                                        copies=False)
     a = harness.on_meta(-torch.rand(8, 4, dtype=torch.float64))
     nll = harness.on_meta(torch.ones(8, dtype=torch.float64))
     for tau_threshold in (0.0, 0.01):
         harness.assert_on_the_inputs_device(f'al_surrogate, tau_threshold {tau_threshold}',
-                                            lambda: impl.al_surrogate(a, nll, tau_threshold))
+                                            lambda: impl.al_surrogate(a, nll, tau_threshold), copies=False)
 
 
 @torch.no_grad()

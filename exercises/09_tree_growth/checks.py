@@ -24,11 +24,15 @@ class World:
         self.B, self.V, self.n = B, V, n
         self.table = table or [torch.log_softmax(2 * torch.randn(B, V ** d, V, generator=g, dtype=torch.float64), -1)
                                for d in range(n)]
+        self.given = []           # what log_q returned, and a copy: grow_tree must not write into it
 
     def log_q(self, d, prefix):
         place = self.V ** torch.arange(d - 1, -1, -1, device=prefix.device)
         index = (prefix * place).sum(-1)                                              # (B, M)
-        return self.table[d].to(prefix.device).gather(1, index[..., None].expand(-1, -1, self.V))
+        out = self.table[d].to(prefix.device).gather(1, index[..., None].expand(-1, -1, self.V))
+        if out.device.type != 'meta':
+            self.given.append((out, out.clone()))
+        return out
 
     def score(self, b, path):
         """The score of the node whose prefix is `path` (a tuple of tokens), in row b."""
@@ -47,6 +51,7 @@ class World:
 
 
 def grown(impl, world, nodes):
+    world.given.clear()
     tokens, tree = impl.grow_tree(world.log_q, world.B, world.n, nodes, 'cpu')
     m = world.m(nodes)
     for name, t, shape in (('tokens', tokens, (world.B, m)), ('tree', tree, (world.B, 2, 1 + m))):
@@ -57,6 +62,21 @@ def grown(impl, world, nodes):
                                f"n = {world.n})", "long (int64) integers: decode indexes with them" if shaped else
                                "m = min(nodes, c_1 + .. + c_n) with c_j = min(nodes, V ** j): the nodes the "
                                "depth-by-depth search has as candidates, at most `nodes`")
+    for d, (out, before) in enumerate(world.given):
+        if not torch.equal(out, before):
+            raise harness.Fail(f"log_q's output (call {d}) was changed by grow_tree, want it left as it was",
+                               "what fits: an in-place add into what log_q returned (score += ..., .add_()). A "
+                               "drafter may return a view of its own tensors (heads.BlockHeads.next_log_q returns an "
+                               "expand, which cannot be written into): add out of place, score[..., None] + log_q")
+    bad_token = (tokens < 0) | (tokens >= world.V)
+    bad_depth = (tree[:, 1] < 0) | (tree[:, 1] > world.n)
+    if bad_token.any() or bad_depth.any():
+        b, j = (int(x) for x in (bad_token if bad_token.any() else bad_depth[:, 1:]).nonzero()[0])
+        raise harness.Fail(f"row {b}, slot {j + 1}: token {int(tokens[b, j])} at depth {int(tree[b, 1, j + 1])}, want "
+                           f"a token of the vocabulary (0 to {world.V - 1}) at a depth of 0 to {world.n}, padding "
+                           f"too", "the target reads every slot, padding included (its token is embedded, its depth "
+                           "is a position), and only its parent -1 keeps the walk off it: pad with any token of "
+                           "the vocabulary, at any depth up to n")
     return tokens, tree
 
 
@@ -121,12 +141,21 @@ def best_nodes(impl, world, nodes):
 def test_the_best_nodes(impl):
     """The m best nodes. In a world of V = 3 tokens and n = 3 depths (39 prefixes a row, each
     enumerated with its score), 7 nodes: the chosen nodes' scores are the 7 best scores of each row;
-    with V = 2, n = 2 and 10 nodes, m is the 6 prefixes there are.
+    with V = 2, n = 2 and 10 nodes, m is the 6 prefixes there are; and where the 3 best are all at
+    depth 1 (flat_world).
     Hint: a node's score is the sum of log_q along its whole prefix (the log of the product of its
     tokens' probabilities); at each depth the `nodes` best children of the last depth's best are the
     candidates, and of all depths' candidates the `nodes` best are taken."""
-    for world, nodes in ((World(B=2, V=3, n=3, seed=0), 7), (World(B=1, V=2, n=2, seed=5), 10)):
+    for world, nodes in ((World(B=2, V=3, n=3, seed=0), 7), (World(B=1, V=2, n=2, seed=5), 10), (flat_world(), 3)):
         best_nodes(impl, world, nodes)
+
+
+def flat_world():
+    """V = 4, n = 2: the first token uniform, the second at 1/2, 3/10, 1/10, 1/10: the 3 best nodes
+    are all at depth 1, so each depth's candidates must be its `nodes` best, none fewer."""
+    first = torch.full((1, 1, 4), math.log(0.25), dtype=torch.float64)
+    then = torch.tensor([0.5, 0.3, 0.1, 0.1], dtype=torch.float64).log().expand(1, 4, 4).clone()
+    return World(B=1, V=4, n=2, table=[first, then])
 
 
 def test_every_row_is_a_tree(impl):
@@ -150,31 +179,48 @@ def tie_world():
 
 def test_ties_go_to_the_shallower(impl):
     """Ties go to the shallower. Nodes 0, 1, 00 and 10 score the same (1/2 each) and 3 are taken:
-    both depth-1 nodes and one child, never a child without its parent. Run twice: every sort and
+    both depth-1 nodes and one child, never a child without its parent; and a tie between depths 2
+    and 3 goes to depth 2, whatever the parents score (deeper_tie_world). Run twice: every sort and
     top-k that does not ask for stable=True breaks its ties first by index, then the other way
     round, as a GPU may (harness.TieOrder).
     Hint: of equal scores the shallower first (a stable sort of the candidates in depth order keeps
     it so); a child never scores more than its parent, so then every chosen node's parent is chosen."""
-    world = tie_world()
-    for last in (False, True):
-        with harness.TieOrder(last):
-            tokens, tree = grown(impl, world, 3)
-        found = paths(tokens, tree, 0, world.n)
-        chosen = sorted(found[s] for s in found if s)
-        if chosen not in ([(0,), (0, 0), (1,)], [(0,), (1,), (1, 0)]):
-            raise harness.Fail(f"the chosen nodes {[list(p) for p in chosen]}, want [0], [1] and one of [0, 0], [1, 0]"
-                               + (" (here every sort without stable=True put equal values last index first, as a "
-                                  "GPU may)" if last else ''),
-                               "of equal scores the shallower first: both depth-1 nodes, then one child"
-                               + (". A sort's order of equal values is unspecified unless it asks for stable=True, "
-                                  "and top-k's always is" if last else ''))
+    wants = ((tie_world(), 3, ([(0,), (0, 0), (1,)], [(0,), (1,), (1, 0)]),
+              "want [0], [1] and one of [0, 0], [1, 0]", "both depth-1 nodes, then one child"),
+             (deeper_tie_world(), 5, ([(0,), (0, 0), (0, 1), (1,), (1, 0)],),
+              "want [0], [0, 0], [1], [0, 1] and [1, 0]", "[1, 0] (depth 2) before [0, 0, 0] (depth 3), whatever "
+              "their parents score"))
+    for world, nodes, right, want, which in wants:
+        for last in (False, True):
+            with harness.TieOrder(last):
+                tokens, tree = grown(impl, world, nodes)
+            found = paths(tokens, tree, 0, world.n)
+            chosen = sorted(found[s] for s in found if s)
+            if chosen not in right:
+                raise harness.Fail(f"the chosen nodes {[list(p) for p in chosen]}, {want}"
+                                   + (" (here every sort without stable=True put equal values last index first, as "
+                                      "a GPU may)" if last else ''),
+                                   f"of equal scores the shallower first: {which}"
+                                   + (". A sort's order of equal values is unspecified unless it asks for stable=True, "
+                                      "and top-k's always is" if last else ''))
+
+
+def deeper_tie_world():
+    """V = 3, n = 3, whole-nat log q: nodes 0, 00, 1, 01 score -1, -2, -3, -4, and 10 and 000 tie at
+    -5, the rest -inf: of 5 nodes the fifth is 10, the shallower, though 000's parent scores more."""
+    inf = math.inf
+    first = torch.tensor([[[-1.0, -3.0, -inf]]], dtype=torch.float64)
+    then = torch.tensor([[[-1.0, -3.0, -inf], [-2.0, -inf, -inf], [-inf, -inf, -inf]]], dtype=torch.float64)
+    last = torch.full((1, 9, 3), -inf, dtype=torch.float64)
+    last[0, 0, 0] = -3.0                                                     # 000: -1 - 1 - 3
+    return World(B=1, V=3, n=3, table=[first, then, last])
 
 
 def test_padding_where_the_drafter_gives_no_probability(impl):
     """Padding where the drafter gives nothing. Only 3 nodes of V = 4, n = 2 have probability (0,
     then 00 and 01); of the 6 slots the other 3 are padding: parent -1, which no walk follows. The
     same with V = 2, where the padding holds the children of node 1 (probability 0), whose own
-    tokens have probability 1/2 each.
+    tokens have probability 1/2 each. And a node of probability e^-120 is a node, not padding.
     Hint: a candidate of score -inf is still taken when fewer than m have more (static shapes), but
     its parent slot is -1."""
     four = World(B=1, V=4, n=2, table=[
@@ -194,6 +240,16 @@ def test_padding_where_the_drafter_gives_no_probability(impl):
             raise harness.Fail(f"{what}parents {parent}, the nodes they make {[list(p) for p in real]}; want [0], "
                                f"[0, 0] and [0, 1], and the other 3 slots padding (parent -1)"
                                + (", [1]'s children among them" if what else ''), hint)
+    # node 1 has probability e^-120: tiny, and a node all the same
+    faint = World(B=1, V=3, n=2, table=[torch.tensor([[[0.0, -120.0, -math.inf]]], dtype=torch.float64),
+                                        torch.tensor([[[0.0, -math.inf, -math.inf]] * 3], dtype=torch.float64)])
+    tokens, tree = grown(impl, faint, 3)
+    found = paths(tokens, tree, 0, faint.n)
+    real = sorted(found[s] for s in found if s)
+    if real != [(0,), (0, 0), (1,)]:
+        raise harness.Fail(f"node [1] of score -120 (probability e^-120): the nodes {[list(p) for p in real]}, want "
+                           f"[0], [0, 0] and [1], none padding", "padding is for a score of -inf alone: what fits is "
+                           "a score kept as a probability in float32, which rounds e^-120 to 0 (log space keeps it)")
 
 
 def test_no_host_sync(impl):

@@ -18,10 +18,11 @@ def grow_tree(log_q, B, n, nodes, device):
     n: the depths (k - 1). A node's score is the sum of log_q along its prefix.
     Returns tokens (B, m) long, the drafted token of slots 1..m, and tree (B, 2, 1 + m) long:
         tree[:, 0] each slot's parent slot (slot 0, the bonus, is its own; -1: padding, a node of
-        score -inf), tree[:, 1] its depth (the bonus 0). m = min(nodes, c_1 + .. + c_n) with
+        score -inf, whose token is still one of the vocabulary and depth one of 0..n: the target
+        reads every slot), tree[:, 1] its depth (the bonus 0). m = min(nodes, c_1 + .. + c_n) with
         c_j = min(nodes, V ** j). The m best nodes, every one's parent among them (ties to the
         shallower), each slot after its parent's (in any such order). Static shapes: a loop over
         the n depths is fine, none over rows or nodes; no .item() or other host sync; every tensor
-        on `device`.
+        on `device`. log_q's outputs are the drafter's: add to them out of place.
     """
     raise NotImplementedError("exercise 9: write grow_tree in exercises/09_tree_growth/student.py")

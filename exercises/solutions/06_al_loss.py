@@ -9,6 +9,7 @@ import dblast
 from dblast import log_conditionals
 
 project_al_surrogate = dblast.al_surrogate   # taken before a check plugs anything in
+project_prefix_log_accept = dblast.prefix_log_accept
 
 
 def no_clamp(log_prior, log_qx, log_px, verify='mixture'):
@@ -80,6 +81,38 @@ def tails_in_probability_space(a, nll, tau_threshold):
     return torch.where(n_keep > 0, al, nll)
 
 
+def prior_detached(log_prior, log_qx, log_px, verify='mixture'):
+    return project_prefix_log_accept(log_prior.detach(), log_qx, log_px)      # the prior untrained by the AL loss
+
+
+def tails_shifted_by_a_detached_max(a, nll, tau_threshold):
+    log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_threshold
+    shift = a.detach().flip(-1).cummax(-1).values.flip(-1)           # each tail's largest a_j, without gradient
+    lam = shift + (a - shift).exp().flip(-1).cumsum(-1).flip(-1).log()   # the right value, a wrong gradient
+    n_keep = keep.sum(-1)
+    al = -torch.where(keep, lam, 0.0).sum(-1) / n_keep.clamp(min=1)
+    return torch.where(n_keep > 0, al, nll)
+
+
+def threshold_in_float32(a, nll, tau_threshold):
+    keep = a.detach() >= torch.tensor(tau_threshold).log()            # float32: log 0.4 lands above float64's
+    lam = torch.logcumsumexp(a.flip(-1), dim=-1).flip(-1)
+    n_keep = keep.sum(-1)
+    al = -torch.where(keep, lam, 0.0).sum(-1) / n_keep.clamp(min=1)
+    return torch.where(n_keep > 0, al, nll)
+
+
+def tails_shifted_once_per_row(a, nll, tau_threshold):
+    log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_threshold
+    top = a.max(-1, keepdim=True).values                              # one shift for the row: a tail far below is 0
+    lam = top + (a - top).exp().flip(-1).cumsum(-1).flip(-1).log()
+    n_keep = keep.sum(-1)
+    al = -torch.where(keep, lam, 0.0).sum(-1) / n_keep.clamp(min=1)
+    return torch.where(n_keep > 0, al, nll)
+
+
 CONTROLS = {
     'no clamp at 1': dict(prefix_log_accept=no_clamp),
     'NaN off every branch, where the answer is -inf': dict(prefix_log_accept=conditionals_without_their_guard),
@@ -93,4 +126,8 @@ CONTROLS = {
     'log q~ clamped at -30': dict(prefix_log_accept=log_q_clamped),
     'tau_threshold 0 guarded as the smallest positive number': dict(al_surrogate=guarded_by_the_smallest_number),
     'the tails summed in probability space (log of a cumsum of exp)': dict(al_surrogate=tails_in_probability_space),
+    'the prior detached': dict(prefix_log_accept=prior_detached),
+    'the tails shifted by a detached max (a wrong gradient)': dict(al_surrogate=tails_shifted_by_a_detached_max),
+    "the threshold's log taken in float32": dict(al_surrogate=threshold_in_float32),
+    "the tails shifted once per row by the row's max": dict(al_surrogate=tails_shifted_once_per_row),
 }

@@ -6,7 +6,7 @@ import torch
 
 
 def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='shallower', pad=True, rows=False,
-          pad_by='prefix'):
+          pad_by='prefix', in_place=False):
     """heads.grow_tree's way, with one of the mistakes switched on."""
     score = torch.zeros(B, 1, device=device)
     prefix = torch.zeros(B, 1, 0, dtype=torch.long, device=device)
@@ -14,6 +14,9 @@ def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='
     scores, tokens, parents, depths, owns, count = [], [], [], [], [], 1
     for d in range(n):
         own = log_q(d, prefix)                                                       # (B, M, V)
+        if in_place:           # written into what log_q returned (a drafter's own tensors, maybe)
+            own += score[:, :, None]
+            score = torch.zeros_like(score)
         child = own if score_of == 'token' else score[:, :, None] + own
         V = child.size(-1)
         top, flat = child.flatten(1).topk(min(nodes, child.size(1) * V), dim=-1)
@@ -74,4 +77,5 @@ CONTROLS = {
     'no padding: a node of probability 0 keeps its parent': dict(grow_tree=mistake(pad=False)),
     'the selection one row at a time': dict(grow_tree=mistake(rows=True)),
     "padding judged by the node's own token, not its prefix's score": dict(grow_tree=mistake(pad_by='token')),
+    "the scores added into log_q's output in place": dict(grow_tree=mistake(in_place=True)),
 }
