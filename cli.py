@@ -60,7 +60,8 @@ def check_number(flag, value, lo=None, hi=None, open_lo=False, open_hi=False, no
     ok = (isinstance(value, int) or math.isfinite(value)) and (lo is None or value > lo or (value == lo and not open_lo)) \
         and (hi is None or value < hi or (value == hi and not open_hi))
     if not ok:
-        allowed = ' and '.join([f"{'>' if open_lo else '>='} {lo}"] * (lo is not None)
+        allowed = ' and '.join(['finite'] * (not (isinstance(value, int) or math.isfinite(value)))
+                               + [f"{'>' if open_lo else '>='} {lo}"] * (lo is not None)
                                + [f"{'<' if open_hi else '<='} {hi}"] * (hi is not None)) or 'finite'
         raise BadInput(f"{flag} {value}: must be {allowed}" + (f" ({note})" if note else ''))
     return value
@@ -221,6 +222,8 @@ def guard_output():
     out = sys.stdout
     if out is sys.__stdout__ and not out.line_buffering and not getattr(out, 'write_through', True):
         out.reconfigure(line_buffering=True)
+    if out is sys.__stdout__ and getattr(out, 'errors', None) == 'strict':   # an ASCII locale, say
+        out.reconfigure(errors='backslashreplace')      # a character it cannot encode, as stderr shows it
     for name in ('stdout', 'stderr'):
         stream = getattr(sys, name)
         if stream is getattr(sys, f'__{name}__'):   # the process's own, not a caller's redirection

@@ -552,7 +552,7 @@ def load_dataset(data, cache_dir, write_cache=True, flag='--data'):
     h = hashlib.sha1()
     for f in files:
         st = os.stat(f)
-        h.update(f'{os.path.abspath(f)}:{st.st_size}:{st.st_mtime_ns}\n'.encode())
+        h.update(os.fsencode(os.path.abspath(f)) + f':{st.st_size}:{st.st_mtime_ns}\n'.encode())   # any file name
     key = ('stdlib' if data is None else 'data') + '-' + h.hexdigest()[:12]
     paths = [os.path.join(cache_dir, f'{key}_{s}.bin') for s in ('train', 'val')]
     if all(os.path.exists(p) for p in paths):

@@ -174,7 +174,10 @@ def part_train(c, compile=False):
     args = with_(c.args, ckpt_dir=compiled_dir(c.args)) if compile else c.args
     stages = []
     for name, argv in trainings(args, resume=False):
-        _, seconds, mib = measured(c.device, lambda: train.main(argv + ['--compile'] * compile))
+        try:
+            _, seconds, mib = measured(c.device, lambda: train.main(argv + ['--compile'] * compile))
+        except KeyboardInterrupt:   # train.py's line would name --resume: a check trains afresh each time
+            raise KeyboardInterrupt('interrupted') from None
         stages.append(dict(stage=name, seconds=seconds, added_memory_mib=mib))
     return dict(ok=True, ckpt_dir=args.ckpt_dir, rows=stages)
 
@@ -583,6 +586,20 @@ QUICK = dict(n_layer=1, n_head=2, n_embd=16, block_size=64, batch_size=4, max_it
              max_new=16, repeats=1, eval_samples=4, speed_ks='8')
 
 
+def check_trained(folder, prompts, val):
+    """--trained's checkpoints against what the parts ask of them, before any part runs: a target
+    that has every id of --data's prompts, and BPD heads for the blocks of 8 the parts decode."""
+    target = load_target(os.path.join(folder, 'ckpt.pt'))
+    top, V = max(int(prompts.max()), int(val.max())), target.config.vocab_size
+    if top >= V:
+        raise BadInput(f"--trained {folder}: its target has {V} token ids (0..{V - 1}), and --data's held-out text "
+                       f"holds id {top}: give the --data that run was trained on")
+    heads = load_drafter(os.path.join(folder, 'heads.pt'), target)
+    if getattr(heads, 'k', 0) < 8 or not hasattr(heads, 'head_logits'):
+        raise BadInput(f"--trained {folder}: its heads.pt is not BPD heads for blocks of 8 (k = "
+                       f"{getattr(heads, 'k', None)}), which the parts decode with: train them with train.py --k 8")
+
+
 def main(argv=None):
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--quick', action='store_true', help='tiny sizes, seconds on a CPU')
@@ -612,6 +629,8 @@ def main(argv=None):
             if part in args.parts and not (part == 'b' and args.quick and torch.device(device).type != 'cuda'):
                 check_ckpt_dir(args, folder, part)
     prompts, val = prepare(args, device)
+    if args.trained:
+        check_trained(args.trained, prompts, val)
     check_out_dir(compiled_dir(args), '--ckpt-dir (+ _compiled)')
     gpu_check(args, device, prompts, val)
 

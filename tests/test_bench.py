@@ -201,3 +201,20 @@ def test_drafters_table_at_tiny_sizes(tmp_path, corpus_file):
         assert r['tau'] is None or 1 <= r['tau'] <= r['k']
         hf = r['drafter'].startswith('Hugging Face')
         assert r['same'] == '-' if r['T'] else (0 <= r['same'] <= 1 if hf else r['same'] == 1.0)
+
+
+def test_an_interrupted_training_says_what_bench_does_next(monkeypatch):
+    """Ctrl-C (or a handout's exercise not written yet) inside one of bench's trainings: train.py's
+    own line names its --resume, which bench.py lacks (it resumes by itself): bench says its own."""
+    args = types.SimpleNamespace(tables=['speed'], ckpt_dir='ck')
+    monkeypatch.setattr(bench, 'trainings', lambda args: [('ckpt', ['--resume'])])
+    for error in (KeyboardInterrupt("interrupted: every checkpoint in ck/ is as of its last save; continue with "
+                                    "the same command and --resume"),
+                  NotImplementedError("exercise 3: write; every checkpoint in ck/ is as of its last save: write it, "
+                                      "then the same command with --resume continues")):
+        def main(argv, error=error):
+            raise error
+        monkeypatch.setattr(bench.train, 'main', main)
+        with pytest.raises(type(error)) as raised:
+            bench.ensure_checkpoints(args)
+        assert '--resume' not in str(raised.value) and 'the same command continues' in str(raised.value)

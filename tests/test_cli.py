@@ -45,6 +45,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -897,6 +898,16 @@ def test_payload_would_run(paths, tmp_path):
 def test_trained_run_untouched(paths, results):
     """No case changed, removed or added a checkpoint of the shared trained run."""
     assert tree_hashes(paths['run']) == paths['trained_hashes']
+
+
+def test_an_ascii_stdout_gets_what_it_cannot_encode_escaped(paths):
+    """stdout in ASCII (PYTHONIOENCODING=ascii, or a C locale that Python does not coerce): a
+    character it cannot encode is written escaped, as stderr writes it, not a traceback."""
+    proc = subprocess.run([sys.executable, 'generate.py', '--device', 'cpu', '--ckpt', paths['ckpt'], '--prompt',
+                           'h\u00e9llo', '--max-new-tokens', '4'], cwd=ROOT, env=dict(script_env(), PYTHONIOENCODING='ascii'),
+                          capture_output=True, timeout=TIMEOUT)
+    assert proc.returncode == 0 and b'Traceback' not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stdout.startswith(b'h\\xe9llo'), proc.stdout
 
 
 def test_the_default_checkpoint_missing_says_to_train_first(tmp_path):

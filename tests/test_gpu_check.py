@@ -4,6 +4,7 @@ the parts it finished; flags it cannot take are one error line."""
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -175,3 +176,15 @@ def test_bad_flags_are_one_error_line(tmp_path, flags, needles):
     code, stdout, stderr = run_main('gpu_check.py', flags + ['--quick', '--device', 'cpu', '--out', out])
     assert_clean_error(Proc(code, stdout, stderr), *needles)
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_trained_checkpoints_that_cannot_serve_are_one_error_line(tmp_path, corpus_file, quick_run):
+    """--trained DIR whose heads.pt is not BPD heads for blocks of 8 (here a DBlast drafter): one
+    line before any part runs, not a traceback per part (gpu_check.check_trained)."""
+    folder = tmp_path / 'copy'
+    shutil.copytree(quick_run, folder)
+    shutil.copy(folder / 'dblast_K4.pt', folder / 'heads.pt')
+    flags = ['--quick', '--device', 'cpu', '--out', tmp_path / 'gc', '--trained', folder, '--parts', 'd']
+    code, stdout, stderr = run_main('gpu_check.py', flags + ['--data', corpus_file])
+    assert_clean_error(Proc(code, stdout, stderr), 'heads.pt is not BPD heads for blocks of 8')

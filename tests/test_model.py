@@ -11,7 +11,7 @@ from conftest import tiny_model
 from cli import BadInput
 from data import load_target, save_checkpoint
 from decode import generate
-from model import GPT, GPTConfig, KVCache, cached_attention, manual_attention
+from model import GPT, GPTConfig, KVCache, cached_attention, manual_attention, tempered
 
 TOL = 1e-10
 
@@ -167,6 +167,21 @@ def test_greedy_generate_equals_full_recomputation():
     assert len({tuple(r) for r in out[:, 5:].tolist()}) > 1
     # plain decoding: one target call per generated token, the prefill's included
     assert stats['calls'] == n
+
+
+def test_a_tiny_temperature_is_the_greedy_limit_in_every_dtype():
+    """tempered at a T far below float32's smallest number (1e-300 is 0 there, and 0 / 0 NaN): the
+    one-hot of the argmax, as at 1e-30; sampling at it decodes what greedy decoding does."""
+    logits = torch.tensor([[1.0, 3.0, -2.0, 2.5]])
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for T in (1e-30, 1e-300, 5e-324):
+            p = F.softmax(tempered(logits.to(dtype), T), -1)
+            assert torch.equal(p, F.one_hot(torch.tensor([1]), 4).to(dtype)), (dtype, T, p)
+    model = tiny_model(seed=6, vocab_size=64, std=0.3)
+    prompt = torch.randint(64, (2, 5), generator=torch.Generator().manual_seed(7))
+    greedy, _ = generate(model, prompt, 12)
+    sampled, _ = generate(model, prompt, 12, temperature=1e-300, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled, greedy)
 
 
 @torch.no_grad()
