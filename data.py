@@ -153,6 +153,8 @@ def odd_part(value, ok):
 def check_path(path, what='path'):
     if not isinstance(path, (str, os.PathLike)):
         raise BadInput(f"{what} {describe(path)}: give a file name (str or os.PathLike)")
+    if not os.fspath(path):
+        raise BadInput(f"{what}: an empty file name; give the path of one")
     return os.fspath(path)
 
 

@@ -279,7 +279,7 @@ def check_folder(folder):
     """DIR may be new or an empty folder, outside the project, where files can be written;
     anything else is refused before a byte is written."""
     if not folder:
-        raise BadInput("handout: the folder is empty text; give a new folder or an empty one")
+        raise BadInput("handout: the folder's name is empty; give a new folder or an empty one")
     real, root = os.path.realpath(folder), os.path.realpath(harness.ROOT)
     if real == root or real.startswith(root + os.sep):
         raise BadInput(f"handout {folder}: inside the project; give a folder outside it (the copy is made "

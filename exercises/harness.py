@@ -827,6 +827,10 @@ class Tryout:
         if self.max_new < 1:
             raise BadInput(f"{path}: a context of {self.model.config.block_size} tokens leaves no room after a "
                            f"{PROMPT_LEN}-token prompt")
+        if self.max_new < args.max_new:   # as generate.py says where it shortens a decode
+            print(f"note: --max-new {args.max_new}: {self.max_new} new tokens a prompt, what the target's context "
+                  f"of {self.model.config.block_size} leaves after a {PROMPT_LEN}-token prompt and a block",
+                  file=sys.stderr)
 
     @lru_cache
     def drafter(self, name):

@@ -387,6 +387,8 @@ CASES = [
     decode_refused('heads-other-base', ['--ckpt', '{files}/other_ckpt.pt', '--heads', '{heads}'], '{heads}'),
     # ------------------------------------------------------------------ generate.py: the target checkpoint
     decode_refused('ckpt-missing', ['--ckpt', '{run}/no_such_ckpt.pt'], '{run}/no_such_ckpt.pt'),
+    decode_refused('ckpt-empty-name', ['--ckpt', ''], 'an empty file name'),
+    decode_refused('meta-a-folder', ['--meta', '{files}'], 'not a regular file'),
     decode_refused('ckpt-fifo', ['--ckpt', '{files}/a_fifo'], '{files}/a_fifo', 'is not a regular file'),
     decode_refused('ckpt-dev-null', ['--ckpt', '/dev/null'], '/dev/null is not a regular file'),
     decode_refused('ckpt-a-text-file', ['--ckpt', '{files}/a_file.txt'], '{files}/a_file.txt',

@@ -82,7 +82,7 @@ def one_error(argv, *needles, cwd=None):
     (['try', '1', '--prompts', '100000'], ('--prompts', '<= 10000')),
     (['check', '1.5'], ('not an exercise number',)),
     (['check', '0'], ('exercise 0', 'choose one of')),
-    (['handout', ''], ('handout', 'empty text')),
+    (['handout', ''], ('handout', "folder's name is empty")),
 ])
 def test_a_bad_flag_is_one_line(argv, needles):
     one_error(argv, *needles)
