@@ -472,7 +472,8 @@ aten = torch.ops.aten
 # the op, where this watch does not see it)
 SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
             aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_consecutive.default,
-            aten.unique_dim.default, aten.multinomial.default}
+            aten.unique_dim.default, aten.multinomial.default,
+            aten.equal.default}     # torch.equal: a Python bool, read back from the device
 
 
 class EagerMode(TorchDispatchMode):
@@ -760,7 +761,11 @@ def assert_on_the_inputs_device(what, call, strict=False, copies=True):
     on the CPU that meets them, or returns one. An error of another kind (an op 'meta' cannot run,
     a read of a value, which the host-sync checks judge) says nothing about devices: no failure.
     strict: also where 'meta' lets an op mix the devices that CUDA does not; copies: also a copy
-    between the host and the device (MadeOnCpu), which a step must not make (training code may)."""
+    between the host and the device (MadeOnCpu), which a step must not make (training code may).
+    Copies are judged on a second call: a table copied once and kept (functools.lru_cache) is
+    made before any step is captured, and costs nothing after."""
+    if copies:
+        assert_on_the_inputs_device(what, call, strict, copies=False)
     with MadeOnCpu(strict, copies) as made, autocast_off_on_meta():
         try:
             out = call()

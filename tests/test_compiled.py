@@ -116,7 +116,8 @@ def test_host_sync_detector_catches_syncs():
     x = torch.tensor([0.5, 0.0, 2.0])
     for bad in (lambda: x.sum().item(), lambda: bool((x > 1).any()), lambda: x[x > 0],
                 lambda: x.nonzero(), lambda: int(x.argmax()), lambda: x.tolist(), lambda: x.numpy(),
-                lambda: x.cpu()):   # the last three dispatch no op on a CPU tensor (harness.HostReads)
+                lambda: x.cpu(),    # these three dispatch no op on a CPU tensor (harness.HostReads)
+                lambda: torch.equal(x, x)):
         with HostSyncs() as detector:
             bad()
         assert detector.seen, bad

@@ -4,6 +4,7 @@ whose controls have none, and exercise 8's layout moved there from the host; rig
 training checks must pass whatever their initialisation; hints that name no op of the answer; and
 `try` announcing only the rows it prints."""
 import ast
+import functools
 import math
 import os
 import types
@@ -95,7 +96,8 @@ def test_a_tensor_made_off_the_device_fails_on_a_cpu(n, name, wrong, check, monk
 def test_the_device_check_sees_copies_between_the_host_and_the_device():
     """harness.MadeOnCpu's copies (on CUDA each waits for the GPU, and a CUDA graph cannot hold it):
     a list made a tensor on the device, or a tensor copied to the CPU, fails; a number (0-dim) does
-    not, and training code (copies=False) may copy, though not mix the devices."""
+    not, nor a table copied at the first call and kept; training code (copies=False) may copy,
+    though not mix the devices."""
     x = torch.zeros(3, device='meta')
     for copy, needle in ((lambda: x + torch.tensor([1.0, 2.0, 3.0], device=x.device), 'torch.tensor of Python data'),
                          (lambda: x + torch.as_tensor((1.0, 2.0, 3.0), device=x.device), 'torch.as_tensor'),
@@ -107,6 +109,8 @@ def test_the_device_check_sees_copies_between_the_host_and_the_device():
         if needle != 'copied to the CPU':
             harness.assert_on_the_inputs_device('f', copy, copies=False)
     harness.assert_on_the_inputs_device('f', lambda: x + torch.tensor(1.0, device=x.device))
+    table = functools.lru_cache(lambda device: torch.tensor([1.0, 2.0, 3.0], device=device))
+    harness.assert_on_the_inputs_device('f', lambda: x + table(x.device))   # copied once, and kept
     with pytest.raises(harness.Fail, match='made a tensor on the CPU'):
         harness.assert_on_the_inputs_device('f', lambda: x + torch.arange(3.0), copies=False)
 

@@ -53,7 +53,7 @@ def commit_branch(cache, branch, n, n_acc, active):
 
 @torch.no_grad()
 def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
-                nodes='prefix', move=True, clamp=True, on_device=True, squeeze=False):
+                nodes='prefix', move=True, clamp=True, on_device=True, squeeze=False, calls=1, h_at_bonus=True):
     """tree_step, and (by its keywords) the wrong answers below: nodes 'prefix' shares a node
     between branches with the same prefix (right), 'none' gives every branch its own, 'token' shares
     it between branches with the same token at that depth, whatever came before, 'first' shares the
@@ -62,7 +62,8 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     dev = paths.device
     depth, attend = tree_layout(K, n, dev)
     tokens = torch.cat([bonus[:, None], paths.flatten(1)], 1)                           # (B, 1 + K n)
-    H = tree_forward(model, cache, tokens, depth, attend, clamp)
+    for _ in range(calls):                                      # calls=2: the same call made twice
+        H = tree_forward(model, cache, tokens, depth, attend, clamp)
     logits = upcast(model.lm_head(H))
     if temperature == 0:
         x = logits.argmax(-1)                                     # the target's token after each node
@@ -91,6 +92,9 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     if fresh_bonus and temperature > 0:
         next_bonus = sample(F.softmax(tempered(logits.gather(1, last.view(B, 1, 1).expand(B, 1, logits.size(-1)))
                                                .squeeze(1), temperature), -1), generator)
+    if not h_at_bonus:                                          # with nothing accepted, the first draft's state
+        kept = node.gather(1, branch.view(B, 1, 1).expand(B, 1, n)).squeeze(1)
+        last = kept.gather(1, (n_acc - 1).clamp(min=0)[:, None]).squeeze(1)
     h = H.gather(1, last.view(B, 1, 1).expand(B, 1, H.size(-1))).squeeze(1)
     if squeeze:                                                 # one row: shapes () and (C,), not (1,) and (1, C)
         next_bonus, h = next_bonus.squeeze(), h.squeeze()
@@ -115,4 +119,6 @@ CONTROLS = {
     "branch 0's keys and values committed": wrong(move=False),
     'positions not clamped near the end of the context': wrong(clamp=False),
     "the node samples drawn without the logits' device": wrong(on_device=False),
+    'the tree run through the target twice': wrong(calls=2),
+    "h at the first draft's slot where no draft is accepted": wrong(h_at_bonus=False),
 }
