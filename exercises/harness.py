@@ -705,9 +705,9 @@ class MadeOnCpu(EagerMode):
 
 class HostData(TorchFunctionMode):
     """MadeOnCpu's view of the calls that dispatch no op it could see: torch.tensor (as_tensor,
-    asarray) of Python data of one dimension or more, made on the device. On CUDA torch makes it on
-    the host and copies it over, a copy that waits for the GPU; a number alone (a 0-dim tensor) is
-    let through, as MadeOnCpu lets 0-dim CPU tensors through."""
+    asarray, Tensor.new_tensor) of Python data of one dimension or more, made on the device. On
+    CUDA torch makes it on the host and copies it over, a copy that waits for the GPU; a number
+    alone (a 0-dim tensor) is let through, as MadeOnCpu lets 0-dim CPU tensors through."""
     MAKERS = ('tensor', 'as_tensor', 'asarray', 'new_tensor')
 
     def __init__(self, made):
