@@ -64,7 +64,7 @@ def tempered(logits, temperature):
     """logits / T, shifted so that the largest is 0: softmax and log_softmax stay finite for any
     finite T > 0 (a tiny T gives the greedy limit, a one-hot, instead of inf - inf = NaN). A T > 0 too
     small for the logits' dtype (1e-300 is 0 in float32, and 0 / 0 is NaN) divides as its smallest
-    positive number, which gives that limit too; T = 0 is not a temperature (greedy decoding takes
+    normal number, which gives that limit too; T = 0 is not a temperature (greedy decoding takes
     the argmax without one), and a tensor T divides as it is."""
     if not isinstance(temperature, torch.Tensor) and temperature > 0:
         temperature = max(temperature, torch.finfo(logits.dtype).tiny)
