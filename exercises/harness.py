@@ -605,7 +605,7 @@ def assert_no_python_loop(what, calls):
 
 
 class Allocations(EagerMode):
-    """Records every tensor an op inside the block allocates: (op, bytes) of each output whose
+    """Records every tensor an op inside the block allocates: (op, elements) of each output whose
     storage is none of its inputs' (a view, or an op that writes into an input, allocates nothing).
     Watching storage, not addresses: a buffer rebuilt elsewhere and copied back keeps its address,
     and is still a new tensor the size of the buffer at every call."""
@@ -618,7 +618,7 @@ class Allocations(EagerMode):
         out = func(*args, **(kwargs or {}))
         tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]   # noqa: E731
         inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
-        self.seen += [(str(func), t.untyped_storage().nbytes()) for t in tensors(out)
+        self.seen += [(str(func), t.untyped_storage().nbytes() // t.element_size()) for t in tensors(out)
                       if t.untyped_storage().data_ptr() not in inputs]
         return out
 
@@ -721,6 +721,16 @@ class HostData(TorchFunctionMode):
         device = kwargs.get('device', args[2] if name == 'as_tensor' and len(args) > 2 else None)
         if name == 'new_tensor':                            # x.new_tensor(data): on x's device
             data, device = args[1] if len(args) > 1 else kwargs.get('data'), kwargs.get('device', args[0].device)
+        if name in ('__getitem__', '__setitem__') and args[0].device.type != 'cpu':
+            # an index given as a list (or range, or array): torch makes it a tensor on the host and
+            # copies it over, unseen by any mode
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, (list, range)) or getattr(i, 'ndim', 0) > 0 and not isinstance(i, torch.Tensor)
+                   for i in index):
+                where = f"an index given as Python data (a list){student_line()}, made on the host and copied to " \
+                        f"the device"
+                self.made.copied = self.made.copied or where
+                raise RuntimeError(f"{where} (meta here), from the cpu")
         if (name in self.MAKERS and device is not None and torch.device(device).type != 'cpu'
                 and (isinstance(data, (list, tuple)) or getattr(data, 'ndim', 0) > 0)
                 and not isinstance(data, torch.Tensor)):

@@ -1,4 +1,6 @@
 """Exercise 2's checks: lossless speculative sampling (README.md)."""
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -115,6 +117,21 @@ def test_the_first_token_follows_p(impl):
             raise harness.Fail(f"{what}: the first token is not the target's: chi-square {stat:.0f}, want below "
                                f"{crit:.0f} (p < {harness.ALPHA:g}) over {N} samples",
                                why_not_p(emitted, accepted, drafts, p[0], qq))
+    # a rare acceptance, P(d) / Q(d) = 0.002: 400 of 200,000 expected, sd 20; a coin on a coarse grid
+    # (bf16's uniforms step by 2^-8 near 1, by 2^-9 near 0.5) accepts about twice as often
+    L = torch.zeros(2, V, dtype=torch.float64)
+    L[0, 0] = math.log(0.001 * (V - 1) / 0.999)                          # P(0) = 0.001 at T = 1
+    P0 = float(F.softmax(L[0], -1)[0])
+    Q = torch.full((V,), (1 - P0 / 0.002) / (V - 1), dtype=torch.float64)
+    Q[0] = P0 / 0.002                                                    # 0.5
+    accepted, _, _ = impl.verify_sampled(L.expand(N, 2, V), Q.expand(N, 1, V), torch.zeros(N, 1, dtype=torch.long),
+                                         1.0, torch.Generator().manual_seed(5))
+    count, mean, sd = int(accepted.sum()), N * 0.002, (N * 0.002 * 0.998) ** 0.5
+    if not abs(count - mean) < 4.4 * sd:                                 # 4.4 standard errors: p < 1e-5
+        raise harness.Fail(f"a draft with P(d) / Q(d) = 0.002, drafted in {N} rows: accepted {count} times, want "
+                           f"about {mean:.0f} (+- {4.4 * sd:.0f})", "the test accepts with probability min(1, "
+                           "P(d) / Q(d)) exactly. What fits: a coin too coarse for a small ratio (drawn in bfloat16 or "
+                           "float16), or the ratio taken otherwise than P(d) / Q(d)")
 
 
 def test_after_an_accepted_block_the_bonus_follows_p(impl):
@@ -200,6 +217,20 @@ def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
                            f"time", "a residual small but not zero is the residual still (the statement): what fits "
                            "is a fallback to P decided by a tolerance rather than by a residual of exactly 0"
                            if len(got) else ACCEPT_HINT)
+    # smaller still, and float32 resolves it: P(a) = 1e-9 drafted by Q(a) = P(a) + 1e-7, the 1e-7 taken
+    # from token b (P(b) about 1e-3): 99% of the drafts refused, and the residual is all on b
+    a, b, n = 0, 1, 2000
+    probs = torch.tensor([1e-9, 1e-3] + [(1 - 1e-3 - 1e-9) / (V - 2)] * (V - 2), dtype=torch.float64)
+    L = probs.log().expand(2, V)                                          # at T = 1: P is probs
+    tiny = (probs + 1e-7 * (F.one_hot(torch.tensor(a), V) - F.one_hot(torch.tensor(b), V))).expand(n, 1, V)
+    _, n_acc, bonus = impl.verify_sampled(L.expand(n, 2, V), tiny, torch.full((n, 1), a), 1.0, g)
+    got = bonus[n_acc == 0]
+    if len(got) == 0 or not (got == b).all():
+        raise harness.Fail(f"a residual of 1e-7, all on token {b}: after {len(got)} refusals the bonus was "
+                           f"{torch.bincount(got, minlength=V).tolist()} (counts per token), want token {b} every "
+                           f"time", "a residual small but not zero is the residual still (the statement): what fits "
+                           "is a fallback to P decided by a tolerance (here one above 1e-7) rather than by a "
+                           "residual of exactly 0" if len(got) else ACCEPT_HINT)
 
 
 def test_no_host_sync(impl):

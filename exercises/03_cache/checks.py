@@ -57,8 +57,9 @@ def test_rows_keep_their_own_lengths(impl):
 def test_rejected_entries_are_overwritten(impl):
     """After a rejection, the next block sees only what was kept. A 6-token block is written and
     rows keep 2 and 5 of it; the next blocks' logits equal a fresh forward over the kept tokens
-    and the new ones (float64). Hint: the next block is written at cache.lengths[b] + 0..L-1, on
-    top of the rejected entries; attention masks everything past a row's positions."""
+    and the new ones (float64), and commit leaves the rejected entries as they were (no
+    rollback). Hint: the next block is written at cache.lengths[b] + 0..L-1, on top of the rejected
+    entries; attention masks everything past a row's positions."""
     model = harness.tiny_target()
     prompt, block, nxt, last = tokens((2, 7), 1), tokens((2, 6), 2), tokens((2, 3), 3), tokens((2, 2), 4)
     keep = torch.tensor([2, 5])
@@ -66,7 +67,15 @@ def test_rejected_entries_are_overwritten(impl):
     model.forward_cached(prompt, cache)
     impl.commit(cache, 7)
     model.forward_cached(block, cache)
+    written = cache.k[:, :, :, 7:13].clone(), cache.v[:, :, :, 7:13].clone()
     impl.commit(cache, keep)
+    for b in range(2):   # no rollback: what was refused stays where it is, past the row's length
+        for name, buf, was in (('keys', cache.k, written[0]), ('values', cache.v, written[1])):
+            if not torch.equal(buf[:, b, :, 7 + int(keep[b]):13], was[:, b, :, int(keep[b]):]):
+                raise harness.Fail(f"row {b}: commit changed the refused entries' {name} (slots {7 + int(keep[b])} "
+                                   f"to 12), want them left as they were", "there is no rollback: commit moves the "
+                                   "lengths and nothing else (what fits: the slots past a row's length zeroed or "
+                                   "rewritten, every step, over the whole cache)")
     got = model.lm_head(model.forward_cached(nxt, cache))
     impl.commit(cache, 3)
     got_last = model.lm_head(model.forward_cached(last, cache))
@@ -113,24 +122,29 @@ def test_the_buffers_stay_in_place(impl):
 
 
 def test_nothing_the_size_of_a_layer_is_allocated(impl):
-    """Nothing the size of a layer is allocated per write. A 3-token block written into a cache of
-    256 slots allocates no tensor of even a quarter of a layer's buffer (B, n_head, max_len,
-    head_dim): the block's own few bytes at most. Hint: write into the buffer itself (index
-    assignment, or scatter_ on cache.k[layer_idx]); building the layer anew (scatter without the
-    underscore, torch.where, a clone) and copying it back keeps the address and the values, and
-    still allocates a whole layer at every step."""
+    """Nothing the size of a layer is allocated per write or commit. A 3-token block written into a
+    cache of 256 slots, and a commit (of a tensor, of an int), allocates no tensor of even a quarter
+    of a layer's elements (B, n_head, max_len, head_dim), of any dtype (a mask of bools too): the
+    block's own few at most. Hint: write into the buffer itself (index assignment, or scatter_ on
+    cache.k[layer_idx]); building the layer anew (scatter without the underscore, torch.where, a
+    clone) and copying it back keeps the address and the values, and still allocates a whole layer
+    at every step; a commit moves the lengths, nothing else."""
     model = harness.tiny_target()
     cache = model.new_cache(2, 256)
-    layer = cache.k[0].numel() * cache.k.element_size()
+    layer = cache.k[0].numel()
     k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
     pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
     impl.write(cache, 1, k, k, pos)                                      # a first call may set things up
-    with harness.Allocations() as allocations:
-        impl.write(cache, 1, k, k, pos)
-    big = [(op, size) for op, size in allocations.seen if size >= layer // 4]
-    if big:
-        raise harness.Fail(f"write allocated {len(big)} tensor(s) of {max(s for _, s in big)} bytes ({big[0][0]}), "
-                           f"a layer's buffer being {layer}: want nothing of a quarter of that or more")
+    for what, call in (('write', lambda: impl.write(cache, 1, k, k, pos)),
+                       ('commit of a tensor', lambda: impl.commit(cache, torch.tensor([1, 2]))),
+                       ('commit of an int', lambda: impl.commit(cache, 1))):
+        with harness.Allocations() as allocations:
+            call()
+        big = [(op, size) for op, size in allocations.seen if size >= layer // 4]
+        if big:
+            raise harness.Fail(f"{what} allocated {len(big)} tensor(s) of {max(s for _, s in big)} elements "
+                               f"({big[0][0]}), a layer's buffer holding {layer}: want nothing of a quarter of "
+                               f"that or more")
 
 
 def test_no_host_sync(impl):

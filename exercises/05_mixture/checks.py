@@ -114,7 +114,9 @@ def test_the_conditionals_by_enumeration(impl):
 
 def test_no_underflow_over_32_tokens(impl):
     """No underflow over 32 tokens. Drafts each about e^-40 likely (a product of e^-1280, below
-    float64's range): the posterior stays finite and exact. Hint: sums of logs, never products."""
+    float64's range): the posterior and the conditionals stay finite and exact; and a draft given
+    e^-150 by one branch and e^-200 by the other weighs them e^-50 apart. Hint: sums of logs, never
+    products, and no floor under a log."""
     n = 32
     log_qd = torch.tensor([[-40.0], [-40.3], [-41.0]], dtype=torch.float64).expand(3, n)[None]   # (1, K=3, n)
     log_w = impl.posterior(torch.log(torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64)), log_qd)
@@ -132,12 +134,36 @@ def test_no_underflow_over_32_tokens(impl):
                      if torch.allclose(got, w, rtol=1e-9)), '')
         raise harness.Fail(f"position {j}: the posterior ratio of branches 1 and 0 is {got[j].item():.6g}, want "
                            f"{want[j].item():.6g}", hint)
+    # the conditionals over the same block: the drafted token at those logs, the rest of each row's
+    # mass spread over the other tokens
+    V = 5
+    log_pi = torch.log(torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64))
+    log_q = torch.log((1 - log_qd.exp()) / (V - 1))[..., None].expand(1, 3, n, V).clone()
+    log_q[..., 0] = log_qd                                                        # every draft is token 0
+    Q = impl.conditionals(log_pi, log_q, torch.zeros(1, n, dtype=torch.long))
+    w_all = torch.softmax(log_pi[0][None, :] + F.pad(log_qd[0].T.cumsum(0), (0, 0, 1, 0))[:-1], -1)   # (n, K)
+    want = torch.einsum('ik,kiv->iv', w_all, log_q[0].exp())[None]
+    if not (torch.isfinite(Q).all() and (Q - want).abs().max() < 1e-12):
+        bad = ~torch.isfinite(Q).all(-1)[0]
+        raise harness.Fail("the conditionals over the same 32 drafts: "
+                           + (f"NaN or inf from position {int(bad.long().argmax())} on" if bad.any() else
+                              f"off by {(Q - want).abs().max().item():.1e}") + ", want finite and exact to 1e-12",
+                           "the posterior inside Q must be normalised in log space too: what fits is exp taken of "
+                           "an unnormalised log pi + sum log q~ (e^-1280 is 0), normalised afterwards")
+    # a draft far below the others: log q~ of -150 and -200 weighs the branches e^-50 apart, no less
+    deep = impl.posterior(torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)),
+                          torch.tensor([[[-150.0, -1.0], [-200.0, -1.0]]], dtype=torch.float64))
+    want = torch.tensor([1.0, math.exp(-50.0)], dtype=torch.float64) / (1 + math.exp(-50.0))
+    if not (deep.exp()[0, 1] - want).abs().max() < 1e-12:
+        raise harness.Fail(f"two branches, the first draft given e^-150 and e^-200: the posterior after it is "
+                           f"{deep.exp()[0, 1].tolist()}, want {want.tolist()}", "what fits: a floor under log q~ "
+                           "(a clamp, or an epsilon added to a probability) that turns both into the same number")
 
 
 def test_no_host_sync(impl):
     """No host sync, no Python loop, no tensor on another device. posterior and conditionals make the
-    host wait for nothing, dispatch as many ops for 8 rows, 6 positions or 5 branches as for 4 rows
-    of 3 positions and 3 branches, and
+    host wait for nothing, dispatch as many ops for 8 rows, 6 positions, 5 branches or 9 tokens as
+    for 4 rows of 3 positions, 3 branches and 5 tokens, and
     make no tensor off their inputs' device (run on PyTorch's 'meta' device, which refuses a mix of
     devices as CUDA does)."""
     log_prior, log_q, drafts = random_mixture(seed=2)
@@ -147,8 +173,8 @@ def test_no_host_sync(impl):
         raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
                            "the ops listed make the host wait for the device: a value read back (.item(), a Python "
                            "if on a tensor) or a shape that depends on the data (boolean indexing, nonzero)")
-    sizes = [(f'N={N}, n={n}, K={K}', random_mixture(N=N, n=n, K=K, seed=3))
-             for N, n, K in ((4, 3, 3), (8, 3, 3), (4, 6, 3), (4, 3, 5))]
+    sizes = [(f'N={N}, n={n}, K={K}, V={V}', random_mixture(N=N, n=n, K=K, V=V, seed=3))
+             for N, n, K, V in ((4, 3, 3, 5), (8, 3, 3, 5), (4, 6, 3, 5), (4, 3, 5, 5), (4, 3, 3, 9))]
     harness.assert_no_python_loop('conditionals', [(size, lambda m=m: impl.conditionals(*m)) for size, m in sizes])
     harness.assert_no_python_loop('posterior', [(size, lambda m=m: impl.posterior(m[0], drafted(*m[1:])))
                                                 for size, m in sizes])
