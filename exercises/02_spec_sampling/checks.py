@@ -209,28 +209,27 @@ def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
     # max(0, P - Q) is 0.01 at `to` and 0 elsewhere; only a draft of `fro` can be refused
     fro, to = p[0].topk(2).indices.tolist()                              # P's two likeliest: 0.35 and 0.28
     small = (p[0] + 0.01 * (F.one_hot(torch.tensor(fro), V) - F.one_hot(torch.tensor(to), V))).expand(N, 1, V)
-    _, n_acc, bonus = impl.verify_sampled(L[:2].expand(N, 2, V), small, decode.sample(small, g), T, g)
-    got = bonus[n_acc == 0]
-    if len(got) == 0 or not (got == to).all():
-        raise harness.Fail(f"a residual of 0.01, all on token {to}: after {len(got)} refusals the bonus was "
-                           f"{torch.bincount(got, minlength=V).tolist()} (counts per token), want token {to} every "
-                           f"time", "a residual small but not zero is the residual still (the statement): what fits "
-                           "is a fallback to P decided by a tolerance rather than by a residual of exactly 0"
-                           if len(got) else ACCEPT_HINT)
+    the_residual_is_kept(impl, L[:2], small, decode.sample(small, g), T, g, to, 0.01)
     # smaller still, and float32 resolves it: P(a) = 1e-9 drafted by Q(a) = P(a) + 1e-7, the 1e-7 taken
     # from token b (P(b) about 1e-3): 99% of the drafts refused, and the residual is all on b
     a, b, n = 0, 1, 2000
     probs = torch.tensor([1e-9, 1e-3] + [(1 - 1e-3 - 1e-9) / (V - 2)] * (V - 2), dtype=torch.float64)
-    L = probs.log().expand(2, V)                                          # at T = 1: P is probs
     tiny = (probs + 1e-7 * (F.one_hot(torch.tensor(a), V) - F.one_hot(torch.tensor(b), V))).expand(n, 1, V)
-    _, n_acc, bonus = impl.verify_sampled(L.expand(n, 2, V), tiny, torch.full((n, 1), a), 1.0, g)
+    the_residual_is_kept(impl, probs.log().expand(2, V), tiny, torch.full((n, 1), a), 1.0, g, b, 1e-7)   # P: probs
+
+
+def the_residual_is_kept(impl, L, Q, drafts, T, g, to, size):
+    """One draft a row, a residual max(0, P - Q) of `size`, all on token `to`: after every refusal
+    the bonus is `to` (a residual small but not zero is no reason to fall back to P)."""
+    n = len(drafts)
+    _, n_acc, bonus = impl.verify_sampled(L.expand(n, 2, V), Q, drafts, T, g)
     got = bonus[n_acc == 0]
-    if len(got) == 0 or not (got == b).all():
-        raise harness.Fail(f"a residual of 1e-7, all on token {b}: after {len(got)} refusals the bonus was "
-                           f"{torch.bincount(got, minlength=V).tolist()} (counts per token), want token {b} every "
+    if len(got) == 0 or not (got == to).all():
+        raise harness.Fail(f"a residual of {size:g}, all on token {to}: after {len(got)} refusals the bonus was "
+                           f"{torch.bincount(got, minlength=V).tolist()} (counts per token), want token {to} every "
                            f"time", "a residual small but not zero is the residual still (the statement): what fits "
-                           "is a fallback to P decided by a tolerance (here one above 1e-7) rather than by a "
-                           "residual of exactly 0" if len(got) else ACCEPT_HINT)
+                           f"is a fallback to P decided by a tolerance (one of {size:g} or more) rather than by a "
+                           f"residual of exactly 0" if len(got) else ACCEPT_HINT)
 
 
 def test_no_host_sync(impl):
