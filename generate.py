@@ -296,8 +296,8 @@ def compiling(args):
 
 def decode_cli(args, device, precision):
     if args.meta and not os.path.isfile(args.meta):
-        raise BadInput(f"--meta {args.meta}: " + ("not a regular file; give a nanoGPT meta.pkl" if os.path.exists(args.meta)
-                                                  else "no such file"))
+        what = "not a regular file; give a nanoGPT meta.pkl" if os.path.exists(args.meta) else "no such file"
+        raise BadInput(f"--meta {args.meta}: {what}")
     if args.ckpt == CKPT and not os.path.exists(CKPT):
         raise BadInput(f"no target at {CKPT}, the default --ckpt: run python train.py first (it writes {CKPT}), "
                        f"or give --ckpt")

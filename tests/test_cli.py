@@ -905,8 +905,8 @@ def test_trained_run_untouched(paths, results):
 def test_an_ascii_stdout_gets_what_it_cannot_encode_escaped(paths):
     """stdout in ASCII (PYTHONIOENCODING=ascii, or a C locale that Python does not coerce): a
     character it cannot encode is written escaped, as stderr writes it, not a traceback."""
-    proc = subprocess.run([sys.executable, 'generate.py', '--device', 'cpu', '--ckpt', paths['ckpt'], '--prompt',
-                           'h\u00e9llo', '--max-new-tokens', '4'], cwd=ROOT, env=dict(script_env(), PYTHONIOENCODING='ascii'),
+    argv = ['generate.py', '--device', 'cpu', '--ckpt', paths['ckpt'], '--prompt', 'h\u00e9llo', '--max-new-tokens', '4']
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=dict(script_env(), PYTHONIOENCODING='ascii'),
                           capture_output=True, timeout=TIMEOUT)
     assert proc.returncode == 0 and b'Traceback' not in proc.stderr, proc.stderr[-2000:]
     assert proc.stdout.startswith(b'h\\xe9llo'), proc.stdout

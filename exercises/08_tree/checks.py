@@ -183,8 +183,8 @@ def greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best, ca
                                "it, or another branch's slot that is not the same node)")
         err = (h[b] - model.hidden(committed[b][None])[0, -1]).abs().max().item()
         if not err < 1e-10:
-            raise harness.Fail(f"{case}row {b}: h differs from the state at the last committed token by {err:.2e}, want "
-                               f"below 1e-10", "h is the target's final hidden state (after ln_f) at the last "
+            raise harness.Fail(f"{case}row {b}: h differs from the state at the last committed token by {err:.2e}, "
+                               f"want below 1e-10", "h is the target's final hidden state (after ln_f) at the last "
                                "accepted token. What fits: another slot's state, or one before ln_f")
     want = [6 + 1 + int(a) for a in n_acc]
     assert cache.lengths.tolist() == want, \
@@ -194,8 +194,8 @@ def greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best, ca
     for b in range(B):
         want = model(torch.cat([committed[b], probe[b]])[None])[0][0, -2:]
         if not (got[b] - want).abs().max() < 1e-10:
-            raise harness.Fail(f"{case}row {b}: the cache does not hold the committed tokens: logits after it differ by "
-                               f"{(got[b] - want).abs().max().item():.2e}, want below 1e-10",
+            raise harness.Fail(f"{case}row {b}: the cache does not hold the committed tokens: logits after it differ "
+                               f"by {(got[b] - want).abs().max().item():.2e}, want below 1e-10",
                                "the committed tokens' keys and values must sit right after the bonus. What fits: "
                                "the kept branch's left at the slots it was written to (another branch's sit right "
                                "after the bonus), moved from another branch's slots, or written at other positions")
