@@ -54,6 +54,15 @@ def bonus_from_the_global_rng(logits, Q, drafts, temperature, generator=None):
     return accept_prefix(ok, sample(weights))                          # generator forgotten here
 
 
+def coins_in_bfloat16(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_d = 1.0 if Q is None else Q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    coin = torch.rand(p_d.shape, generator=generator, dtype=torch.bfloat16, device=p.device).to(p.dtype)   # 2^-8 apart
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    return accept_prefix(coin * q_d < p_d, sample(weights, generator))
+
+
 def residual_falling_back(fallback):
     """verify_sampled with the residual's fallback to P written as fallback(r, p, logits): r the
     residual max(0, P - Q) and p the target's P (B, k-1, V) at the drafted positions, logits
@@ -121,4 +130,5 @@ CONTROLS = {
     "the coins drawn without the logits' device": dict(verify_sampled=coins_off_the_logits_device),
     "the residual's fallback to P at T = 1": dict(verify_sampled=fallback_to_p_at_one),
     'the bonus drawn by torch.multinomial (a host sync on a GPU)': dict(verify_sampled=bonus_by_multinomial),
+    'the coins drawn in bfloat16': dict(verify_sampled=coins_in_bfloat16),
 }

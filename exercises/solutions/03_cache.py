@@ -56,6 +56,13 @@ def write_rows_indexed_from_the_cpu(cache, layer_idx, k, v, pos):
     return cache.k[layer_idx], cache.v[layer_idx]
 
 
+def commit_zeroes_the_refused(cache, n):
+    cache.lengths += n
+    past = torch.arange(cache.max_len, device=cache.lengths.device) >= cache.lengths[:, None]   # (B, max_len)
+    for buf in (cache.k, cache.v):                      # a rollback: every layer, the whole cache, each step
+        buf.masked_fill_(past[None, :, None, :, None], 0.0)
+
+
 def write_squeezed(cache, layer_idx, k, v, pos):
     at = (cache.layers[layer_idx], cache.rows, slice(None), pos)
     cache.k[at] = k.transpose(1, 2).squeeze().to(cache.k.dtype)      # one token: (B, nh, hs), not (B, 1, nh, hs)
@@ -71,6 +78,7 @@ CONTROLS = {
     'write rebuilds the buffers (torch.cat of the layers)': dict(write=buffers_rebuilt),
     'write builds the layer anew and copies it back': dict(write=layer_rebuilt_and_copied_back),
     'commit of an int makes its tensor on the CPU': dict(commit=commit_of_an_int_on_the_cpu),
+    'commit zeroes the refused entries (a rollback)': dict(commit=commit_zeroes_the_refused),
     "write's row indices are made on the CPU": dict(write=write_rows_indexed_from_the_cpu),
     'write squeezes every dimension (a block of one token)': dict(write=write_squeezed),
 }

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import dblast
 
 project_conditionals = dblast.conditionals   # taken before a check plugs anything in
+project_posterior = dblast.posterior
 
 
 def prior_at_every_position(log_prior, log_qd):
@@ -20,6 +21,10 @@ def products_of_probabilities(log_prior, log_qd):
     before = torch.cat([torch.ones_like(log_qd[..., :1]), log_qd.exp().cumprod(-1)[..., :-1]], -1)
     joint = log_prior.exp().unsqueeze(-1) * before                                            # underflows
     return (joint / joint.sum(1, keepdim=True)).log().transpose(1, 2)
+
+
+def a_floor_under_log_q(log_prior, log_qd):
+    return project_posterior(log_prior, log_qd.clamp(min=-100.0))                    # e^-150 and e^-200 alike
 
 
 def with_posterior(wrong):
@@ -50,7 +55,8 @@ def a_loop_over_the_branches(log_prior, log_q, drafts):
 CONTROLS = {name: dict(posterior=fn, conditionals=with_posterior(fn)) for name, fn in [
     ('the prior at every position', prior_at_every_position),
     ('conditioned on the draft itself', conditioned_on_the_draft_itself),
-    ('products of probabilities', products_of_probabilities)]}
+    ('products of probabilities', products_of_probabilities),
+    ('a floor under log q~ at -100', a_floor_under_log_q)]}
 CONTROLS.update({
     'conditionals squeezed of every dimension (a block of one draft)': dict(conditionals=drafts_read_by_squeeze),
     'a Python loop over the branches': dict(conditionals=a_loop_over_the_branches),
