@@ -594,7 +594,9 @@ def check_plan(args, block_size):
 
 # ----------------------------------------------------------------------------- main
 
-def main(argv=None):
+def main(argv=None, says_resume=True):
+    """train.py's command line. says_resume: its line after an interruption tells to rerun with
+    --resume (False for a caller that passes --resume itself, as bench.py does)."""
     args = parse_args(argv)
     if args.compile:   # inductor's C++ compiler on a CPU: missing, it would fail the first step, not before
         check_compiler(pick_device(args.device))
@@ -604,10 +606,10 @@ def main(argv=None):
         run(args)
     except KeyboardInterrupt:   # one line (run_script) instead of a traceback
         raise KeyboardInterrupt(f"interrupted: every checkpoint in {args.out_dir}/ is as of its last save; "
-                                f"continue with the same command and --resume") from None
+                                f"continue with the same command{' and --resume' * says_resume}") from None
     except NotImplementedError as e:   # a handout (python -m exercises handout): an exercise not written yet
         raise NotImplementedError(f"{e}; every checkpoint in {args.out_dir}/ is as of its last save: write it, "
-                                  f"then the same command with --resume continues") from None
+                                  f"then the same command{' with --resume' * says_resume} continues") from None
     finally:
         torch.set_num_threads(before)
 

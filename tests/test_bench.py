@@ -203,18 +203,21 @@ def test_drafters_table_at_tiny_sizes(tmp_path, corpus_file):
         assert r['same'] == '-' if r['T'] else (0 <= r['same'] <= 1 if hf else r['same'] == 1.0)
 
 
-def test_an_interrupted_training_says_what_bench_does_next(monkeypatch):
+def test_an_interrupted_training_says_what_bench_does_next(monkeypatch, tmp_path):
     """Ctrl-C (or a handout's exercise not written yet) inside one of bench's trainings: train.py's
-    own line names its --resume, which bench.py lacks (it resumes by itself): bench says its own."""
-    args = types.SimpleNamespace(tables=['speed'], ckpt_dir='ck')
-    monkeypatch.setattr(bench, 'trainings', lambda args: [('ckpt', ['--resume'])])
-    for error in (KeyboardInterrupt("interrupted: every checkpoint in ck/ is as of its last save; continue with "
-                                    "the same command and --resume"),
-                  NotImplementedError("exercise 3: write; every checkpoint in ck/ is as of its last save: write it, "
-                                      "then the same command with --resume continues")):
-        def main(argv, error=error):
+    line would tell to add --resume, which bench.py lacks (it passes it itself, train.main's
+    says_resume=False): the line says to run the same command again."""
+    out = str(tmp_path / 'ck')
+    args = types.SimpleNamespace(tables=['speed'], ckpt_dir=out)
+    monkeypatch.setattr(bench, 'trainings', lambda args: [('ckpt', ['--out-dir', out, '--device', 'cpu', '--resume'])])
+    for error, want in ((KeyboardInterrupt(), f"interrupted: every checkpoint in {out}/ is as of its last save; "
+                                              f"continue with the same command"),
+                        (NotImplementedError("exercise 3: write"), f"exercise 3: write; every checkpoint in {out}/ is "
+                                                                   f"as of its last save: write it, then the same "
+                                                                   f"command continues")):
+        def run(args, error=error):
             raise error
-        monkeypatch.setattr(bench.train, 'main', main)
+        monkeypatch.setattr(bench.train, 'run', run)
         with pytest.raises(type(error)) as raised:
             bench.ensure_checkpoints(args)
-        assert '--resume' not in str(raised.value) and 'the same command continues' in str(raised.value)
+        assert str(raised.value) == want
