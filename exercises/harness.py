@@ -205,10 +205,16 @@ def docstring_parts(fn):
     return title, hint.strip()
 
 
+def student_lineno(frames):
+    """The line of the innermost of these frames that lies in a student's file, or None."""
+    lines = [f.lineno for f in frames if os.path.basename(f.filename) == 'student.py']
+    return lines[-1] if lines else None
+
+
 def where_in_student(exc):
     """' (student.py line N)' if the exception was raised inside a student's file, else ''."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.basename(f.filename) == 'student.py']
-    return f" (student.py line {frames[-1].lineno})" if frames else ''
+    line = student_lineno(traceback.extract_tb(exc.__traceback__))
+    return f" (student.py line {line})" if line else ''
 
 
 def raised_by_a_stub(exc):
@@ -676,8 +682,8 @@ class MadeOnCpu(EagerMode):
             raise RuntimeError(f"{func}: a tensor on the cpu sent to the device (meta here): on CUDA a copy from the "
                                f"host that waits for the GPU, a host sync, and one a CUDA graph cannot hold")
         to_host = (func == aten._to_copy.default and args[0].device.type == 'meta'
-                   and str(kwargs.get('device')) == 'cpu') or (func == aten.copy_.default and args[0].device.type ==
-                                                               'cpu' and args[1].device.type == 'meta')
+                   and str(kwargs.get('device')) == 'cpu'
+                   or func == aten.copy_.default and args[0].device.type == 'cpu' and args[1].device.type == 'meta')
         if self.copies and to_host:
             self.copied = self.copied or f"a tensor copied to the CPU (.cpu(), .to('cpu'){student_line()})"
             raise RuntimeError(f"{func}: a tensor on the device (meta here) copied to the cpu")
@@ -705,9 +711,10 @@ class MadeOnCpu(EagerMode):
 
 class HostData(TorchFunctionMode):
     """MadeOnCpu's view of the calls that dispatch no op it could see: torch.tensor (as_tensor,
-    asarray, Tensor.new_tensor) of Python data of one dimension or more, made on the device. On
-    CUDA torch makes it on the host and copies it over, a copy that waits for the GPU; a number
-    alone (a 0-dim tensor) is let through, as MadeOnCpu lets 0-dim CPU tensors through."""
+    asarray, Tensor.new_tensor) of Python data of one dimension or more, made on the device, and a
+    list (or range, or array) used as an index of a tensor on the device. On CUDA torch makes each
+    on the host and copies it over, a copy that waits for the GPU; a number alone (a 0-dim tensor)
+    is let through, as MadeOnCpu lets 0-dim CPU tensors through."""
     MAKERS = ('tensor', 'as_tensor', 'asarray', 'new_tensor')
 
     def __init__(self, made):
@@ -716,35 +723,35 @@ class HostData(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, '__name__', '')
-        data = args[0] if args else kwargs.get('data')
-        device = kwargs.get('device', args[2] if name == 'as_tensor' and len(args) > 2 else None)
-        if name == 'new_tensor':                            # x.new_tensor(data): on x's device
-            data, device = args[1] if len(args) > 1 else kwargs.get('data'), kwargs.get('device', args[0].device)
-        if name in ('__getitem__', '__setitem__') and args[0].device.type != 'cpu':
-            # an index given as a list (or range, or array): torch makes it a tensor on the host and
-            # copies it over, unseen by any mode
-            index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            if any(isinstance(i, (list, range)) or getattr(i, 'ndim', 0) > 0 and not isinstance(i, torch.Tensor)
-                   for i in index):
-                where = f"an index given as Python data (a list){student_line()}, made on the host and copied to " \
-                        f"the device"
-                self.made.copied = self.made.copied or where
-                raise RuntimeError(f"{where} (meta here), from the cpu")
-        if (name in self.MAKERS and device is not None and torch.device(device).type != 'cpu'
-                and (isinstance(data, (list, tuple)) or getattr(data, 'ndim', 0) > 0)
-                and not isinstance(data, torch.Tensor)):
-            where = (f"{'Tensor' if name == 'new_tensor' else 'torch'}.{name} of Python data{student_line()}, made "
-                     f"on the host and copied to the device")
+        what = self.from_the_host(getattr(func, '__name__', ''), args, kwargs)
+        if what:
+            where = f"{what}{student_line()}, made on the host and copied to the device"
             self.made.copied = self.made.copied or where
             raise RuntimeError(f"{where} (meta here), from the cpu")
         return func(*args, **kwargs)
 
+    def from_the_host(self, name, args, kwargs):
+        """What in the call torch would make on the host and copy to the device, or None."""
+        def host_data(x, sequences):   # a Python sequence, or an array of one dimension or more
+            return isinstance(x, sequences) or (getattr(x, 'ndim', 0) > 0 and not isinstance(x, torch.Tensor))
+        if name in ('__getitem__', '__setitem__') and args[0].device.type != 'cpu':
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            return "an index given as Python data (a list)" if any(host_data(i, (list, range)) for i in index) else None
+        if name not in self.MAKERS:
+            return None
+        data = args[0] if args else kwargs.get('data')
+        device = kwargs.get('device', args[2] if name == 'as_tensor' and len(args) > 2 else None)
+        if name == 'new_tensor':                            # x.new_tensor(data): on x's device
+            data, device = args[1] if len(args) > 1 else kwargs.get('data'), kwargs.get('device', args[0].device)
+        if device is not None and torch.device(device).type != 'cpu' and host_data(data, (list, tuple)):
+            return f"{'Tensor' if name == 'new_tensor' else 'torch'}.{name} of Python data"
+        return None
+
 
 def student_line():
     """' at student.py line N' for the innermost frame of student.py on the stack, else ''."""
-    frames = [f for f in traceback.extract_stack() if os.path.basename(f.filename) == 'student.py']
-    return f' at student.py line {frames[-1].lineno}' if frames else ''
+    line = student_lineno(traceback.extract_stack())
+    return f' at student.py line {line}' if line else ''
 
 
 @contextmanager

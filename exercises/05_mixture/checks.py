@@ -119,7 +119,8 @@ def test_no_underflow_over_32_tokens(impl):
     products, and no floor under a log."""
     n = 32
     log_qd = torch.tensor([[-40.0], [-40.3], [-41.0]], dtype=torch.float64).expand(3, n)[None]   # (1, K=3, n)
-    log_w = impl.posterior(torch.log(torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64)), log_qd)
+    log_pi = torch.log(torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64))
+    log_w = impl.posterior(log_pi, log_qd)
     w = log_w.exp()
     bad = ~torch.isfinite(w).all(-1)[0]
     assert not bad.any(), \
@@ -137,7 +138,6 @@ def test_no_underflow_over_32_tokens(impl):
     # the conditionals over the same block: the drafted token at those logs, the rest of each row's
     # mass spread over the other tokens
     V = 5
-    log_pi = torch.log(torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64))
     log_q = torch.log((1 - log_qd.exp()) / (V - 1))[..., None].expand(1, 3, n, V).clone()
     log_q[..., 0] = log_qd                                                        # every draft is token 0
     Q = impl.conditionals(log_pi, log_q, torch.zeros(1, n, dtype=torch.long))

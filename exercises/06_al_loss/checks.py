@@ -29,25 +29,25 @@ def tails(a):
     return torch.stack([torch.logsumexp(a[..., j:], -1) for j in range(a.size(-1))], -1)
 
 
+def shaped(what, got, want, named, hint):
+    """got, a tensor of shape `want`; else a Fail saying what `what` returned."""
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != want:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise harness.Fail(f"{what} returned {shape}, want {named} = {want}", hint)
+    return got
+
+
 def prefix(impl, log_prior, log_qx, log_px):
     """impl.prefix_log_accept, its shape checked: a (N, n)."""
-    a = impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture')
-    want = tuple(log_px.shape)
-    if not isinstance(a, torch.Tensor) or tuple(a.shape) != want:
-        got = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
-        raise harness.Fail(f"prefix_log_accept returned {got}, want a of (N, n) = {want}",
-                           harness.ONE_ROW_HINT if want[0] == 1 else '')
-    return a
+    return shaped('prefix_log_accept', impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture'),
+                  tuple(log_px.shape), 'a of (N, n)', harness.ONE_ROW_HINT if len(log_px) == 1 else '')
 
 
 def surrogate(impl, a, nll, tau_threshold):
     """impl.al_surrogate, its shape checked: L per row (N,)."""
-    loss = impl.al_surrogate(a, nll, tau_threshold)
-    if not isinstance(loss, torch.Tensor) or tuple(loss.shape) != tuple(nll.shape):
-        got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise harness.Fail(f"al_surrogate returned {got}, want the loss of each row, (N,) = {tuple(nll.shape)}",
-                           harness.ONE_ROW_HINT if len(nll) == 1 else "one loss per row: no mean over the rows")
-    return loss
+    return shaped('al_surrogate', impl.al_surrogate(a, nll, tau_threshold), tuple(nll.shape),
+                  'the loss of each row, (N,)',
+                  harness.ONE_ROW_HINT if len(nll) == 1 else "one loss per row: no mean over the rows")
 
 
 def random_block(N=8, K=3, n=4, seed=0):
@@ -217,10 +217,8 @@ def test_the_threshold_at_its_edges(impl):
               (torch.tensor([[-90.0, -95.0, -100.0, -101.0]]), nll[1:].float()),   # float32, as training upcasts
               (torch.tensor([[-1.0, -3.0, -110.0, -120.0]]), nll[1:].float())]
     for a_, nll_ in deeper:
-        got = surrogate(impl, a_, nll_, 0.0)
         want = -tails(a_)[0].mean()
-        if isinstance(got, torch.Tensor) and got.dtype != want.dtype:   # a loss in float64 of float32's a: fine
-            got = got.to(want.dtype)
+        got = surrogate(impl, a_, nll_, 0.0).to(want.dtype)             # a loss in float64 of float32's a: fine
         if not torch.allclose(got, want.reshape(1)):
             hint = ("tau_threshold 0 keeps every prefix: log 0 is -inf, below every a_j, whatever its size; a guard "
                     "such as log(max(tau_threshold, 1e-12)) turns 0 into a threshold of e^-27.6, and one of the "

@@ -120,6 +120,11 @@ def paths(tokens, tree, b, n):
     return found
 
 
+def nodes_of(tokens, tree, n):
+    """Row 0's drafted nodes, each a prefix (a tuple of tokens), sorted; padding left out."""
+    return sorted(p for s, p in paths(tokens, tree, 0, n).items() if s)
+
+
 def scores_of(world, b, found):
     return sorted((world.score(b, p) for s, p in found.items() if s), reverse=True)
 
@@ -194,8 +199,7 @@ def test_ties_go_to_the_shallower(impl):
         for last in (False, True):
             with harness.TieOrder(last):
                 tokens, tree = grown(impl, world, nodes)
-            found = paths(tokens, tree, 0, world.n)
-            chosen = sorted(found[s] for s in found if s)
+            chosen = nodes_of(tokens, tree, world.n)
             if chosen not in right:
                 raise harness.Fail(f"the chosen nodes {[list(p) for p in chosen]}, {want}"
                                    + (" (here every sort without stable=True put equal values last index first, as "
@@ -234,8 +238,7 @@ def test_padding_where_the_drafter_gives_no_probability(impl):
                                                 "own token's log q rather than its prefix's score")):
         tokens, tree = grown(impl, world, 6)
         parent = tree[0, 0].tolist()
-        found = paths(tokens, tree, 0, world.n)
-        real = sorted(found[s] for s in found if s)
+        real = nodes_of(tokens, tree, world.n)
         if real != [(0,), (0, 0), (0, 1)] or parent.count(-1) != 3:
             raise harness.Fail(f"{what}parents {parent}, the nodes they make {[list(p) for p in real]}; want [0], "
                                f"[0, 0] and [0, 1], and the other 3 slots padding (parent -1)"
@@ -244,8 +247,7 @@ def test_padding_where_the_drafter_gives_no_probability(impl):
     faint = World(B=1, V=3, n=2, table=[torch.tensor([[[0.0, -120.0, -math.inf]]], dtype=torch.float64),
                                         torch.tensor([[[0.0, -math.inf, -math.inf]] * 3], dtype=torch.float64)])
     tokens, tree = grown(impl, faint, 3)
-    found = paths(tokens, tree, 0, faint.n)
-    real = sorted(found[s] for s in found if s)
+    real = nodes_of(tokens, tree, faint.n)
     if real != [(0,), (0, 0), (1,)]:
         raise harness.Fail(f"node [1] of score -120 (probability e^-120): the nodes {[list(p) for p in real]}, want "
                            f"[0], [0, 0] and [1], none padding", "padding is for a score of -inf alone: what fits is "
