@@ -68,10 +68,10 @@ def test_the_command_refuses_bad_input_in_one_line(argv, needle):
 
 def test_check_says_pass_or_fail_per_check():
     code, out, _ = in_process(lambda: exercises_main(['check', '1']))
-    assert code == 1 and out.count('FAIL') == 5 and 'not written yet' in out and '0 of 5 checks pass' in out
+    assert code == 1 and out.count('FAIL') == 6 and 'not written yet' in out and '0 of 6 checks pass' in out
     if HAVE_SOLUTIONS:
         code, out, _ = in_process(lambda: exercises_main(['check', '1', '--solution']))
-        assert code == 0 and out.count('PASS') == 5 and '5 of 5 checks pass' in out
+        assert code == 0 and out.count('PASS') == 6 and '6 of 6 checks pass' in out
 
 
 def test_a_failure_chooses_its_own_hint():

@@ -106,6 +106,41 @@ def test_a_wrong_draft_first_middle_last(impl):
                                    "yours is neither that one nor the one a position later"))
 
 
+def test_ties_near_ties_long_blocks(impl):
+    """Ties, near-ties and a long block. The bonus is torch.argmax's (the first of tied maxima, as
+    plain greedy decoding takes it) in the logits' own dtype: row 0 ties two or three tokens at
+    every position (vocabularies of 40 and 4000), row 1 puts token 3 1e-12 above token 1 in float64
+    (equal in float32); and a block of k = 40, every draft right in one row and the 35th refused in
+    the other."""
+    for V, tied in ((40, [7, 30]), (4000, [7, 1900, 3000])):
+        logits = torch.zeros(2, 3, V, dtype=torch.float64)
+        logits[0, :, tied] = 1.0
+        logits[1, :, 1], logits[1, :, 3] = 1.0, 1.0 + 1e-12
+        drafts = logits[:, :-1].argmax(-1)                              # both right: 7 7 and 3 3
+        _, n_acc, bonus = impl.verify_greedy(logits, drafts, EXACT)
+        if bonus.long().tolist() != [7, 3]:
+            raise harness.Fail(f"bonus {bonus.tolist()}, want [7, 3]: row 0 ties tokens {tied} of {V} (argmax takes "
+                               f"the first), row 1 has token 3 1e-12 above token 1 in float64",
+                               "the bonus is logits.argmax(-1) at the last committed position, in the logits' dtype: "
+                               + ("what fits is a tie broken the other way (topk, sort and max over a float cast do "
+                                  "not promise the first of equals)" if bonus[0] != 7 else
+                                  "what fits is a cast to float32 (or lower) first, which makes tokens 1 and 3 equal"))
+        if n_acc.tolist() != [2, 2]:
+            raise harness.Fail(f"every draft is the argmax (ties and near-ties, V = {V}): n_acc {n_acc.tolist()}, "
+                               f"want [2, 2]")
+    k = 40
+    greedy = torch.randint(11, (2, k), generator=torch.Generator().manual_seed(4))
+    drafts = greedy[:, :-1].clone()
+    drafts[1, 34] = (drafts[1, 34] + 1) % 11
+    accepted, n_acc, bonus = impl.verify_greedy(scripted(greedy, 11), drafts, EXACT)
+    assert_outputs(accepted, n_acc, bonus, 2, k)
+    if n_acc.tolist() != [39, 34] or bonus.long().tolist() != [int(greedy[0, 39]), int(greedy[1, 34])]:
+        raise harness.Fail(f"k = 40, every draft right in row 0, drafts[1, 34] wrong: n_acc {n_acc.tolist()}, bonus "
+                           f"{bonus.tolist()}, want [39, 34], {[int(greedy[0, 39]), int(greedy[1, 34])]}",
+                           "the checks above use k <= 8: what fits is something that holds only for short blocks "
+                           "(a table or a bit pattern of a fixed width)")
+
+
 def test_the_rule_decides(impl):
     """The acceptance rule decides. Not a hard-coded argmax: with top-2 acceptance the second most
     likely tokens are all accepted, and with minblock:3 the first two drafts pass."""

@@ -50,6 +50,14 @@ def prefix_read_on_the_host(logits, drafts, accept):
     return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
 
 
+def bonus_by_topk(logits, drafts, accept):
+    rule, param = accept
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    best = logits.topk(1, dim=-1).indices[..., 0]        # ties: not always the first of equals, as argmax's
+    return accepted, n_acc, best.gather(1, n_acc[:, None]).squeeze(1)
+
+
 CONTROLS = {
     'counts past the first rejection': dict(verify_greedy=counts_past_the_first_rejection),
     'bonus one position late': dict(verify_greedy=bonus_one_position_late),
@@ -57,4 +65,5 @@ CONTROLS = {
     'a Python loop over the rows': dict(verify_greedy=one_row_at_a_time),
     'the bonus squeezed of every dimension (one row: a 0-dim tensor)': dict(verify_greedy=every_dimension_squeezed),
     'the prefix counted in Python from .tolist() (a host sync)': dict(verify_greedy=prefix_read_on_the_host),
+    'the bonus by topk (a tie broken otherwise than argmax)': dict(verify_greedy=bonus_by_topk),
 }
