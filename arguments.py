@@ -1,8 +1,8 @@
 """
 What decode.generate accepts: every user error it can meet, checked before any work and raised as
 one line (cli.BadInput) that names the argument (its flag, from generate.py), what was given and
-what is allowed. None of it is the algorithm; decode.py calls `check_args` first, then checks the
-acceptance rule beside its table (decode.check_accept).
+what is allowed. None of it is the algorithm; decode.py calls `check_args` first, then reads the
+acceptance rule beside its table (decode.parse_accept) and `check_accept` checks it here.
 
 A setting that means nothing here is refused too (k without a drafter, several paths with a
 drafter that drafts one), and a drafter has its own word on what means nothing to it
@@ -33,7 +33,7 @@ def named(name, value, cli=False):
 
 def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0, cli=False, paths=1,
                generator=None, compile=False, threads=None, nodes=None):
-    """Every user error of generate()'s arguments but the acceptance rule (decode.check_accept), as
+    """Every user error of generate()'s arguments but the acceptance rule (check_accept), as
     a one-line BadInput naming the argument (the command-line flag when cli=True). Returns k: the
     drafter's when None, 1 for plain decoding."""
     def say(name, value):
@@ -142,3 +142,21 @@ def check_drafter(model, drafter, k, paths, nodes, say):
         raise BadInput(f"{say('nodes', nodes)}: this drafter grows no token trees (no next_log_q of its own: "
                        f"heads.Drafter's)")
     return k
+
+
+def check_accept(accept, param, temperature, drafter, k, nodes, cli=False):
+    """The acceptance rule `accept` (its text; param: its N, as decode.parse_accept read it) against
+    the other settings, k the block's: every rule but 'exact' is lossy, so greedy-only, and judges
+    one block."""
+    say, lossy = named('accept', accept, cli), accept != 'exact'
+    if lossy and drafter is None:
+        raise BadInput(f"{say} means nothing without a drafter: plain decoding takes the target's own token, one a "
+                       f"call")
+    if lossy and temperature > 0:
+        raise BadInput(f"{say} is lossy and greedy-only; with temperature > 0 use exact acceptance")
+    if lossy and nodes is not None:
+        raise BadInput(f"{say} with {named('nodes', nodes, cli)}: a tree is walked with the target's own choices, "
+                       f"exactly; the lossy rules judge one block")
+    if accept.startswith('minblock:') and param > k:   # it would take every draft and still not reach N
+        raise BadInput(f"{say} at {named('k', k, cli)}: a step commits at most k = {k} tokens, so at least {param} "
+                       f"cannot be kept; use minblock:N with N <= k (N = k takes every draft unverified)")

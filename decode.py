@@ -11,7 +11,7 @@ Read in this order (MATH.md has every equation):
                                        it), generate
 What only `compile=True` needs (static buffers, compiled steps, several steps a host call, CUDA
 graphs) is runner.py's: the loop reads the same without it. generate's argument checks are
-arguments.py's, but for the acceptance rule's, which sit beside its table (check_accept).
+arguments.py's (the acceptance rule's text is read here, beside its table: parse_accept).
 Drafters follow one contract (heads.Drafter); drafters.py holds the ones that read the text, and
 loads any drafter. The command line is generate.py's; the model's own `GPT.generate` (no cache,
 full recompute) is the reference every greedy path here is tested against token for token, and
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import runner
-from arguments import check_args, named
+from arguments import check_accept, check_args, named
 from cli import BadInput, decoding_threads, num_threads
 from heads import Text, grow_tree
 from model import sample, tempered, upcast
@@ -93,25 +93,6 @@ def parse_accept(accept, vocab_size=None, cli=False):
         return rule, None if read is None else read(text, vocab_size)
     except ValueError as e:
         raise BadInput(f"{named('accept', accept, cli)}: {e} (use one of {usage})")
-
-
-def check_accept(accept, temperature, drafter, k, nodes, vocab_size, cli=False):
-    """The acceptance rule's own checks, after arguments.check_args has checked the rest (k is the
-    block's): a rule of ACCEPT that fits the other settings. Returns (rule, param)."""
-    rule, param = parse_accept(accept, vocab_size, cli)
-    say, lossy = named('accept', accept, cli), accept != 'exact'
-    if lossy and drafter is None:
-        raise BadInput(f"{say} means nothing without a drafter: plain decoding takes the target's own token, one a "
-                       f"call")
-    if lossy and temperature > 0:
-        raise BadInput(f"{say} is lossy and greedy-only; with temperature > 0 use exact acceptance")
-    if lossy and nodes is not None:
-        raise BadInput(f"{say} with {named('nodes', nodes, cli)}: a tree is walked with the target's own choices, "
-                       f"exactly; the lossy rules judge one block")
-    if rule is min_block and param > k:   # it would take every draft and still not reach N
-        raise BadInput(f"{say} at {named('k', k, cli)}: a step commits at most k = {k} tokens, so at least {param} "
-                       f"cannot be kept; use minblock:N with N <= k (N = k takes every draft unverified)")
-    return rule, param
 
 
 def accept_sampled(p, Q, drafts, generator=None):
@@ -562,15 +543,17 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     more call, so plain decoding takes m calls for m tokens), tokens (new tokens over the batch),
     tokens_per_call (tokens / calls), mean_tau (tokens committed per step, bonus included, over
     every step of every row), accept_lengths (that tau, step by step, row by row), accept_rate
-    (per draft position, the share of steps it was accepted). generate.merged_stats adds up
-    several calls'.
+    (per draft position, the share of steps it was accepted). A row's last step may accept drafts
+    past max_new_tokens: tau and accept_rate count them (the target verified them), tokens does
+    not (they are cut). generate.merged_stats adds up several calls'.
     """
     k = check_args(model, prompt, max_new_tokens, drafter, k, temperature, paths=paths, nodes=nodes,
                    generator=generator, compile=compile, threads=threads)
-    accept = check_accept(accept, temperature, drafter, k, nodes, model.config.vocab_size)
+    rule, param = parse_accept(accept, model.config.vocab_size)
+    check_accept(accept, param, temperature, drafter, k, nodes)
     with num_threads(decoding_threads(model, prompt.device) if threads == 'auto' else threads):
-        return decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths,
-                           nodes)
+        return decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, (rule, param), generator, compile,
+                           paths, nodes)
 
 
 def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths, nodes=None):

@@ -34,12 +34,12 @@ import time
 import torch
 
 import runner
-from arguments import MAX_NODES, MAX_PATHS, check_args
+from arguments import MAX_NODES, MAX_PATHS, check_accept, check_args
 from cli import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, check_number, decoding_precision,
                  intra_op_threads, pick_device, run_script)
 from data import load_checkpoint, target_from, vocab_for
 from dblast import PATHS_FROM, VERIFY
-from decode import check_accept, generate, parse_accept
+from decode import generate, parse_accept
 from drafters import MixedPaths, PromptLookup, load_draft_model, load_drafter
 
 # the default block of the drafters that can draft any length: gpt-fast drafts 5 tokens with its
@@ -325,7 +325,8 @@ def decode_cli(args, device, precision):
     paths = args.paths if len(drafters) < 2 else len(drafters)
     # the drafter's own word on what means nothing here (heads.Drafter.meaningless), named as flags
     k = check_args(model, prompt, max_new, drafter, args.k, args.temperature, cli=True, paths=paths, nodes=args.nodes)
-    check_accept(args.accept, args.temperature, drafter, k, args.nodes, model.config.vocab_size, cli=True)
+    check_accept(args.accept, parse_accept(args.accept, model.config.vocab_size, cli=True)[1], args.temperature,
+                 drafter, k, args.nodes, cli=True)
     kw = dict(temperature=args.temperature, compile=args.compile, threads=None)   # intra_op_threads' above
 
     def gen(**extra):

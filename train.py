@@ -592,6 +592,29 @@ def check_plan(args, block_size):
                            f"{PROMPT_LEN + block + 2}; see --block-size)")
 
 
+def unfinished_target(ckpt, path):
+    """A note for a target whose training stopped before its --max-iters ('' for one that did not,
+    or a checkpoint that does not say, as nanoGPT's may not)."""
+    done, config = ckpt.get('iter_num'), ckpt.get('config')
+    planned = config.get('max_iters') if isinstance(config, dict) else None
+    if not (isinstance(done, int) and isinstance(planned, int) and done < planned):
+        return ''
+    return (f"note: the target in {path} stopped at step {done} of {planned}: the drafters train for it as it is; "
+            f"to finish it first, --stages base --resume")
+
+
+def check_batch(args, device, n_embd):
+    """--batch-size against the memory free, by arithmetic before any stage runs: a lower bound of
+    what one training step holds (past it the operating system kills the run without a word)."""
+    B, T, V = args.batch_size, args.block_size, args.vocab_size
+    holds = {'base': (4 * B * T * V, 'its float32 logits'), 'draft': (4 * B * T * V, 'its float32 logits'),
+             'heads': (4 * B * (T - args.k) * n_embd, "the target's float32 hidden states")}
+    for stage in args.stages:
+        if stage in holds:
+            n_bytes, what = holds[stage]
+            check_fits(n_bytes, device, f"--batch-size {B}: one step of the {stage} stage ({what} alone)")
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv=None, says_resume=True):
@@ -654,14 +677,18 @@ def train_all(rt, args):
         model = target_from(ckpt, base_path, rt.device)
         vocab = vocab_for(ckpt, base_path, model.config.vocab_size, args.meta or ds.meta)
         args.block_size, args.vocab_size = model.config.block_size, model.config.vocab_size
+        unfinished = unfinished_target(ckpt, base_path)
         del ckpt
     ds.check(args.vocab_size, vocab)
     check_plan(args, args.block_size)
+    check_batch(args, rt.device, args.n_embd if model is None else model.config.n_embd)
     if len(ds.train) <= args.block_size + 1 or len(ds.val) <= args.block_size + 1:
         raise BadInput(f"--data: too little text for --block-size {args.block_size}")
     rt.print(f"preset {args.preset} on {rt.device}, training in {rt.precision}, decoding in float32"
              + (f", CPU threads: {torch.get_num_threads()}" if rt.kind == 'cpu' else "")
              + (f", {rt.world} processes" if rt.ddp else ""))
+    if 'base' not in args.stages and unfinished:
+        rt.print(unfinished)
     t_start = time.perf_counter()
     if 'base' in args.stages:
         model = stage_base(rt, args, ds, vocab)

@@ -199,6 +199,9 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
     if resume is not None:
         restore(rt, opt, resume, name)
         start = resume['iter_num']
+        changed = changed_flags(resume.get('config'), vars(args))
+        if changed:
+            rt.print(f"{name}: resumed at step {start} of a run made with {changed}; the steps after it follow this run's flags")
     step = torch.compile(model) if args.compile else model
     follow = follow_load(rt) if args.threads is None and rt.kind == 'cpu' and not rt.ddp else None
     bar = progress(range(start, iters), desc=name, disable=not rt.master, initial=start, total=iters)
@@ -243,6 +246,20 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
 
 
 # ----------------------------------------------------------------------------- resume
+
+# flags that change nothing a stage learns: a resumed run may give others without a note
+UNLEARNT = ('resume', 'out_dir', 'stages', 'threads', 'device', 'compile', 'no_demo', 'eval_interval', 'eval_iters',
+            'ckpt_interval', 'preset')
+
+
+def changed_flags(made_with, now):
+    """The flags of a checkpoint's run (its config) that this run gives otherwise, as one phrase
+    ('--lr 0.003, --seed 1': the checkpoint's values), '' where none is."""
+    if not isinstance(made_with, dict):
+        return ''
+    return ', '.join(f"--{key.replace('_', '-')} {made_with[key]}" for key in sorted(now)
+                     if key in made_with and key not in UNLEARNT and made_with[key] != now[key])
+
 
 def restore(rt, opt, resume, name):
     """The optimizer's and the RNGs' states of a resumed stage, each checked against what this run

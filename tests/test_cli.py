@@ -477,6 +477,10 @@ CASES = [
                   prepare=copy_over('ckpt.pt', '{files}/million_layers.pt')),
     train_refused('n-layer-a-million', ['--n-layer', '1000000', '--n-embd', '1024', '--n-head', '16'], 'free on cpu',
                   stages='base', within=20),        # by arithmetic, before the model is made
+    train_refused('batch-size-a-billion', ['--batch-size', '1000000000'], '--batch-size 1000000000', 'base stage',
+                  'free on cpu', stages='base', within=20),   # by arithmetic: the step's logits alone
+    train_refused('heads-batch-size-a-billion', ['--batch-size', '1000000000'], 'heads stage', 'free on cpu',
+                  stages='heads', within=20),
     # ------------------------------------------------------------------ dataset folders
     train_refused('data-nanogpt-odd-val', ['--data', '{files}/nanogpt_odd_val'], 'val.bin has 1001 bytes'),
     train_refused('data-nanogpt-no-val', ['--data', '{files}/nanogpt_no_val'], 'val.bin is missing'),

@@ -145,7 +145,7 @@ def test_frozen_heads_train_on_hidden_states_made_once(tmp_path, corpus_file, mo
 
 # --------------------------------------------------------------------------- checkpoints
 
-def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monkeypatch):
+def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monkeypatch, capsys):
     a, b = tmp_path / 'interrupted', tmp_path / 'straight'
     # one thread in every run: by default each run picks its threads by the machine's load at its
     # start, and sums split over other threads round differently
@@ -162,7 +162,9 @@ def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monk
     monkeypatch.setattr(trainer, 'lr_at', real_lr_at)
     ck4 = load_checkpoint(str(a / 'ckpt.pt'))
     assert ck4['iter_num'] == 4
+    capsys.readouterr()
     train.main(common + ['--out-dir', str(a), '--max-iters', '6', '--resume'])
+    assert 'resumed at step' not in capsys.readouterr().out   # the same flags: no note
     train.main(common + ['--out-dir', str(b), '--max-iters', '6'])
 
     ra, rb = load_checkpoint(str(a / 'ckpt.pt')), load_checkpoint(str(b / 'ckpt.pt'))
@@ -195,6 +197,24 @@ def test_resume_refuses_a_different_model(tmp_path, corpus_file):
     args[args.index('--n-embd') + 1] = '32'
     with pytest.raises(BadInput, match='--resume'):
         train.main(args + ['--resume', '--max-iters', '2'])
+
+
+def test_resume_with_other_flags_says_which(tmp_path, corpus_file, capsys):
+    common = TINY + ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--ckpt-interval', '1']
+    train.main(common + ['--max-iters', '1', '--lr', '0.002', '--threads', '1'])
+    capsys.readouterr()
+    train.main(common + ['--max-iters', '2', '--lr', '0.001', '--threads', '2', '--resume'])
+    said = capsys.readouterr().out
+    # the checkpoint's values of the flags that changed what is learnt; --threads changes nothing
+    assert 'base: resumed at step 1 of a run made with --lr 0.002, --max-iters 1;' in said, said
+
+
+def test_drafters_of_an_unfinished_target_get_a_note():
+    note = train.unfinished_target(dict(iter_num=30, config=dict(max_iters=60)), 'out/ckpt.pt')
+    assert 'out/ckpt.pt stopped at step 30 of 60' in note and '--stages base --resume' in note
+    assert train.unfinished_target(dict(iter_num=60, config=dict(max_iters=60)), 'p') == ''
+    assert train.unfinished_target(dict(iter_num=3, config=dict(max_iters='60')), 'p') == ''   # says nothing: none
+    assert train.unfinished_target(dict(model={}), 'p') == ''                                  # nanoGPT's may lack both
 
 
 def test_interrupted_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
