@@ -93,6 +93,25 @@ def delta_of_zero_let_through(text, vocab_size):
     return epsilon, delta
 
 
+def a_guard_added_inside_the_log(logits, drafts, param):
+    epsilon, delta = param
+    p = F.softmax(logits[:, :-1], dim=-1)
+    entropy = -(p * (p + 1e-6).log()).sum(-1)                     # the guard shifts every term a little
+    threshold = (delta * torch.exp(-entropy)).clamp(max=epsilon)
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
+
+
+def read_by_literal_eval(text, vocab_size):
+    import ast
+    try:
+        epsilon, delta = ast.literal_eval(text)                    # reads 'True,0.5' and '(0.1,0.2)' too
+    except (ValueError, SyntaxError, TypeError):
+        raise ValueError("give two numbers, EPSILON,DELTA")
+    if not (0 < epsilon <= 1 and 0 < delta < 1):
+        raise ValueError("need 0 < EPSILON <= 1 and 0 < DELTA < 1")
+    return float(epsilon), float(delta)
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
@@ -103,4 +122,7 @@ CONTROLS = {
     'parse_typical refuses an epsilon of exactly 1': dict(parse_typical=epsilon_of_one_refused),
     'parse_typical lets a nan DELTA through': dict(parse_typical=nan_delta_let_through),
     'parse_typical lets a DELTA of 0 or below through': dict(parse_typical=delta_of_zero_let_through),
+    'a guard added inside the log, log(p + 1e-6) (off over a large vocabulary)': dict(
+        typical=a_guard_added_inside_the_log),
+    "parse_typical reads with Python's literal_eval (True is a number there)": dict(parse_typical=read_by_literal_eval),
 }
