@@ -16,6 +16,7 @@ import train
 from conftest import V8, V8_PROMPT, peaky
 from dblast import (DBlastDrafter, TargetSamples, al_surrogate, contexts, expected_accepted, log_conditionals, posterior,
                     prefix_log_accept, prior)
+from data import PROMPT_LEN
 from decode import generate
 from exercises import harness
 from heads import BlockHeads
@@ -373,3 +374,163 @@ def test_target_samples_chunked_within_the_budget(monkeypatch):
         chunked = TargetSamples.of(model, seqs, T, precision)
         assert precision.n == math.ceil(n / rows)
         torch.testing.assert_close(chunked, one)
+
+
+# ----------------------------------------------------------------------------- MATH.md's equations, written out
+
+def test_dblast_anchor_expander_and_branches_are_math_md_s5_equations():
+    """§5: u = LN(W_u [h; e(b)]), log pi = log_softmax(W_pi u), u_z = u + g_z(u) with
+    g(u) = W_g2 relu(W_g1 u) reshaped into K offsets, q_i(.|z) = softmax(BlockHeads(u_z)_i / T)."""
+    target = peaky(GPT(V8), 0.3, 0)
+    d = peaky(dblast.DBlastDrafter(V8, 4, 3), 0.3, 1)
+    g = torch.Generator().manual_seed(0)
+    h, b = torch.randn(5, V8.n_embd, generator=g, dtype=torch.float64), torch.randint(8, (5,), generator=g)
+    with torch.no_grad():
+        u = d.ln_u(torch.cat([h, target.transformer.wte(b)], -1) @ d.w_u.weight.T + d.w_u.bias)
+        log_pi = F.log_softmax(u @ d.w_pi.weight.T + d.w_pi.bias, -1)
+        g_u = F.relu(u @ d.g_fc.weight.T + d.g_fc.bias) @ d.g_proj.weight.T + d.g_proj.bias
+        u_z = u[:, None] + g_u.view(5, 3, V8.n_embd)
+        got_pi, got_uz = d.anchor(h, b, target)
+        torch.testing.assert_close(got_pi, log_pi, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got_uz, u_z, rtol=0, atol=1e-12)
+        _, logits = d.mixture_logits(h, b, target, 4)                        # (5, K, 3, V)
+        torch.testing.assert_close(logits, d.block(u_z, target.lm_head, 3), rtol=0, atol=1e-12)
+        T = 0.7
+        x = torch.randint(8, (5, 3), generator=g)
+        want = F.log_softmax(logits / T, -1).gather(-1, x[:, None, :, None].expand(5, 3, 3, 1)).squeeze(-1)
+        torch.testing.assert_close(dblast.branch_log_q(logits, x, T, True), want, rtol=0, atol=1e-12)
+
+
+def test_math_md_s5_example_branch_half_mixture_one():
+    """§5's example: greedy branches, pi' = (1/2, 1/2), first tokens a != b, p(a) = p(b) = 1/2:
+    branch-conditional verification accepts the first draft w.p. 1/2, the mixture w.p. 1 (exact, by
+    the identity E_{x~p} exp(a_1), and directly by sum_v min(p, Q_1) with Q_1 from dblast.conditionals)."""
+    V, a, b = 4, 1, 3
+    log_prior = torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64))
+    logits = torch.zeros(1, 2, 1, V, dtype=torch.float64)
+    logits[0, 0, 0, a] = logits[0, 1, 0, b] = 5.0                            # branch 0 drafts a, branch 1 b
+    log_q = dblast.branch_log_probs(logits, 1.0, False)                       # one-hot q~ (greedy branches)
+    p = torch.zeros(V, dtype=torch.float64)
+    p[a] = p[b] = 0.5
+    acc = {}
+    for verify in ('mixture', 'branch'):
+        tot = 0.0
+        for x in (a, b):                                                     # x ~ p
+            log_qx = log_q[..., x]                                           # (1, K, 1)
+            A = dblast.prefix_log_accept(log_prior, log_qx, torch.full((1, 1), math.log(0.5), dtype=torch.float64),
+                                         verify)
+            tot += 0.5 * float(A.exp())
+        acc[verify] = tot
+    assert abs(acc['branch'] - 0.5) < 1e-12 and abs(acc['mixture'] - 1.0) < 1e-12, acc
+    Q1 = dblast.conditionals(log_prior, log_q, torch.tensor([[a]]))[0, 0]
+    assert abs(float(torch.minimum(p, Q1).sum()) - 1.0) < 1e-12
+
+
+def test_branch_form_is_the_prior_mix_of_each_branch_alone_and_the_mixture_form_at_k1():
+    """§5/§6: branch-conditional acceptance is linear in the prior, exp(a_j^branch) =
+    sum_z pi'_z exp(a_j of branch z alone) at every j (so AL_branch = sum_z pi'_z AL(z) <= max_z AL(z));
+    and with K = 1 the two forms of a_j coincide."""
+    g = torch.Generator().manual_seed(0)
+    N, K, n = 16, 3, 5
+    log_prior = F.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64), -1)
+    log_qx = -torch.rand(N, K, n, generator=g, dtype=torch.float64) * 3
+    log_px = -torch.rand(N, n, generator=g, dtype=torch.float64) * 3
+    a = dblast.prefix_log_accept(log_prior, log_qx, log_px, 'branch')
+    one = torch.zeros(N, 1, dtype=torch.float64)
+    alone = torch.stack([dblast.prefix_log_accept(one, log_qx[:, z:z + 1], log_px, 'mixture') for z in range(K)], 1)
+    torch.testing.assert_close(a.exp(), (log_prior.exp()[..., None] * alone.exp()).sum(1), rtol=1e-12, atol=1e-14)
+    AL = alone.exp().sum(-1)                                                 # (N, K) AL(z)
+    assert (a.exp().sum(-1) <= AL.max(-1).values + 1e-12).all()
+    torch.testing.assert_close(dblast.prefix_log_accept(one, log_qx[:, :1], log_px, 'branch'),
+                               dblast.prefix_log_accept(one, log_qx[:, :1], log_px, 'mixture'), rtol=0, atol=1e-12)
+    assert (a[:, 1:] <= a[:, :-1]).all()                                     # a_j never increases (R is a prefix)
+
+
+def test_mixture_nll_is_minus_log_of_the_joint_for_several_branches():
+    """§6: L_nll = -log sum_z pi_z prod_i q_i(x_i | z), K = 3 (the existing test has K = 1, where a
+    logsumexp over one branch is the identity): against probability space, and exp(-L_nll) summed
+    over every block is 1."""
+    target = peaky(GPT(V8), 0.3, 0)
+    d = peaky(dblast.DBlastDrafter(V8, 4, 3), 0.3, 2)
+    xs = torch.tensor(list(itertools.product(range(8), repeat=3)))         # every block (512, 3)
+    h = torch.randn(1, V8.n_embd, generator=torch.Generator().manual_seed(0), dtype=torch.float64).expand(512, -1)
+    bonus = torch.full((512,), 3)
+    with torch.no_grad():
+        log_pi, log_qx = d.log_q(h, bonus, target, xs, 0.8)
+        nll = dblast.DBlastDrafter.nll(log_pi, log_qx)
+    joint = (log_pi.exp() * log_qx.exp().prod(-1)).sum(-1)
+    torch.testing.assert_close(nll, -joint.log(), rtol=0, atol=1e-12)
+    assert abs(float((-nll).exp().sum()) - 1.0) < 1e-12
+
+
+def test_contexts_are_math_md_s6_positions():
+    """§6: the context at t has h = H_t, b = y_{t+1}, x = y_{t+2..t+k} and
+    log p_i(x_i) = log p_T(y_{t+1+i} | y_{<=t+i}), read against a full forward (float64)."""
+    cfg = GPTConfig(block_size=48, vocab_size=8, n_layer=1, n_head=2, n_embd=16)
+    model = peaky(GPT(cfg), 0.3, 0)
+    seqs = torch.randint(8, (3, 44), generator=torch.Generator().manual_seed(1))
+    T, k = 0.8, 4
+    samples = dblast.TargetSamples.of(model, seqs, T, chunk=3)
+    samples = dblast.TargetSamples(samples.seqs, samples.H.double(), samples.LP.double())
+    rows, pos = torch.tensor([0, 1, 2, 2]), torch.tensor([31, 35, 39, 33])
+    h, b, x, lp = dblast.contexts(samples, k, rows, pos)
+    with torch.no_grad():
+        H = model.hidden(seqs)
+        logp = F.log_softmax(model.lm_head(H) / T, -1)                       # logp[r, s] = p(. | y_<=s)
+    for m, (r, t) in enumerate(zip(rows.tolist(), pos.tolist())):
+        torch.testing.assert_close(h[m], H[r, t], rtol=0, atol=1e-6)
+        assert int(b[m]) == int(seqs[r, t + 1])
+        assert x[m].tolist() == seqs[r, t + 2:t + k + 1].tolist()
+        want = torch.stack([logp[r, t + i, seqs[r, t + 1 + i]] for i in range(1, k)])
+        torch.testing.assert_close(lp[m], want, rtol=0, atol=1e-5)       # LP is kept in float32
+
+
+def test_expected_tau_is_one_plus_the_mean_over_every_context():
+    """§7: expected tau = 1 + (1/#contexts) sum_contexts sum_j exp(a_j), over every context
+    PROMPT_LEN - 1 <= t < S - k of every row (the bonus sampled, the k-1 tokens after it inside the
+    text), whatever the chunk the contexts are read in."""
+    cfg = GPTConfig(block_size=48, vocab_size=8, n_layer=1, n_head=2, n_embd=16)
+    model = peaky(GPT(cfg), 0.3, 0)
+    d = peaky(dblast.DBlastDrafter(cfg, 4, 2), 0.3, 1)
+    seqs = torch.randint(8, (3, 44), generator=torch.Generator().manual_seed(1))
+    T, k = 1.0, 4
+    s = dblast.TargetSamples.of(model, seqs, T, chunk=3)
+    samples = dblast.TargetSamples(s.seqs, s.H.double(), s.LP.double())
+    per = []
+    for r in range(3):
+        for t in range(PROMPT_LEN - 1, 44 - k):
+            h, b, x, lp = dblast.contexts(samples, k, torch.tensor([r]), torch.tensor([t]))
+            per.append(float(dblast.expected_accepted(d, h, b, model, x, lp, T, True, 'mixture')))
+    want = 1 + sum(per) / len(per)
+    for chunk in (7, 2048):
+        got = dblast.expected_tau(d, model, samples, k, T, True, 'mixture', chunk=chunk)
+        assert abs(got - want) < 1e-12, (chunk, got, want)
+
+
+def test_expander_offsets_start_at_about_a_third_of_the_anchor_scale():
+    """§8: with W_g1 ~ N(0, C^-1) and W_g2 ~ N(0, C^-1/4), each entry of a branch's offset starts with a
+    standard deviation of (C * C^-1/4 * 1/2)^(1/2) = 8^-1/2 ~ 0.35, on an anchor of entries of scale 1."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=8, vocab_size=32, n_layer=1, n_head=2, n_embd=256)
+    target, d = GPT(cfg).eval(), dblast.DBlastDrafter(cfg, 4, 4).eval()
+    h, b = torch.randn(1000, 256), torch.randint(32, (1000,))
+    with torch.no_grad():
+        u = d.ln_u(d.w_u(torch.cat([h, target.transformer.wte(b)], -1)))
+        _, u_z = d.anchor(h, b, target)
+    assert abs(float(u.std()) - 1) < 0.02
+    assert abs(float((u_z - u[:, None]).std()) - 8 ** -0.5) < 0.02
+
+
+def test_branch_order_is_a_draw_without_replacement_from_pi_prime():
+    """§9: branch_order is a draw without replacement from pi' = softmax(log pi / Z_T) (Z_T = 0.5
+    here, where pi' != pi): its first branch ~ pi', its second ~ sum_a pi'(a) pi'(.)/(1 - pi'(a))."""
+    n = 40000
+    pi = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
+    zt = 0.5
+    pp = pi ** (1 / zt) / (pi ** (1 / zt)).sum()
+    order = dblast.branch_order(pi.log().expand(n, 3), zt, torch.Generator().manual_seed(0))
+    second = torch.stack([sum(pp[a] * pp[b] / (1 - pp[a]) for a in range(3) if a != b) for b in range(3)])
+    for got, want in ((order[:, 0], pp), (order[:, 1], second)):
+        freq = torch.bincount(got, minlength=3).double() / n
+        se = (want * (1 - want) / n).sqrt()
+        assert ((freq - want).abs() < 4.5 * se + 1e-4).all(), (freq, want)

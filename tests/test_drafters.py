@@ -17,7 +17,7 @@ from conftest import V8, peaky, tiny_model
 from cli import BadInput
 from decode import generate
 from drafters import DraftModel, MixedPaths, PromptLookup
-from heads import BlockHeads, Text
+from heads import BlockHeads, Text, grow_tree
 from model import GPT
 from test_paths import chi2_paths
 from test_sampling import chi2_of, chi_square, continuation_probs, make_drafter
@@ -383,3 +383,29 @@ def test_a_drafter_that_does_not_fit_the_target_is_refused_before_any_work(world
         generate(target, prompt, 4, drafter=narrow)
     with pytest.raises(BadInput, match='its weights are torch.float32, the target.s torch.float64'):
         generate(target, prompt, 4, drafter=BlockHeads(target.config, 4).float())
+
+
+# ----------------------------------------------------------------------------- MATH.md's equations, written out
+
+def test_a_draft_model_costs_k_minus_1_calls_per_target_call_path_or_tree():
+    """§11: a draft model drafts one path in k - 1 calls of its own (the catch-up, then one a draft
+    but the last, which is never fed), and grows a tree in k - 1 calls too (the catch-up, then one a
+    depth)."""
+    target, k = tiny_model(0, std=0.3), 5
+    dm = drafters.DraftModel(tiny_model(1, std=0.3), k=k)
+    calls = []
+    real = dm.model.forward_cached
+    dm.model.forward_cached = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    prompt = torch.randint(64, (2, 9), generator=torch.Generator().manual_seed(0))
+    for nodes in (None, 6):
+        state = dm.new_state(2, 64)
+        dm.read_prompt(state, prompt)
+        calls.clear()
+        text = Text(torch.nn.functional.pad(prompt, (0, 1)), torch.full((2,), 9), state)
+        bonus = torch.tensor([3, 4])
+        if nodes is None:
+            drafts, _ = dm.draft(None, bonus, target, k, 0.0, None, text=text)
+            assert drafts.shape == (2, k - 1)
+        else:
+            grow_tree(dm.next_log_q(None, bonus, target, k, 0.0, text=text), 2, k - 1, nodes, 'cpu')
+        assert len(calls) == k - 1, (nodes, len(calls))

@@ -264,3 +264,20 @@ def test_chunked_loss_under_bf16_autocast(monkeypatch):
     # so each chunk rounds on its own (bf16 keeps 8 bits: about 0.4%)
     for c, p in zip(chunked[1:], plain[1:]):
         assert c.dtype == torch.float32 and (c - p).abs().max() <= 2e-2 * p.abs().max()
+
+
+# ----------------------------------------------------------------------------- MATH.md's equations, written out
+
+def test_bpd_heads_are_math_md_s3_equation_with_live_weights():
+    """§3: o = W2 relu(W1 h) (+ biases) split into o_1..o_{k-1}, logits_i = lm_head(LN(h + o_i)), with
+    W2 non-zero (the existing test has W2 = 0, where neither the relu nor the split shows)."""
+    model, k = tiny_model(seed=1, vocab_size=32, std=0.3), 5
+    heads = randomise(BlockHeads(model.config, k, d_hidden=24).double(), 3, std=0.5)
+    h = torch.randn(6, model.config.n_embd, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with torch.no_grad():
+        o = F.relu(h @ heads.c_fc.weight.T + heads.c_fc.bias) @ heads.c_proj.weight.T + heads.c_proj.bias
+        o = o.view(6, k - 1, model.config.n_embd)                            # group i-1 is head i's
+        want = model.lm_head(heads.ln(h[:, None] + o))
+        torch.testing.assert_close(heads(h, model.lm_head), want, rtol=0, atol=1e-12)
+        for i in range(k - 1):
+            torch.testing.assert_close(heads.head_logits(h, model.lm_head, i), want[:, i], rtol=0, atol=1e-12)

@@ -11,7 +11,7 @@ from conftest import tiny_model
 from cli import BadInput
 from data import load_target, save_checkpoint
 from decode import generate
-from model import GPT, GPTConfig, KVCache, cached_attention, manual_attention, tempered
+from model import GPT, GPTConfig, KVCache, cached_attention, manual_attention, sample, tempered
 
 TOL = 1e-10
 
@@ -415,3 +415,20 @@ def test_sampled_first_token_follows_softmax():
     sd = torch.sqrt(p * (1 - p) / N)
     assert ((freq - p).abs() <= 5 * sd + 1e-4).all(), (freq, p)
     assert p.max().item() < 0.9   # a non-trivial distribution
+
+
+def test_sample_keeps_its_index_in_the_vocabulary_for_a_subnormal_row():
+    """MATH.md §4: for a row whose total is subnormal the uniform draw times the total can round up
+    to the total itself, which searchsorted places past the vocabulary; the clamp keeps it there.
+    For a normal total u < 1 keeps it below, and the draws follow the weights."""
+    tiny = torch.finfo(torch.float32).tiny
+    g = torch.Generator().manual_seed(0)
+    weights = torch.tensor([[1.4e-45, 1.4e-45]]).expand(4000, 2)           # subnormal: two of the smallest
+    u = torch.rand(4000, 1, generator=torch.Generator().manual_seed(0))
+    cdf = weights.cumsum(-1)
+    assert (torch.searchsorted(cdf, u * cdf[:, -1:], right=True) == 2).any()   # the case the clamp is for
+    assert set(sample(weights, torch.Generator().manual_seed(0)).tolist()) <= {0, 1}
+    normal = torch.tensor([[tiny, 3 * tiny]]).expand(40000, 2)
+    freq = sample(normal, g).double().mean()                                # the share of index 1: 3/4
+    assert abs(float(freq) - 0.75) < 5 * (0.75 * 0.25 / 40000) ** 0.5
+

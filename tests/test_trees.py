@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import decode
 import runner
@@ -135,7 +136,7 @@ def tree_drafter(kind, cfg, dtype=torch.float64):
 @pytest.mark.parametrize('nodes', [1, 6, 30])
 def test_greedy_trees_decode_exactly_greedy(kind, nodes):
     """Every token of greedy decoding through trees of any size is plain greedy decoding's (float64,
-    3 rows accepting their own numbers), with at most as many calls as one path of the same drafter."""
+    3 rows accepting their own numbers)."""
     model = tiny_model(std=0.3)
     drafter = tree_drafter(kind, model.config)
     prompt = torch.randint(64, (3, 5), generator=torch.Generator().manual_seed(2))
@@ -358,3 +359,43 @@ def test_a_drafter_that_grows_no_trees_is_refused():
     model = tiny_model(std=0.3)
     with pytest.raises(decode.BadInput, match=r"^nodes=4: this drafter grows no token trees"):
         generate(model, torch.zeros(1, 4, dtype=torch.long), 8, drafter=Plain(), nodes=4)
+
+
+# ----------------------------------------------------------------------------- MATH.md's equations, written out
+
+def test_tree_scores_are_the_drafters_log_probability_of_the_whole_prefix():
+    """§10: a node's score sum_{i<=j} log q_i(d_i | d_<i) is, for the DBlast mixture, the log of the
+    mixture's own probability of the prefix, log sum_z pi'_z prod_i q_i(d_i | z) (softmax q at T, the
+    prior at Z_T: here 0.6, where pi' != pi); for BPD heads each head's own log softmax(logits_i / T)."""
+    target = peaky(GPT(V8), 0.3, 0)
+    h, b, T = torch.randn(1, V8.n_embd, generator=torch.Generator().manual_seed(0), dtype=torch.float64), \
+        torch.tensor([2]), 0.8
+    d = peaky(DBlastDrafter(V8, 4, 3, zt=0.6), 0.5, 1)
+    log_q = d.next_log_q(h, b, target, 4, T)
+    with torch.no_grad():
+        log_pi, logits = d.mixture_logits(h, b, target, 4)
+    pi_p, q = F.softmax(log_pi / 0.6, -1)[0], F.softmax(logits[0] / T, -1)      # (K,), (K, 3, V)
+    prefixes = torch.tensor(list(itertools.product(range(8), repeat=3)))       # (512, 3)
+    score = sum(log_q(j, prefixes[None, :, :j])[0].gather(-1, prefixes[:, j:j + 1]).squeeze(-1) for j in range(3))
+    want = (pi_p[:, None] * q[:, 0, prefixes[:, 0]] * q[:, 1, prefixes[:, 1]] * q[:, 2, prefixes[:, 2]]).sum(0)
+    torch.testing.assert_close(score.exp(), want, rtol=1e-10, atol=1e-14)
+    heads = peaky(BlockHeads(V8, 4), 0.3, 1)
+    lq = heads.next_log_q(h, b, target, 4, T)
+    with torch.no_grad():
+        own = F.log_softmax(heads(h, target.lm_head, 3) / T, -1)             # (1, 3, V)
+    for j in range(3):
+        torch.testing.assert_close(lq(j, prefixes[None, :5, :j])[0], own[0, j].expand(5, -1), rtol=0, atol=1e-12)
+
+
+def test_no_walk_follows_padding():
+    """§10: a node the drafter gives no probability is padding (parent -1), and no walk follows it,
+    even where its token is the target's choice at the bonus (greedy or sampled)."""
+    block = torch.tensor([[9, 4, 5, 7, 6]])
+    tree = torch.tensor([[[0, 0, 0, 1, -1], [0, 1, 1, 2, 2]]])         # slot 4: padding (depth 2 as grown)
+    _, attend = decode.tree_attend(tree, 2)
+    choice = torch.tensor([[6, 7, 1, 2, 3]])                            # the bonus chose 6: no child holds it
+    n_acc, last, _ = decode.walk_down(choice, block, tree, attend, 2)
+    assert n_acc.tolist() == [0] and last.tolist() == [0]
+    choice[0, 0] = 4                                                    # 4 is a child: the walk goes 4 -> 7
+    n_acc, last, slots = decode.walk_down(choice, block, tree, attend, 2)
+    assert n_acc.tolist() == [2] and last.tolist() == [3] and slots.tolist() == [[1, 3]]
