@@ -671,7 +671,7 @@ def train_all(rt, args):
     if 'base' in args.stages:   # the target's vocabulary is the data's (GPT-2's for ids without meta.pkl)
         vocab = ds.vocab or Vocab('gpt2')
         args.vocab_size = {'bytes': 256, 'gpt2': 50304}.get(vocab.kind, vocab.size)
-        model = None
+        model, unfinished = None, ''
     else:
         ckpt = load_checkpoint(base_path)
         model = target_from(ckpt, base_path, rt.device)
@@ -687,7 +687,7 @@ def train_all(rt, args):
     rt.print(f"preset {args.preset} on {rt.device}, training in {rt.precision}, decoding in float32"
              + (f", CPU threads: {torch.get_num_threads()}" if rt.kind == 'cpu' else "")
              + (f", {rt.world} processes" if rt.ddp else ""))
-    if 'base' not in args.stages and unfinished:
+    if unfinished:
         rt.print(unfinished)
     t_start = time.perf_counter()
     if 'base' in args.stages:

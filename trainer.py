@@ -201,7 +201,8 @@ def train_loop(rt, args, name, objective, batch_fn, iters, lr, save, resume=None
         start = resume['iter_num']
         changed = changed_flags(resume.get('config'), vars(args))
         if changed:
-            rt.print(f"{name}: resumed at step {start} of a run made with {changed}; the steps after it follow this run's flags")
+            rt.print(f"{name}: resumed at step {start} of a run made with {changed}; the steps after it follow this "
+                     f"run's flags")
     step = torch.compile(model) if args.compile else model
     follow = follow_load(rt) if args.threads is None and rt.kind == 'cpu' and not rt.ddp else None
     bar = progress(range(start, iters), desc=name, disable=not rt.master, initial=start, total=iters)
