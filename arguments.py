@@ -67,7 +67,7 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
                                            ('nodes', nodes, None, 'a tree needs')):
             if value != default:
                 raise BadInput(f"{say(name, value)}: {what} a drafter "
-                               + ("(--heads or --drafter)" if cli else "(drafter=...)"))
+                               + ("(--heads, --drafter, --draft-model or --lookup)" if cli else "(drafter=...)"))
         k = 1
     else:
         k = check_drafter(model, drafter, k, paths, nodes, say)

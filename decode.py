@@ -534,7 +534,8 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     compile=True runs the same steps compiled, several a host call, on CUDA as CUDA graphs
     (runner.py; the first call of a configuration pays the compilation: warm up first).
     generator: the source of every random draw (where nothing is drawn, as in greedy decoding with
-    BPD heads, it is not used).
+    BPD heads, it is not used; compile=True draws one number from it, the seed of the device's RNG
+    for the call: runner.global_rng_from).
     threads: torch's CPU threads for the length of the call, then as the caller had them: 'auto'
     what the scripts choose (cli.decoding_threads: one for a model under 20M parameters on a CPU,
     many times faster beside a busy process; else the caller's), N that many, None the caller's.

@@ -90,8 +90,8 @@ class KVCache:
     block's keys/values at positions past each row's committed length without moving it.
     `commit` then moves the length over the tokens that were kept; the entries past it stay in the
     buffer, hidden by the attention mask, until the next block overwrites them. Rejecting drafts
-    therefore needs no rollback: nothing is concatenated or sliced. The one copy is `keep_path`'s,
-    when a tree of several paths keeps one that does not sit right after the bonus.
+    therefore needs no rollback: nothing is concatenated or sliced. The one copy is `keep_path`'s:
+    a tree (several paths, or a token tree) moves the path it keeps next to the bonus, every step.
 
     k, v: (n_layer, B, n_head, max_len, head_dim); lengths: (B,) committed tokens per row.
     """
@@ -326,7 +326,7 @@ class GPT(nn.Module):
             sees = attend.expand(B, L, L).gather(2, rel.clamp(0, L - 1)[:, None, :].expand(B, L, -1))   # [b, j, rel]
             mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & sees)       # (B, L, max_len)
         # Positions past block_size only occur for the tail of a draft block that overruns the
-        # requested length; no committed token attends to them, so clamping them is harmless.
+        # requested length; no token of the output attends to them, so clamping them is harmless.
         pos = (cache.lengths[:, None] + depth).clamp(max=self.config.block_size - 1)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for i, layer in enumerate(self.transformer.h):

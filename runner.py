@@ -16,8 +16,8 @@ most of the time (gpu_check.py's part j measures it). Three things take the host
                       CPU has no graphs to replay, so there UNIT steps are compiled as one graph,
                       whose kernels one C++ function calls (CPU_OPTIONS)
 
-The host reads the device once per batch of needed steps (how far the slowest row is) and once at
-the end (the stats). Random draws inside a graph come from the device's global RNG, forked and
+The host reads the device once per batch of needed steps (how far the slowest row is) and at
+the end (the steps run, and their taus for the stats). Random draws inside a graph come from the device's global RNG, forked and
 seeded from the caller's generator for the length of one generate() (global_rng_from): a
 torch.Generator handed to a compiled function splits its graph at every draw.
 """
@@ -246,9 +246,10 @@ def tensors_of(state):
 def static_cache(model, B, room):
     """As gpt-fast does: a KV cache sized by the context rather than the request, kept on the model
     and reused across calls, so shapes and buffer addresses never change and the graphs are
-    recorded once. The spare room past the context (`room`, decode_loop's) is rounded up to a
-    multiple of 64, so plain decoding and every one-path block up to k = 32 share the same buffers,
-    as bench.py's interleaved timing needs. One cache per batch size and compute dtype."""
+    recorded once. The context and the spare room past it (`room`, decode_loop's) are rounded up
+    to a multiple of 64, so for a context that is a multiple of 64 (every preset's) plain decoding
+    and every one-path block up to k = 32 share the same buffers, as bench.py's interleaved timing
+    needs. One cache per batch size and compute dtype."""
     max_len = -(-(model.config.block_size + room) // 64) * 64
     key = (B, max_len, model.compute_dtype(), model.lm_head.weight.device)
     caches = model.__dict__.setdefault('_static_caches', {})   # a plain attribute, not a buffer

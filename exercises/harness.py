@@ -610,11 +610,20 @@ def assert_no_python_loop(what, calls):
                    "a GPU each op is a kernel launch: one per row or position costs that many launches a step")
 
 
+# ops whose kernel allocates a temporary the size of the tensor it writes, which none of its outputs
+# shows: a count per slot for a 'mean' reduction (on a CPU as on CUDA), and on CUDA the prefix sum
+# of masked_scatter's mask, expanded to the size of the tensor (aten/src/ATen/native/cuda)
+TEMPORARY_OF_ITS_SIZE = {aten.scatter_reduce_.two: 'mean', aten.scatter_reduce.two: 'mean',
+                         aten.index_reduce_.default: 'mean', aten.index_reduce.default: 'mean',
+                         aten.masked_scatter_.default: None, aten.masked_scatter.default: None}
+
+
 class Allocations(EagerMode):
     """Records every tensor an op inside the block allocates: (op, elements) of each output whose
-    storage is none of its inputs' (a view, or an op that writes into an input, allocates nothing).
-    Watching storage, not addresses: a buffer rebuilt elsewhere and copied back keeps its address,
-    and is still a new tensor the size of the buffer at every call."""
+    storage is none of its inputs' (a view, or an op that writes into an input, allocates nothing),
+    and the temporary of TEMPORARY_OF_ITS_SIZE's ops. Watching storage, not addresses: a buffer
+    rebuilt elsewhere and copied back keeps its address, and is still a new tensor the size of the
+    buffer at every call."""
 
     def __init__(self):
         super().__init__()
@@ -626,6 +635,8 @@ class Allocations(EagerMode):
         inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
         self.seen += [(str(func), t.untyped_storage().nbytes() // t.element_size()) for t in tensors(out)
                       if t.untyped_storage().data_ptr() not in inputs]
+        if func in TEMPORARY_OF_ITS_SIZE and TEMPORARY_OF_ITS_SIZE[func] in (None, args[4] if len(args) > 4 else None):
+            self.seen.append((f"{func} (a temporary inside it)", args[0].numel()))
         return out
 
 
@@ -649,7 +660,7 @@ class MadeOnCpu(EagerMode):
     that 'meta' lets mix the devices but CUDA refuses (scatter_ with a CPU src) fails too. copies:
     so does a copy between the host and the device, each of which waits for the GPU on CUDA (a
     host sync) and is refused by a CUDA graph's capture: a CPU tensor that an op of ACROSS_DEVICES
-    sends to the device (indices, .to()), Python data of one dimension or more made into a tensor
+    sends to the device (indices, .to()), Python data (a number too) made into a tensor
     on the device (torch.tensor(list, device=...), HostData), and a tensor copied to the CPU."""
 
     def __init__(self, strict=False, copies=True):
@@ -711,10 +722,11 @@ class MadeOnCpu(EagerMode):
 
 class HostData(TorchFunctionMode):
     """MadeOnCpu's view of the calls that dispatch no op it could see: torch.tensor (as_tensor,
-    asarray, Tensor.new_tensor) of Python data of one dimension or more, made on the device, and a
+    asarray, Tensor.new_tensor) of Python data made on the device, a number alone included, and a
     list (or range, or array) used as an index of a tensor on the device. On CUDA torch makes each
-    on the host and copies it over, a copy that waits for the GPU; a number alone (a 0-dim tensor)
-    is let through, as MadeOnCpu lets 0-dim CPU tensors through."""
+    on the host and copies it over, a copy that waits for the GPU (torch.full((), n, device=...)
+    fills on the device instead). A 0-dim tensor left on the CPU is no copy: CUDA ops take it as a
+    number, and MadeOnCpu lets it through."""
     MAKERS = ('tensor', 'as_tensor', 'asarray', 'new_tensor')
 
     def __init__(self, made):
@@ -743,7 +755,7 @@ class HostData(TorchFunctionMode):
         device = kwargs.get('device', args[2] if name == 'as_tensor' and len(args) > 2 else None)
         if name == 'new_tensor':                            # x.new_tensor(data): on x's device
             data, device = args[1] if len(args) > 1 else kwargs.get('data'), kwargs.get('device', args[0].device)
-        if device is not None and torch.device(device).type != 'cpu' and host_data(data, (list, tuple)):
+        if device is not None and torch.device(device).type != 'cpu' and host_data(data, (list, tuple, int, float)):
             return f"{'Tensor' if name == 'new_tensor' else 'torch'}.{name} of Python data"
         return None
 

@@ -58,6 +58,7 @@ import torch
 from bench import main as bench_main
 from conftest import ROOT, corpus_text, in_process, sigint_at_default
 from data import Vocab
+from generate import colour_blocks, merged_stats
 from generate import main as generate_main
 from model import GPT, GPTConfig
 from train import main as train_main
@@ -939,3 +940,38 @@ def test_compile_says_it_compiles_before_the_silent_minute(capsys):
     assert capsys.readouterr().err.startswith('note: --compile: compiling the decoding steps before the timed run')
     generate.compiling(argparse.Namespace(compile=False))
     assert capsys.readouterr().err == ''
+
+
+# ----------------------------------------------------------------------------- what docstrings say, pinned
+
+def test_merged_stats_are_one_calls_stats_over_every_step():
+    """generate.merged_stats: calls and tokens summed; mean_tau and the acceptance per draft position
+    over every step of every call (weighted by steps, not a mean of the calls' means), positions a
+    shorter block lacks left out of their denominators."""
+    def stats(taus, k, calls, tokens):   # what decode.finished reports for these row-steps
+        rate = [sum(t > j for t in taus) / len(taus) for j in range(1, k)]
+        return dict(calls=calls, tokens=tokens, tokens_per_call=tokens / calls, mean_tau=sum(taus) / len(taus),
+                    accept_lengths=taus, accept_rate=rate)
+    a, b, c = stats([4, 1, 2, 3, 4, 1], 4, 7, 15), stats([1], 4, 2, 1), stats([2, 3, 1], 3, 4, 6)
+    got = merged_stats([a, b, c])
+    taus = a['accept_lengths'] + b['accept_lengths'] + c['accept_lengths']
+    assert got['calls'] == 13 and got['tokens'] == 22 and got['tokens_per_call'] == 22 / 13
+    assert got['accept_lengths'] == taus and got['mean_tau'] == sum(taus) / len(taus)
+    four = a['accept_lengths'] + b['accept_lengths']                      # only blocks of k = 4 have a 3rd draft
+    want = [sum(t > j for t in taus) / len(taus) for j in (1, 2)] + [sum(t > 3 for t in four) / len(four)]
+    assert len(got['accept_rate']) == 3
+    assert all(abs(x - y) < 1e-12 for x, y in zip(got['accept_rate'], want)), (got['accept_rate'], want)
+
+
+def test_colour_blocks_colours_each_steps_block_then_the_last_bonus():
+    """generate.colour_blocks: the text unchanged once the colour codes are dropped, one segment per
+    step's tau, alternating, and the last bonus (written without a step) as a segment of its own."""
+    class Chars:
+        def decode(self, ids):
+            return ''.join(chr(97 + i) for i in ids)
+    tokens, taus = list(range(8)), [3, 1, 3]                             # 7 committed by steps + the last bonus
+    assert colour_blocks(Chars(), tokens, taus, False) == 'abcdefgh'
+    text = colour_blocks(Chars(), tokens, taus, True)
+    segments = [s.split('m', 1)[1] for s in text.split('\033[0m') if s]
+    assert segments == ['abc', 'd', 'efg', 'h']
+    assert text.count('\033[30;43m') == 2 and text.count('\033[30;46m') == 2

@@ -787,3 +787,17 @@ def test_decode_cli_runs_a_draft_model_prompt_lookup_and_both(good_ckpt, decode_
     proc = decode_cli(good_ckpt, '--draft-model', str(tmp_path / 'other.pt'))
     assert proc.returncode == 2 and proc.stderr.count('\n') == 1, proc.stderr
     assert "vocabulary has 128 ids, the target's 256" in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------- what docstrings say, pinned
+
+def test_greedy_bpd_leaves_the_generator_unused():
+    """decode.generate: 'where nothing is drawn, as in greedy decoding with BPD heads, [the generator]
+    is not used' (eager; compile=True draws one seed from it: runner.global_rng_from)."""
+    model = tiny_model(dtype=torch.float32)
+    heads = BlockHeads(model.config, 4).eval()
+    g = torch.Generator().manual_seed(0)
+    before = g.get_state()
+    generate(model, torch.randint(64, (2, 5), generator=torch.Generator().manual_seed(1)), 12,
+             drafter=heads, k=4, generator=g)
+    assert torch.equal(g.get_state(), before)

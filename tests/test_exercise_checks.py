@@ -95,8 +95,9 @@ def test_a_tensor_made_off_the_device_fails_on_a_cpu(n, name, wrong, check, monk
 
 def test_the_device_check_sees_copies_between_the_host_and_the_device():
     """harness.MadeOnCpu's copies (on CUDA each waits for the GPU, and a CUDA graph cannot hold it):
-    a list made a tensor on the device, or a tensor copied to the CPU, fails; a number (0-dim) does
-    not, nor a table copied at the first call and kept; training code (copies=False) may copy,
+    a list or a number made a tensor on the device, or a tensor copied to the CPU, fails; a 0-dim
+    tensor on the host does not, nor one filled on the device, nor a table copied at the first call
+    and kept; training code (copies=False) may copy,
     though not mix the devices."""
     x = torch.zeros(3, device='meta')
     for copy, needle in ((lambda: x + torch.tensor([1.0, 2.0, 3.0], device=x.device), 'torch.tensor of Python data'),
@@ -108,7 +109,10 @@ def test_the_device_check_sees_copies_between_the_host_and_the_device():
             harness.assert_on_the_inputs_device('f', copy)
         if needle != 'copied to the CPU':
             harness.assert_on_the_inputs_device('f', copy, copies=False)
-    harness.assert_on_the_inputs_device('f', lambda: x + torch.tensor(1.0, device=x.device))
+    with pytest.raises(harness.Fail, match='torch.tensor of Python data'):     # a number too: copied over
+        harness.assert_on_the_inputs_device('f', lambda: x + torch.tensor(1.0, device=x.device))
+    harness.assert_on_the_inputs_device('f', lambda: x + torch.tensor(1.0))                # a number on the host
+    harness.assert_on_the_inputs_device('f', lambda: x + torch.full((), 1.0, device=x.device))   # filled there
     table = functools.lru_cache(lambda device: torch.tensor([1.0, 2.0, 3.0], device=device))
     harness.assert_on_the_inputs_device('f', lambda: x + table(x.device))   # copied once, and kept
     with pytest.raises(harness.Fail, match='made a tensor on the CPU'):

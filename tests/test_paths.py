@@ -14,6 +14,7 @@ import dblast
 import decode
 import runner
 from conftest import ROOT, V8, V8_PROMPT, naive_greedy, peaky, tiny_model
+from dblast import DBlastDrafter
 from decode import generate, tree_layout, tree_nodes, tree_walk, verify_tree_greedy
 from exercises.harness import GreedyOracle
 from heads import Drafter
@@ -315,3 +316,49 @@ def test_a_rejected_token_has_no_mass_left_at_its_node(point_mass):
     assert rejected.sum() > 1000                                            # the test sees many rejections
     left = decode.residual(r, Q, c)                                         # (B, 1, V)
     assert (left.gather(-1, c[..., None])[rejected] == 0).all()
+
+
+# ----------------------------------------------------------------------------- what docstrings say, pinned
+
+def _branchy(K, **kw):
+    torch.manual_seed(0)
+    d = peaky(DBlastDrafter(V8, 4, K, **kw), 0.6, 2)
+    target = peaky(GPT(V8), 0.3, 0)
+    h = torch.randn(3, V8.n_embd, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    return d, target, h, torch.tensor([1, 4, 6])
+
+
+def _argmax_paths(d, target, h, bonus):
+    """Each branch's argmax path (B, K, n) and the prior log pi (B, K)."""
+    with torch.no_grad():
+        log_pi, logits = d.mixture_logits(h, bonus, target, 4)
+    return logits.argmax(-1), log_pi
+
+
+def test_one_path_per_branch_comes_round_again_past_K():
+    """DBlastDrafter.draft_paths, paths_from='branches': 'past K they come round again' (path i is
+    branch order[i mod K]); argmax branches, so each path is its branch's argmax path."""
+    K, paths = 2, 5
+    d, target, h, bonus = _branchy(K, sample_drafts=False, verify='branch', paths_from='branches')
+    own, _ = _argmax_paths(d, target, h, bonus)
+    assert not torch.equal(own[:, 0], own[:, 1])                           # the branches differ
+    drafts, Q = d.draft_paths(h, bonus, target, 4, paths, 1.0, torch.Generator().manual_seed(0))
+    assert Q is None
+    for i in range(paths):
+        assert torch.equal(drafts[:, i], drafts[:, i % K]), i
+    assert all({tuple(x) for x in drafts[b, :K].tolist()} == {tuple(x) for x in own[b].tolist()} for b in range(3))
+
+
+def test_at_zt0_one_path_per_branch_takes_the_K_most_probable_and_is_not_refused():
+    """DBlastDrafter.meaningless: at Z_T = 0 argmax i.i.d. paths are all the top branch's (refused),
+    'while one per branch takes the K most probable' (allowed): path i is the i-th most probable
+    branch's argmax path."""
+    K = 3
+    d, target, h, bonus = _branchy(K, sample_drafts=False, verify='branch', paths_from='branches', zt=0.0)
+    assert d.meaningless(0.0, K) == []
+    drafts, _ = d.draft_paths(h, bonus, target, 4, K, 0.0)
+    own, log_pi = _argmax_paths(d, target, h, bonus)
+    order = log_pi.argsort(-1, descending=True)
+    assert torch.equal(drafts, own.gather(1, order[:, :, None].expand(-1, -1, own.size(-1))))
+    iid = _branchy(K, sample_drafts=False, verify='branch', zt=0.0)[0]
+    assert [s for s, _, _ in iid.meaningless(0.0, K)] == ['paths']

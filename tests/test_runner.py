@@ -10,7 +10,7 @@ import torch
 
 import decode
 import runner
-from conftest import V8, V8_PROMPT, peaky
+from conftest import V8, V8_PROMPT, peaky, tiny_model
 from dblast import DBlastDrafter
 from drafters import DraftModel, MixedPaths, PromptLookup
 from decode import generate
@@ -230,3 +230,16 @@ def test_cuda_graph_sampling_is_lossless(mode, monkeypatch):
     stat, crit = chi_square(first, continuation_probs(1.5), n)
     assert stat < crit, f"captured sampling ({mode}): chi2 {stat:.1f} >= {crit:.1f}"
     assert torch.equal(counts(0), first) and not torch.equal(counts(1), first)
+
+
+# ----------------------------------------------------------------------------- what docstrings say, pinned
+
+def test_static_cache_is_shared_by_plain_decoding_and_one_path_blocks_up_to_k32():
+    """runner.static_cache: block_size + room rounded up to a multiple of 64, so for a context that
+    is a multiple of 64 plain decoding (room 2) and every one-path block up to k = 32 (room 2k, as
+    decode_loop computes it) get the same buffers; k = 33 gets others."""
+    model = tiny_model(block_size=64, dtype=torch.float32)
+    room = lambda k: k + 1 + (k - 1)                                     # noqa: E731  decode_loop's, paths=1
+    plain = runner.static_cache(model, 1, 2)
+    assert all(runner.static_cache(model, 1, room(k)) is plain for k in range(2, 33))
+    assert runner.static_cache(model, 1, room(33)) is not plain

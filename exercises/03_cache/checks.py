@@ -1,4 +1,6 @@
 """Exercise 3's checks: the cache (README.md). Your write and commit run as model.KVCache's methods."""
+import copy
+
 import torch
 
 import decode
@@ -22,7 +24,7 @@ def tokens(shape, seed):
 def test_a_prefill_matches_the_full_forward(impl):
     """A prefill matches the full forward. The prompt's keys and values written, then committed:
     the logits equal a full causal forward over it, and each row's length is the prompt's; then one
-    token a row, as plain decoding writes them.
+    token a row, as plain decoding writes them; and the prefill again for a float32 target.
     Hint: write at cache.k[layer_idx] along the position dimension (dim 2 of (B, nh, max_len, hs))."""
     model = harness.tiny_target()
     prompt = tokens((2, 9), 0)
@@ -41,6 +43,17 @@ def test_a_prefill_matches_the_full_forward(impl):
                            "of size 1: with one token the positions' too; name the dimension")
     err = (model.lm_head(h)[:, -1] - model(torch.cat([prompt, nxt], 1))[0][:, -1]).abs().max().item()
     assert err < TOL, f"a block of one token: its logits differ from the full forward by {err:.2e}, want below {TOL:g}"
+    model = copy.deepcopy(model).float()                    # the project's targets decode in float32
+    cache = model.new_cache(2, 32)
+    try:
+        h = model.forward_cached(prompt, cache)
+        impl.commit(cache, 9)
+    except RuntimeError as e:
+        raise harness.Fail(f"a float32 target: {harness.first_line(e)}{harness.where_in_student(e)}",
+                           "the checks above run in float64; keys and values take the cache's own dtype "
+                           "(cache.k.dtype), whatever the one they come in")
+    err = (model.lm_head(h) - model(prompt)[0]).abs().max().item()
+    assert err < 1e-5, f"a float32 target: cached logits differ from the full forward by {err:.2e}, want below 1e-5"
 
 
 def test_rows_keep_their_own_lengths(impl):
@@ -77,6 +90,12 @@ def test_rejected_entries_are_overwritten(impl):
                                    "lengths and nothing else (what fits: the slots past a row's length zeroed or "
                                    "rewritten, every step, over the whole cache)")
     got = model.lm_head(model.forward_cached(nxt, cache))
+    # row 0 kept 2: the next 3 tokens land on slots 9..11, and slot 12, refused, is left as it was
+    if not (torch.equal(cache.k[:, 0, :, 12], written[0][:, 0, :, 5]) and
+            torch.equal(cache.v[:, 0, :, 12], written[1][:, 0, :, 5])):
+        raise harness.Fail("row 0 (kept 2 of 6): the next block's write changed slot 12, past that block, want it "
+                           "left as it was", "a write touches the block's own slots and nothing else (what fits: "
+                           "the slots past the block cleared or masked at each write, the rollback done there)")
     impl.commit(cache, 3)
     got_last = model.lm_head(model.forward_cached(last, cache))
     for b in range(2):
@@ -98,6 +117,7 @@ def test_the_buffers_stay_in_place(impl):
     model = harness.tiny_target()
     cache = model.new_cache(2, 32)
     before = {name: (getattr(cache, name), getattr(cache, name).data_ptr()) for name in ('k', 'v', 'lengths')}
+    indices = {name: (getattr(cache, name), getattr(cache, name).clone()) for name in ('rows', 'layers')}
     k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
     K, V = impl.write(cache, 1, k, k, torch.tensor([[0, 1, 2], [4, 5, 6]]))
     for name, got in (('K', K), ('V', V)):
@@ -117,6 +137,12 @@ def test_the_buffers_stay_in_place(impl):
                     f"new tensor bound to it (torch.cat, scatter without the underscore, .clone())")
             raise harness.Fail(f"cache.{name} is a new tensor after {'commit' if name == 'lengths' else 'write'} "
                                f"(at {now.data_ptr():#x}), want the same tensor at {ptr:#x}", hint)
+    for name, (tensor, values) in indices.items():
+        now = getattr(cache, name)
+        if now is not tensor or not torch.equal(now, values):
+            raise harness.Fail(f"cache.{name} changed after write and commit, want it as KVCache made it",
+                               f"KVCache's own index tensors are read by its other methods (keep_path, a tree's "
+                               f"path): use them as they are, and keep what you make in a name of your own")
     assert cache.lengths.tolist() == [2, 3], \
         f"lengths {cache.lengths.tolist()} after commit(1), commit([1, 2]), want [2, 3]"
 
@@ -148,17 +174,22 @@ def test_nothing_the_size_of_a_layer_is_allocated(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no tensor on another device. write and commit make the host wait for nothing,
-    and make no tensor off the cache's device, commit given a tensor or an int (run on PyTorch's
+    """No host sync, no tensor on another device. write and commit make the host wait for nothing
+    (with two rows and with one), and make no tensor off the cache's device, commit given a tensor
+    or an int (run on PyTorch's
     'meta' device, where an op that mixes a CPU tensor with the cache's fails as on CUDA)."""
     model = harness.tiny_target()
     cache = model.new_cache(2, 32)
     k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
     pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
     n = torch.tensor([1, 2])
+    one = model.new_cache(1, 32)                               # one row, as generate.py decodes
     with harness.HostSyncs() as syncs:
         impl.write(cache, 1, k, k, pos)
         impl.commit(cache, n)
+        impl.write(one, 1, k[:1], k[:1], pos[:1])
+        impl.commit(one, n[:1])
+        impl.commit(one, 1)
     if syncs.seen:
         raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
                            "the ops listed make the host wait for the device: a value read back (.item(), int() of "

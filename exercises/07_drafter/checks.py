@@ -1,6 +1,7 @@
 """Exercise 7's checks: a drafter of your own behind the drafter contract (README.md). They are the
 contract's conformance checks: any drafter, the project's own included, should pass them."""
 import copy
+import statistics
 import types
 from functools import lru_cache
 
@@ -77,8 +78,29 @@ def test_the_contract(impl):
         raise harness.Fail(f"under sampling Q is {None if Q is None else tuple(Q.shape)}, want (N, k-1, V) = "
                            f"{(N, 3, V)}", "with sample_drafts True and T > 0 the drafts are random, and the "
                            "verifier needs the distribution each was drawn from (None says: a point mass)")
-    for T in (1.2, 0.25):      # at 0.25 many entries are below 1e-6: a clamp without renormalising shows
-        _, Q_T = d.draft(h, bonus, model, 4, T, torch.Generator().manual_seed(1))
+    many = torch.randn(1, model.config.n_embd, generator=g, dtype=torch.float64).expand(2000, -1)
+    first = d.draft(many, torch.full((2000,), 3), model, 4, 1.2, torch.Generator().manual_seed(3))[1][:, 0].mean(0)
+    for k, rows in ((3, N), (2, N), (4, 1), (2, 1)):   # fewer drafts, one row: the same contract
+        drafts_k, Q_k = d.draft(h[:rows], bonus[:rows], model, k, 1.2, torch.Generator().manual_seed(1))
+        if not (drafts_k.shape == (rows, k - 1) and drafts_k.dtype == torch.long and Q_k is not None
+                and Q_k.shape == (rows, k - 1, V)):
+            raise harness.Fail(f"sampled, k={k}, {rows} row(s): drafts {tuple(drafts_k.shape)} {drafts_k.dtype}, Q "
+                               f"{None if Q_k is None else tuple(Q_k.shape)}, want drafts {(rows, k - 1)} long and Q "
+                               f"{(rows, k - 1, V)}", "the shapes hold for every k up to drafter.k and every number of "
+                               "rows. What fits: Q of every head whatever k, or a squeeze that drops the k-1 = 1 or "
+                               "the one row's dimension")
+        if rows == N:
+            got = d.draft(many, torch.full((2000,), 3), model, k, 1.2, torch.Generator().manual_seed(3))[1][:, 0]
+            tv = float((got.mean(0) - first).abs().sum() / 2)
+            if tv > 0.05:
+                raise harness.Fail(f"sampled, k={k}: the first draft's Q (its mean over 2000 draws from one state) is "
+                                   f"{tv:.3f} in total variation from k = 4's, want the same distribution (below 0.05)",
+                                   "draft i is the guess at the i-th token after the bonus whatever k is, sampled as "
+                                   "greedy. What fits: the last k-1 heads (or positions) taken where the first k-1 are "
+                                   "meant, under sampling only")
+    by_T = {}
+    for T in (1.2, 0.5, 0.25):      # at 0.25 many entries are below 1e-6: a clamp without renormalising shows
+        _, Q_T = by_T[T] = d.draft(h, bonus, model, 4, T, torch.Generator().manual_seed(1))
         off = (Q_T.sum(-1).double() - 1).abs().max().item()
         if not ((Q_T >= 0).all() and off < 1e-9):
             raise harness.Fail(f"T={T}: Q ({Q_T.dtype}) has rows that sum to 1 within {off:.1e} (smallest entry "
@@ -87,6 +109,10 @@ def test_the_contract(impl):
                                "unnormalised (an exp without the softmax's division), a clamp away from 0 not "
                                "renormalised, a mixture whose weights do not sum to 1, or Q computed in another "
                                "dtype than h's (float32 sums to 1 within about 1e-7 only)")
+    if torch.allclose(by_T[0.25][1], by_T[0.5][1], rtol=0, atol=1e-6):
+        raise harness.Fail("Q at T = 0.25 is Q at T = 0.5, want a sharper one",
+                           "every temperature is applied as given (softmax(logits / T)): what fits is a temperature "
+                           "clamped to a range, or rounded")
     if not (Q.gather(-1, drafts.unsqueeze(-1)) > 0).all():
         raise harness.Fail("a draft has no mass under Q, want every draft drawn from Q",
                            "a draft was drawn where the Q returned gives 0. What fits: drafts drawn from another "
@@ -133,6 +159,21 @@ def test_the_contract(impl):
                            f"want None or the drafts' one-hot", "T = 0 is greedy decoding: the drafts are a point "
                            "mass there, whatever sample_drafts says")
 
+    d.sample_drafts = True                   # the weights move (as a training step moves them): draft follows
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    _, moved = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1))
+    fresh = make(impl, model.config, 4)
+    fresh.load_state_dict(d.state_dict(), strict=False)   # what a drafter registers as it drafts, it makes anew
+    fresh.sample_drafts = True
+    _, want = fresh.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1))
+    if not torch.allclose(moved, want, rtol=0, atol=1e-9):
+        raise harness.Fail(f"after the weights changed, draft's Q is {(moved - want).abs().max().item():.2g} (largest) "
+                           f"from that of a new MyDrafter given the same weights, want the same",
+                           "draft reads something the weights were before: what fits is a weight (or a product of "
+                           "weights) computed once and kept, which a training step no longer reaches")
+
 
 def test_no_host_sync(impl):
     """No host sync in draft, no loop over rows, no tensor on another device. Sampled (T = 1) and
@@ -159,7 +200,7 @@ def test_no_host_sync(impl):
                            "does, on a GPU)")
     target, drafter, h, bonus = (harness.on_meta(x) for x in (model, d, h, bonus))
     for T, what in ((1.0, 'sampled drafts, T = 1'), (0.0, 'greedy, T = 0')):
-        harness.assert_on_the_inputs_device(what, lambda: drafter.draft(h, bonus, target, 4, T, None))
+        harness.assert_on_the_inputs_device(what, lambda: drafter.draft(h, bonus, target, 4, T, None), strict=True)
 
 
 def grouped_pearson(drafts, Q, V, min_rows=500):
@@ -219,6 +260,17 @@ def test_q_is_what_the_drafts_were_drawn_from(impl):
         if Q is None:
             raise harness.Fail("under sampling (sample_drafts True, T = 0.7) Q is None, want (N, k-1, V)",
                                "sampled drafts are not a point mass: return the distribution each was drawn from")
+        # rows are drawn independently (several paths of a call are rows, MATH.md §9): two rows give the
+        # same first draft with probability sum_v Q_a(v) Q_b(v), given their Q
+        same = (drafts[0::2, 0] == drafts[1::2, 0]).double()
+        p = (Q[0::2, 0].double() * Q[1::2, 0].double()).sum(-1)
+        z = float((same - p).sum() / (p * (1 - p)).sum().sqrt())
+        if abs(z) > statistics.NormalDist().inv_cdf(1 - harness.ALPHA / 2):
+            raise harness.Fail(f"weights at a scale of {std}: pairs of rows drew the same first draft "
+                               f"{int(same.sum())} times in {len(same)}, where independent rows would about "
+                               f"{float(p.sum()):.0f} times (z = {z:.1f}), want rows drawn independently",
+                               "each row's draws are its own: what fits is rows that share or mirror their random "
+                               "numbers (u and 1 - u, or one uniform for a pair)")
         stat, df, tested = grouped_pearson(drafts, Q, V)
         crit = harness.critical(df)
         if not stat < crit:

@@ -70,6 +70,31 @@ def write_squeezed(cache, layer_idx, k, v, pos):
     return cache.k[layer_idx], cache.v[layer_idx]
 
 
+def write_by_a_mean_reduction(cache, layer_idx, k, v, pos):
+    idx = pos[:, None, :, None].expand(-1, k.size(1), -1, k.size(3))             # (B, nh, L, hs)
+    for buf, new in ((cache.k, k), (cache.v, v)):   # right values; inside, a count per slot of the layer
+        buf[layer_idx].scatter_reduce_(2, idx, new.to(buf.dtype), 'mean', include_self=False)
+    return cache.k[layer_idx], cache.v[layer_idx]
+
+
+def write_in_float64(cache, layer_idx, k, v, pos):
+    at = (cache.layers[layer_idx], cache.rows, slice(None), pos)
+    cache.k[at] = k.transpose(1, 2).double()         # the checks' dtype, not the cache's
+    cache.v[at] = v.transpose(1, 2).double()
+    return cache.k[layer_idx], cache.v[layer_idx]
+
+
+def write_clears_past_the_block(cache, layer_idx, k, v, pos):
+    past = (torch.arange(cache.max_len, device=pos.device) > pos[:, -1:])[:, None, :, None]   # (B, 1, max_len, 1)
+    for buf in (cache.k, cache.v):                  # the rollback, moved from commit into every write
+        buf[layer_idx].masked_fill_(past, 0.0)
+    return project_write(cache, layer_idx, k, v, pos)
+
+
+def commit_of_an_int_copied_to_the_device(cache, n):
+    cache.lengths += torch.tensor(n, device=cache.lengths.device) if isinstance(n, int) else n   # a copy, a sync
+
+
 CONTROLS = {
     'commits the same length for every row': dict(commit=same_length_for_every_row),
     'writes the block at the start of the buffer': dict(write=write_at_the_start),
@@ -81,4 +106,9 @@ CONTROLS = {
     'commit zeroes the refused entries (a rollback)': dict(commit=commit_zeroes_the_refused),
     "write's row indices are made on the CPU": dict(write=write_rows_indexed_from_the_cpu),
     'write squeezes every dimension (a block of one token)': dict(write=write_squeezed),
+    "write by scatter_reduce_ 'mean' (a count of the layer's size inside it)": dict(write=write_by_a_mean_reduction),
+    "write in float64 whatever the cache's dtype": dict(write=write_in_float64),
+    'write clears the slots past the block (the rollback moved there)': dict(write=write_clears_past_the_block),
+    'commit of an int copied to the device (torch.tensor(n, device=...))': dict(
+        commit=commit_of_an_int_copied_to_the_device),
 }

@@ -1,6 +1,8 @@
 """Exercise 7's reference: a drafter in the style of Medusa's heads (independent per-offset heads on
 the target's last state, here with the bonus token's embedding too), and plausible wrong answers
 its checks must catch."""
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -338,6 +340,59 @@ class PriorMixture(MyDrafter):
         return -torch.logsumexp(log_prior + log_qx, -1).mean()
 
 
+class LastHeadsWhenSampling(MyDrafter):
+    """Greedy drafts from the first k-1 heads, sampled ones from the last k-1."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        if temperature == 0.0 or not self.sample_drafts:
+            return super().draft(h, bonus, target, k, temperature, generator)
+        u = self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1))
+        q = F.softmax(tempered(self.heads_logits(u, self.heads[len(self.heads) - (k - 1):], target), temperature), -1)
+        return sample(q, generator), q
+
+
+class AntitheticRows(MyDrafter):
+    """Rows drawn in pairs from one uniform, u and 1 - u: each row's law is right, the rows are not
+    independent (several paths of a call are rows)."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        if temperature == 0.0 or not self.sample_drafts:
+            return super().draft(h, bonus, target, k, temperature, generator)
+        q = F.softmax(tempered(self.logits(h, bonus, target, k - 1), temperature), -1)    # (N, k-1, V)
+        N = q.size(0)
+        u = torch.rand((N + 1) // 2, k - 1, 1, generator=generator, dtype=q.dtype, device=q.device)
+        u = torch.cat([u, 1 - u], 1).view(-1, k - 1, 1)[:N]                                # rows 2i, 2i+1
+        cdf = q.cumsum(-1)
+        return torch.searchsorted(cdf, u * cdf[..., -1:]).clamp(max=q.size(-1) - 1).squeeze(-1), q
+
+
+class StaleWeights(MyDrafter):
+    """The heads copied once, at the first draft, and kept (a plain list, no submodule): a training
+    step no longer reaches what draft reads."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        if 'kept' not in self.__dict__:
+            self.__dict__['kept'] = [copy.deepcopy(head) for head in self.heads]
+        u = self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1))
+        logits = self.heads_logits(u, self.kept[:k - 1], target)
+        if temperature == 0.0 or not self.sample_drafts:
+            return logits.argmax(-1), None
+        q = F.softmax(tempered(logits, temperature), -1)
+        return sample(q, generator), q
+
+
+class TemperatureClamped(MyDrafter):
+    """The temperature clamped to [0.5, 2] in draft (a guard against extremes)."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        T = temperature if temperature == 0.0 else min(max(temperature, 0.5), 2.0)
+        return super().draft(h, bonus, target, k, T, generator)
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
@@ -360,4 +415,8 @@ CONTROLS = {
     "the loss turns the target's gradients on": dict(MyDrafter=ThawsTheTarget),
     'drafts one row at a time': dict(MyDrafter=RowByRow),
     "a mixture's Q weighed by the prior, not the posterior": dict(MyDrafter=PriorMixture),
+    'the last heads under sampling only, at a shorter k': dict(MyDrafter=LastHeadsWhenSampling),
+    'rows drawn in pairs from one uniform (u and 1 - u)': dict(MyDrafter=AntitheticRows),
+    'heads copied at the first draft and kept (stale after training)': dict(MyDrafter=StaleWeights),
+    'the temperature clamped to [0.5, 2] in draft': dict(MyDrafter=TemperatureClamped),
 }
