@@ -92,9 +92,9 @@ def test_the_contract(impl):
         if rows == N:
             got = d.draft(many, torch.full((2000,), 3), model, k, 1.2, torch.Generator().manual_seed(3))[1][:, 0]
             tv = float((got.mean(0) - first).abs().sum() / 2)
-            if tv > 0.05:
+            if tv > 0.08:   # sampling noise: a mixture whose Q is its drawn branch's, 0.016 (sd) at most
                 raise harness.Fail(f"sampled, k={k}: the first draft's Q (its mean over 2000 draws from one state) is "
-                                   f"{tv:.3f} in total variation from k = 4's, want the same distribution (below 0.05)",
+                                   f"{tv:.3f} in total variation from k = 4's, want the same distribution (below 0.08)",
                                    "draft i is the guess at the i-th token after the bonus whatever k is, sampled as "
                                    "greedy. What fits: the last k-1 heads (or positions) taken where the first k-1 are "
                                    "meant, under sampling only")
@@ -500,9 +500,9 @@ def scale(before, after):
     return float(((x * y).sum(-1) / (x * x).sum(-1).clamp(min=1e-12)).median())
 
 
-def self_trained(cls):
+def self_trained(cls, T=T_TRAIN):
     """The drafter `trained` made of cls, and a copy of it trained SELF_STEPS steps more by its loss
-    at T_TRAIN on the first one's drafts at T_TRAIN: for each of its 3 drafts (k = 4), (Q before,
+    at T on the first one's drafts at T (T_TRAIN unless said): for each of its 3 drafts (k = 4), (Q before,
     after) on 2,000 held-out contexts, each drawn with the same random numbers before and after;
     at draft i only the contexts whose drafts before i came out the same, since a Q may depend on
     them (a recurrent drafter's)."""
@@ -519,16 +519,16 @@ def self_trained(cls):
                          torch.randint(lo, hi, (SELF_BATCH,), generator=g))
             h, bonus, _, _ = contexts(samples, 4, rows, pos)
             with torch.no_grad():
-                x, _ = d.draft(h, bonus, model, 4, T_TRAIN, g)
-            loss = student.loss(h, bonus, model, x, T_TRAIN)
+                x, _ = d.draft(h, bonus, model, 4, T, g)
+            loss = student.loss(h, bonus, model, x, T)
             opt.zero_grad()
             loss.backward()
             opt.step()
     student.eval().sample_drafts = True
     h, bonus, _ = heldout_contexts(2000, 3)
     with torch.no_grad():
-        x, Q = d.draft(h, bonus, model, 4, T_TRAIN, torch.Generator().manual_seed(4))
-        x2, Q2 = student.draft(h, bonus, model, 4, T_TRAIN, torch.Generator().manual_seed(4))
+        x, Q = d.draft(h, bonus, model, 4, T, torch.Generator().manual_seed(4))
+        x2, Q2 = student.draft(h, bonus, model, 4, T, torch.Generator().manual_seed(4))
     same = [(x[:, :i] == x2[:, :i]).all(-1) for i in range(3)]
     return [(Q[same[i], i].double(), Q2[same[i], i].double()) for i in range(3)]
 
@@ -568,8 +568,8 @@ def test_it_proposes_what_its_loss_trains(impl):
     """It proposes what its loss trains, at the same temperature. The drafter trained above proposes
     at the temperature asked: on held-out contexts its Q at T = 0.5 is sharper than at T = 1.5 (a
     mean entropy below 0.95 times as much, at every draft). Trained 100 steps more by its loss at
-    T = 1.5 on its own drafts at T = 1.5 (drawn by a copy of it, kept as it was), it keeps the scale
-    of its log Q at each of its 3 drafts on 2,000 held-out contexts: fitting log Q' = s log Q over
+    T = 1.5 on its own drafts at T = 1.5 (drawn by a copy of it, kept as it was), and again at
+    T = 0.5, it keeps the scale of its log Q at each of its 3 drafts on 2,000 held-out contexts: fitting log Q' = s log Q over
     each context's likely tokens (Q before, Q' after), the median s is between 0.8 and 1.25 at
     every draft."""
     # Why its own drafts: a loss and a draft that read the temperature alike are at their optimum on
@@ -593,13 +593,14 @@ def test_it_proposes_what_its_loss_trains(impl):
     # applied twice), and a sharpness measured in nats takes a label-smoothed loss's flatter tail
     # for a temperature.
     sharper_when_colder(impl)
-    for i, (before, after) in enumerate(self_trained(impl.MyDrafter)):
+    for T, i, (before, after) in [(T, i, pair) for T in (T_TRAIN, 0.5)
+                                  for i, pair in enumerate(self_trained(impl.MyDrafter, T))]:
         s = scale(before, after)
         if not 0.8 < s < 1.25:
             raise harness.Fail(
-                f"trained on its own drafts at T = {T_TRAIN} by its loss at {T_TRAIN}, your drafter's Q at draft {i} "
+                f"trained on its own drafts at T = {T} by its loss at {T}, your drafter's Q at draft {i} "
                 f"went {'flatter' if s < 1 else 'sharper'}: log Q' = {s:.2f} log Q over its likely tokens, want a "
-                f"scale between 0.8 and 1.25 (1/T = {1 / T_TRAIN:.2f} or T = {T_TRAIN} when the temperature is "
+                f"scale between 0.8 and 1.25 (1/T = {1 / T:.2f} or T = {T} when the temperature is "
                 f"applied once too often, or too rarely, on one side)", "its loss is not at its optimum where its "
                 "drafts come from: what it trains is not what draft proposes. What fits: " + (
                     "the temperature applied twice in draft (logits already over T, tempered again: at every draft, "

@@ -393,6 +393,13 @@ class TemperatureClamped(MyDrafter):
         return super().draft(h, bonus, target, k, T, generator)
 
 
+class LossAtLeastOne(MyDrafter):
+    """The loss at max(T, 1) (a guard against sharp targets): right at T >= 1, too flat a target below."""
+
+    def loss(self, h, bonus, target, x, temperature=1.0):
+        return super().loss(h, bonus, target, x, max(temperature, 1.0))
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
@@ -419,4 +426,5 @@ CONTROLS = {
     'rows drawn in pairs from one uniform (u and 1 - u)': dict(MyDrafter=AntitheticRows),
     'heads copied at the first draft and kept (stale after training)': dict(MyDrafter=StaleWeights),
     'the temperature clamped to [0.5, 2] in draft': dict(MyDrafter=TemperatureClamped),
+    'the loss at max(T, 1)': dict(MyDrafter=LossAtLeastOne),
 }
