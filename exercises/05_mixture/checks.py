@@ -58,11 +58,16 @@ def misread(w, log_prior, log_q, drafts):
 
 def test_the_posterior_by_enumeration(impl):
     """The posterior by enumeration. log w (N, n, K) equals pi'_z prod_{l<i} q~_l(d_l | z),
-    normalised, computed directly. Hint: position i's posterior weighs each branch by the drafts
+    normalised, computed directly; the inputs left as they were. Hint: position i's posterior weighs each branch by the drafts
     before i only (position 0 sees none: its posterior is the prior), normalised over the branches."""
     log_prior, log_q, drafts = random_mixture()
     log_qd = drafted(log_q, drafts)
+    given = log_prior.clone(), log_qd.clone()
     log_w = impl.posterior(log_prior, log_qd)
+    if not (torch.equal(log_prior, given[0]) and torch.equal(log_qd, given[1])):
+        raise harness.Fail("posterior changed its input (log_prior or log_qd), want it as it was",
+                           "what fits: an in-place op (cumsum into the input, sub_, a slice assigned) on an input, or "
+                           "on .contiguous() of one that already is (the same tensor)")
     assert log_w.shape == (6, 4, 3), f"log w should be (N, n, K) = (6, 4, 3), got {tuple(log_w.shape)}"
     w, _ = brute_force(log_prior, log_q, drafts)
     err = (log_w.exp() - w).abs().max().item()
@@ -73,7 +78,8 @@ def test_the_posterior_by_enumeration(impl):
 
 def test_the_conditionals_by_enumeration(impl):
     """The conditionals by enumeration. Q_i = sum_z w_{i,z} q~_i(. | z) for sampled branches, and
-    for greedy ones (one-hot q~, log 0 = -inf): a distribution at every position, no NaN; and for
+    for greedy ones (one-hot q~, log 0 = -inf; the drafts along another branch's path in each row):
+    a distribution at every position, no NaN, exactly 0 where no branch drafts; and for
     a block of one draft (n = 1), with one row and with three.
     Hint: -inf in log q~ is fine in log space (logsumexp, log_softmax); it is 0 * inf that is not."""
     log_prior, log_q, drafts = random_mixture(seed=1)
@@ -87,19 +93,28 @@ def test_the_conditionals_by_enumeration(impl):
         hint = next((misread(w, log_prior, log_q, drafts) for w in wrong
                      if (Q - torch.einsum('nik,nkiv->niv', w, log_q.exp())).abs().max() < 1e-9), '')
         raise harness.Fail(f"Q differs from sum_z w_iz q_i(.|z) by {err:.1e}, want below 1e-12", hint)
-    # greedy branches: each branch a path, the drafts along branch 0's path
+    # greedy branches: each branch a path, the drafts along branch (row mod K)'s path, so that in most
+    # rows branch 0 leaves the drafts (its log q~ -inf there)
     paths = log_q.argmax(-1)                                                      # (N, K, n)
     one_hot = torch.full_like(log_q, -math.inf).scatter_(-1, paths.unsqueeze(-1), 0.0)
-    Q = impl.conditionals(log_prior, one_hot, paths[:, 0])
+    along = paths[torch.arange(6), torch.arange(6) % 3]                           # (N, n)
+    Q = impl.conditionals(log_prior, one_hot, along)
     bad = int((~torch.isfinite(Q)).sum())
     assert bad == 0, f"greedy branches: {bad} of Q's {Q.numel()} entries are NaN or inf, want none"
     total = Q.sum(-1)
     assert torch.allclose(total, torch.ones(6, 4, dtype=Q.dtype)), \
         f"greedy branches: Q's rows sum to {total.min().item():.3g}..{total.max().item():.3g}, want 1"
-    _, want = brute_force(log_prior, one_hot, paths[:, 0])
+    _, want = brute_force(log_prior, one_hot, along)
     err = (Q - want).abs().max().item()
     assert err < 1e-12, f"greedy branches: Q differs from the posterior mass on each path's token by {err:.1e}, " \
                         f"want below 1e-12"
+    stray = int(((want == 0) & (Q != 0)).sum())
+    if stray:
+        raise harness.Fail(f"greedy branches: Q gives {stray} tokens that no branch drafts there a mass (largest "
+                           f"{Q[want == 0].max().item():.1e}), want exactly 0",
+                           "Q is the mixture of what the branches draft, nothing more: what fits is a floor (a clamp, "
+                           "an epsilon) under Q or under q~, which over a 50,000-token vocabulary is mass no branch "
+                           "gives")
     for N in (1, 3):   # a block of one draft (k = 2: generate.py --k 2), for one row and for three
         log_prior, log_q, drafts = random_mixture(N=N, n=1, seed=4)
         Q = impl.conditionals(log_prior, log_q, drafts)
@@ -114,8 +129,10 @@ def test_the_conditionals_by_enumeration(impl):
 
 def test_no_underflow_over_32_tokens(impl):
     """No underflow over 32 tokens. Drafts each about e^-40 likely (a product of e^-1280, below
-    float64's range): the posterior and the conditionals stay finite and exact; and a draft given
-    e^-150 by one branch and e^-200 by the other weighs them e^-50 apart. Hint: sums of logs, never
+    float64's range): the posterior and the conditionals stay finite and exact; so does the
+    posterior with a branch the prior rules out (log pi' = -inf), and with two branches taking turns
+    being the likelier; a draft given e^-150 by one branch and e^-200 by the other weighs them e^-50
+    apart, and e^-1500 against e^-2500, e^-1000. Hint: sums of logs, never
     products, and no floor under a log."""
     n = 32
     log_qd = torch.tensor([[-40.0], [-40.3], [-41.0]], dtype=torch.float64).expand(3, n)[None]   # (1, K=3, n)
@@ -150,6 +167,23 @@ def test_no_underflow_over_32_tokens(impl):
                               f"off by {(Q - want).abs().max().item():.1e}") + ", want finite and exact to 1e-12",
                            "the posterior inside Q must be normalised in log space too: what fits is exp taken of "
                            "an unnormalised log pi + sum log q~ (e^-1280 is 0), normalised afterwards")
+    # a branch the prior rules out (Z_T = 0: log pi' -inf) beside one whose drafts are each e^-41, and
+    # two branches that take turns being the likelier (e^-50 against 1): the posterior from the
+    # definition, in log space
+    for what, log_pi, log_qd in (
+            ("a branch the prior rules out (log pi' = -inf)", torch.tensor([[0.0, -math.inf]], dtype=torch.float64),
+             torch.tensor([[-41.0, -1e-3]], dtype=torch.float64)[..., None].expand(1, 2, n)),
+            ("two branches taking turns (e^-50 against 1)", torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)),
+             torch.where(torch.arange(n) % 2 == torch.arange(2)[:, None], -50.0, 0.0).double()[None])):
+        want = F.log_softmax(log_pi[0][None, :] + F.pad(log_qd[0].T.cumsum(0), (0, 0, 1, 0))[:-1], -1)   # (n, K)
+        got = impl.posterior(log_pi, log_qd)[0].exp()
+        if not (torch.isfinite(got).all() and (got - want.exp()).abs().max() < 1e-12):
+            raise harness.Fail(f"{what}, 32 drafts: the posterior is "
+                               + ("NaN or inf in places" if not torch.isfinite(got).all() else
+                                  f"off by {(got - want.exp()).abs().max().item():.1e}") + ", want finite and exact "
+                               f"to 1e-12", "what fits: a shift by one branch's value (or a max over positions) that "
+                               "is -inf or far off for some rows (-inf - -inf is NaN), or the prior multiplied in "
+                               "after a shift that did not count it")
     # a draft far below the others: log q~ of -150 and -200 weighs the branches e^-50 apart, no less
     deep = impl.posterior(torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)),
                           torch.tensor([[[-150.0, -1.0], [-200.0, -1.0]]], dtype=torch.float64))
@@ -158,12 +192,19 @@ def test_no_underflow_over_32_tokens(impl):
         raise harness.Fail(f"two branches, the first draft given e^-150 and e^-200: the posterior after it is "
                            f"{deep.exp()[0, 1].tolist()}, want {want.tolist()}", "what fits: a floor under log q~ "
                            "(a clamp, or an epsilon added to a probability) that turns both into the same number")
+    deeper = impl.posterior(torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)),
+                            torch.tensor([[[-1500.0, -1.0], [-2500.0, -1.0]]], dtype=torch.float64))
+    if not (deeper[0, 1].exp() - torch.tensor([1.0, 0.0], dtype=torch.float64)).abs().max() < 1e-12:
+        raise harness.Fail(f"two branches, the first draft given e^-1500 and e^-2500 (a low temperature's): the "
+                           f"posterior after it is {deeper[0, 1].exp().tolist()}, want [1, e^-1000 (0 in float64)]",
+                           "what fits: a floor under log q~ (a clamp at -1000, say) that turns both into the same "
+                           "number")
 
 
 def test_no_host_sync(impl):
     """No host sync, no Python loop, no tensor on another device. posterior and conditionals make the
-    host wait for nothing, dispatch as many ops for 8 rows, 6 positions, 5 branches or 9 tokens as
-    for 4 rows of 3 positions, 3 branches and 5 tokens, and
+    host wait for nothing, dispatch as many ops for 8 or 200 rows, 6 positions, 5 branches or 9 or
+    9,000 tokens as for 4 rows of 3 positions, 3 branches and 5 tokens, and
     make no tensor off their inputs' device (run on PyTorch's 'meta' device, which refuses a mix of
     devices as CUDA does)."""
     log_prior, log_q, drafts = random_mixture(seed=2)
@@ -174,7 +215,8 @@ def test_no_host_sync(impl):
                            "the ops listed make the host wait for the device: a value read back (.item(), a Python "
                            "if on a tensor) or a shape that depends on the data (boolean indexing, nonzero)")
     sizes = [(f'N={N}, n={n}, K={K}, V={V}', random_mixture(N=N, n=n, K=K, V=V, seed=3))
-             for N, n, K, V in ((4, 3, 3, 5), (8, 3, 3, 5), (4, 6, 3, 5), (4, 3, 5, 5), (4, 3, 3, 9))]
+             for N, n, K, V in ((4, 3, 3, 5), (8, 3, 3, 5), (4, 6, 3, 5), (4, 3, 5, 5), (4, 3, 3, 9), (200, 3, 3, 5),
+                                (4, 3, 3, 9000))]
     harness.assert_no_python_loop('conditionals', [(size, lambda m=m: impl.conditionals(*m)) for size, m in sizes])
     harness.assert_no_python_loop('posterior', [(size, lambda m=m: impl.posterior(m[0], drafted(*m[1:])))
                                                 for size, m in sizes])

@@ -27,6 +27,12 @@ def a_floor_under_log_q(log_prior, log_qd):
     return project_posterior(log_prior, log_qd.clamp(min=-100.0))                    # e^-150 and e^-200 alike
 
 
+def shifted_by_branch_0(log_prior, log_qd):
+    joint = log_prior.unsqueeze(-1) + F.pad(log_qd.cumsum(-1), (1, 0))[..., :-1]         # (N, K, n)
+    rel = joint - joint[:, :1]                          # relative to branch 0: -inf - -inf where it is ruled out
+    return (rel - rel.logsumexp(1, keepdim=True)).transpose(1, 2)
+
+
 def with_posterior(wrong):
     """conditionals as the project computes them, but with a wrong posterior."""
     def conditionals(log_prior, log_q, drafts):
@@ -56,8 +62,11 @@ CONTROLS = {name: dict(posterior=fn, conditionals=with_posterior(fn)) for name, 
     ('the prior at every position', prior_at_every_position),
     ('conditioned on the draft itself', conditioned_on_the_draft_itself),
     ('products of probabilities', products_of_probabilities),
-    ('a floor under log q~ at -100', a_floor_under_log_q)]}
+    ('a floor under log q~ at -100', a_floor_under_log_q),
+    ("shifted by branch 0's joint (NaN where branch 0 leaves the drafts)", shifted_by_branch_0)]}
 CONTROLS.update({
     'conditionals squeezed of every dimension (a block of one draft)': dict(conditionals=drafts_read_by_squeeze),
     'a Python loop over the branches': dict(conditionals=a_loop_over_the_branches),
+    'Q floored at 1e-13 (mass on tokens no branch drafts)': dict(
+        conditionals=lambda log_prior, log_q, drafts: project_conditionals(log_prior, log_q, drafts).clamp(min=1e-13)),
 })
