@@ -61,8 +61,8 @@ def random_block(N=8, K=3, n=4, seed=0):
 def test_the_prefix_weights_by_enumeration(impl):
     """The prefix weights, directly. a_j = log prod_{i<=j} min(1, Q_i(x_i) / p_i(x_i)) with Q_i
     the mixture's conditional, computed in probability space, and its gradient in log q~ (K = 3:
-    a clamped term's q~ still reaches the later Q_i through the posterior, MATH.md §6); and a
-    draft the drafter gives almost nothing (log q~ = -40). Hint: a_j takes the acceptance ratios
+    a clamped term's q~ still reaches the later Q_i through the posterior, MATH.md §6); a draft
+    the drafter gives almost nothing (log q~ = -300); one branch and one draft, three rows. Hint: a_j takes the acceptance ratios
     of drafts 1..j, each clamped at 1 (each term at 0 in log space), with Q_i the mixture's
     conditional given the block's tokens before i."""
     prior_logits, log_qx, log_px = random_block()
@@ -106,19 +106,29 @@ def test_the_prefix_weights_by_enumeration(impl):
                            f"want {fmt(want)}", "a draft the drafter gives almost nothing weighs as little as it "
                            "is given: what fits is a guard of modest size (a clamp of log q~, an epsilon added to a "
                            "probability) where only log 0 needed one")
+    # one branch, one draft a block (k = 2), three rows: a_0 = min(0, log q~ - log p) row by row
+    log_qx, log_px = torch.tensor([[[-1.0]], [[-2.0]], [[-0.1]]], dtype=torch.float64), \
+        torch.tensor([[-1.5], [-1.0], [-0.5]], dtype=torch.float64)
+    one = prefix(impl, torch.zeros(3, 1, dtype=torch.float64), log_qx, log_px).detach()
+    if not torch.allclose(one, (log_qx[:, 0] - log_px).clamp(max=0.0), rtol=0, atol=1e-12):
+        raise harness.Fail(f"one branch, one draft a block (k = 2), three rows: a = {fmt(one)}, want "
+                           f"{fmt((log_qx[:, 0] - log_px).clamp(max=0.0))}", "what fits: a squeeze() of every "
+                           "dimension of size 1 (K = 1 and n = 1 together), which leaves rows and branches mixed")
 
 
 def test_a_block_off_every_branch(impl):
     """A block off every branch's path. With greedy branches (log q~ is 0 on a branch's path and
     -inf off it) a block that leaves every branch's path has Q_i(x_i) = 0 from there on: a_j is
-    -inf (below -230 at least: exp(a_j) under 1e-100), never NaN, and exact before it."""
+    -inf (below -230 at least: exp(a_j) under 1e-100), never NaN, and exact before it; so is a block
+    along a branch the prior rules out (log pi' = -inf, as Z_T = 0 gives)."""
     inf = math.inf
-    log_prior = torch.log(torch.tensor([[0.6, 0.4]] * 3, dtype=torch.float64))
+    log_prior = torch.log(torch.tensor([[0.6, 0.4]] * 3 + [[1.0, 0.0]], dtype=torch.float64))
     log_qx = torch.tensor([[[0, 0, 0, 0], [0, -inf, -inf, -inf]],           # row 0: branch 0's whole path
                            [[0, -inf, 0, 0], [0, -inf, -inf, 0]],           # row 1: off both from position 1
-                           [[-inf, 0, 0, -inf], [-inf, -inf, 0, 0]]],       # row 2: off both from position 0
-                          dtype=torch.float64)
-    log_px = -torch.tensor([[0.5, 1.0, 0.2, 2.0]] * 3, dtype=torch.float64)
+                           [[-inf, 0, 0, -inf], [-inf, -inf, 0, 0]],        # row 2: off both from position 0
+                           [[-inf, 0, 0, 0], [0, 0, 0, 0]]],                # row 3: on branch 1's, which the
+                          dtype=torch.float64)                              # prior rules out (Z_T = 0)
+    log_px = -torch.tensor([[0.5, 1.0, 0.2, 2.0]] * 4, dtype=torch.float64)
     a = prefix(impl, log_prior, log_qx, log_px)
     joint = (log_prior.exp()[..., None] * log_qx.exp().cumprod(-1)).sum(1)          # Q(x_1..x_i), 0 off the paths
     before = torch.cat([torch.ones_like(joint[:, :1]), joint[:, :-1]], 1)
@@ -149,36 +159,40 @@ def test_a_block_off_every_branch(impl):
 
 def test_the_threshold_and_the_fallback(impl):
     """The threshold and the fallback. Every prefix kept at tau_threshold 0 (L = -mean_j λ_j); only
-    a_j >= log tau_threshold kept in between; the row's NLL where nothing is kept, and its gradient. Hint: λ_j = logsumexp
+    a_j >= log tau_threshold kept in between, each row averaging over its own R (rows keeping 2 and
+    1); the row's NLL where nothing is kept, and its gradient. Hint: λ_j = logsumexp
     over j' >= j: a flipped logcumsumexp; tau_threshold 0 keeps everything (log 0 = -inf)."""
-    a = torch.tensor([[-0.1, -0.5, -2.0, -4.0], [-3.0, -3.5, -5.0, -6.0]], dtype=torch.float64)
-    nll = torch.tensor([7.0, 9.0], dtype=torch.float64)
+    a = torch.tensor([[-0.1, -0.5, -2.0, -4.0], [-3.0, -3.5, -5.0, -6.0], [-0.5, -2.0, -3.0, -4.0]],
+                     dtype=torch.float64)
+    nll = torch.tensor([7.0, 9.0, 11.0], dtype=torch.float64)
     t = tails(a)
     got = surrogate(impl, a, nll, 0.0)
     if not torch.allclose(got, -t.mean(-1)):
         hint = ("tau_threshold 0 keeps every prefix (log 0 = -inf, below any a_j): take it as -inf, not as a "
                 "math error" if not torch.isfinite(got).all() else '')
         raise harness.Fail(f"tau_threshold 0: {fmt(got)}, want -mean_j λ_j {fmt(-t.mean(-1))}", hint)
-    got = surrogate(impl, a, nll, math.exp(-1.0))                   # keeps a[0, 0] and a[0, 1], nothing of row 1
-    want = torch.stack([-(t[0, 0] + t[0, 1]) / 2, nll[1]])
+    got = surrogate(impl, a, nll, math.exp(-1.0))   # keeps a[0, 0] and a[0, 1], nothing of row 1, a[2, 0]
+    want = torch.stack([-(t[0, 0] + t[0, 1]) / 2, nll[1], -t[2, 0]])
     if not torch.allclose(got, want):
         hint = ("row 1 keeps no prefix (every a_j below log tau_threshold): its loss is its NLL, nll[1]"
-                if torch.isclose(got[0], want[0]) else
+                if torch.isclose(got[0], want[0]) and torch.isclose(got[2], want[2]) else
+                "each row averages over its own R: row 0 over 2 prefixes, row 2 over 1 (what fits: a count taken "
+                "over the batch, its largest |R| or their mean)" if torch.isclose(got[1], want[1]) else
                 "row 0 keeps a[0, 0] and a[0, 1] (a >= log tau_threshold = -1): the loss averages t[0, 0] and t[0, 1] "
                 "over those two, each t[0, j] the logsumexp of a[0, j:]")
         raise harness.Fail(f"tau_threshold e^-1: {fmt(got)}, want {fmt(want)} (row 0 keeps positions 0 and 1, "
-                           f"row 1 nothing)", hint)
+                           f"row 1 nothing, row 2 position 0)", hint)
     a_, nll_ = a.clone().requires_grad_(), nll.clone().requires_grad_()
     surrogate(impl, a_, nll_, math.exp(-1.0)).sum().backward()
-    if not (torch.isfinite(a_.grad).all() and (a_.grad[1] == 0).all() and nll_.grad.tolist() == [0.0, 1.0]):
+    if not (torch.isfinite(a_.grad).all() and (a_.grad[1] == 0).all() and nll_.grad.tolist() == [0.0, 1.0, 0.0]):
         raise harness.Fail(f"tau_threshold e^-1, backward: a gets gradient {fmt(a_.grad)}, nll {fmt(nll_.grad)}; want "
-                           f"row 1's loss, its NLL, to give a none and nll (0, 1)",
+                           f"row 1's loss, its NLL, to give a none and nll (0, 1, 0)",
                            "row 1 keeps no prefix: its loss is its NLL, and so is its gradient. What fits: a division "
                            "by |R| = 0 in that row, which torch.where hides in the forward pass but not in the backward "
                            "(0/0 there is NaN, and NaN times 0 is NaN)")
     # the whole gradient in a, against autograd through the tails themselves
-    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
-    for tau_threshold, kept in ((0.0, [[0, 1, 2, 3], [0, 1, 2, 3]]), (math.exp(-1.0), [[0, 1], []])):
+    weights = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
+    for tau_threshold, kept in ((0.0, [[0, 1, 2, 3]] * 3), (math.exp(-1.0), [[0, 1], [], [0]])):
         a_ = a.clone().requires_grad_()
         got, = torch.autograd.grad((surrogate(impl, a_, nll, tau_threshold) * weights).sum(), a_)
         a_ = a.clone().requires_grad_()
@@ -232,18 +246,19 @@ def test_the_threshold_at_its_edges(impl):
                                f"{fmt(want)} (every prefix kept{', not the NLL' if torch.allclose(got, nll_) else ''})",
                                hint)
     # exactly at a threshold no float32 computes (float32's log 0.4 lies above float64's), and just below one
-    edges = ((math.log(0.4), 0.4, 1, "a_0 = log 0.4 is kept"),
-             (math.log(0.01) - 5e-7, 0.01, 0, "a_0, 5e-7 below log 0.01, is not kept: the NLL"))
-    for a_0, tau_threshold, keep, why in edges:
-        a_ = torch.tensor([[a_0, -6.0, -7.0, -8.0]], dtype=torch.float64)
-        got = surrogate(impl, a_, nll[:1], tau_threshold)
-        want = -tails(a_)[0, :keep].mean().reshape(1) if keep else nll[:1]
-        if not torch.allclose(got, want):
-            raise harness.Fail(f"tau_threshold {tau_threshold}, a = [{a_0:.17g}, -6, -7, -8] (float64): {fmt(got)}, "
+    edges = ((math.log(0.4), 0.4, 1, "a_0 = log 0.4 is kept", torch.float64),
+             (math.log(0.01) - 5e-7, 0.01, 0, "a_0, 5e-7 below log 0.01, is not kept: the NLL", torch.float64))
+    for a_0, tau_threshold, keep, why, dtype in edges:
+        a_ = torch.tensor([[a_0, -6.0, -7.0, -8.0]], dtype=dtype)
+        got = surrogate(impl, a_, nll[:1].to(dtype), tau_threshold)
+        want = -tails(a_)[0, :keep].mean().reshape(1) if keep else nll[:1].to(dtype)
+        if not torch.allclose(got.to(dtype), want):
+            raise harness.Fail(f"tau_threshold {tau_threshold}, a = [{a_0:.17g}, -6, -7, -8] ({dtype}): {fmt(got)}, "
                                f"want {fmt(want)} ({why})",
-                               "compare a_j with log tau_threshold in a's own precision (math.log(tau_threshold), "
-                               "float64 here), exactly: what fits is the threshold's log taken in float32 (a "
-                               "torch.tensor(tau_threshold) is float32), or a tolerance added to it")
+                               "compare a_j with log tau_threshold in a's own precision (a >= math.log(tau_threshold): "
+                               "torch rounds the number to a's dtype), exactly: what fits is the threshold's log "
+                               "taken in another precision than a's (a torch.tensor(tau_threshold) is float32; a "
+                               "float32 a upcast to float64 first), or a tolerance added to it")
     # a block that leaves the greedy branches' paths has a_j = -inf from there: R leaves those out, and
     # the loss stays finite (no -inf times 0)
     a_ = torch.tensor([[-0.1, -0.5, -math.inf, -math.inf]], dtype=torch.float64)

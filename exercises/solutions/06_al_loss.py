@@ -113,6 +113,19 @@ def tails_shifted_once_per_row(a, nll, tau_threshold):
     return torch.where(n_keep > 0, al, nll)
 
 
+def averaged_over_the_batchs_largest_R(a, nll, tau_threshold):
+    log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_threshold
+    n_keep = keep.sum(-1)
+    tails = torch.logcumsumexp(a.flip(-1), -1).flip(-1)
+    al = -torch.where(keep, tails, 0.0).sum(-1) / n_keep.max().clamp(min=1)      # one count for every row
+    return torch.where(n_keep > 0, al, nll)
+
+
+def prior_clamped(log_prior, log_qx, log_px, verify='mixture'):
+    return project_prefix_log_accept(log_prior.clamp(min=-30.0), log_qx, log_px, verify)   # a ruled-out branch, e^-30
+
+
 CONTROLS = {
     'no clamp at 1': dict(prefix_log_accept=no_clamp),
     'NaN off every branch, where the answer is -inf': dict(prefix_log_accept=conditionals_without_their_guard),
@@ -130,4 +143,6 @@ CONTROLS = {
     'the tails shifted by a detached max (a wrong gradient)': dict(al_surrogate=tails_shifted_by_a_detached_max),
     "the threshold's log taken in float32": dict(al_surrogate=threshold_in_float32),
     "the tails shifted once per row by the row's max": dict(al_surrogate=tails_shifted_once_per_row),
+    "each row averaged over the batch's largest R": dict(al_surrogate=averaged_over_the_batchs_largest_R),
+    'the log prior clamped at -30 (a ruled-out branch kept at e^-30)': dict(prefix_log_accept=prior_clamped),
 }
