@@ -129,6 +129,21 @@ def test_greedy_accepts_the_longest_branch(impl):
     greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best=3,
                          case="with branch 3 the right one, row 2's branches all wrong at once, and old keys in the "
                               "cache past the prefix: ")
+    # branches whose first two tokens sum (and so hash, by a sum) as the right branch's do, though
+    # no prefix of theirs is its: no node is shared
+    g = greedy[:, 1:1 + n]
+    paths = g[:, None].repeat(1, 4, 1)
+    paths[:, 0, 0], paths[:, 0, 1] = g[:, 0] + 1, g[:, 1] - 1
+    paths[:, 2, 0], paths[:, 2, 1] = g[:, 0] - 1, g[:, 1] + 1
+    paths[:, 3] = torch.randint(32, (B, n), generator=torch.Generator().manual_seed(9))
+    assert ((paths >= 0) & (paths < 32)).all(), "the check's world is not the one its branches were made for"
+    cache = model.new_cache(B, 32)
+    model.forward_cached(prefix, cache)
+    cache.commit(6)
+    got = impl.tree_step(model, cache, bonus, paths, torch.ones(B, dtype=torch.bool), 0.0)
+    greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best=1,
+                         case="with branches 0 and 2 holding, at their first two drafts, tokens of the same sum as "
+                              "the right branch 1's: ")
 
 
 class LayerCalls:
@@ -202,14 +217,22 @@ def greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best, ca
 
 
 def test_inactive_rows_stay(impl):
-    """Inactive rows do not advance."""
+    """Inactive rows do not advance, and tree_step leaves its inputs as they were."""
     model = harness.tiny_target()
     prefix = torch.randint(32, (2, 6), generator=torch.Generator().manual_seed(3))
     cache = model.new_cache(2, 32)
     model.forward_cached(prefix, cache)
     cache.commit(6)
     paths = torch.randint(32, (2, 2, 3), generator=torch.Generator().manual_seed(4))
-    impl.tree_step(model, cache, prefix[:, -1], paths, torch.tensor([True, False]), 0.0)
+    bonus, active = prefix[:, -1].clone(), torch.tensor([True, False])
+    given = bonus.clone(), paths.clone(), active.clone()
+    impl.tree_step(model, cache, bonus, paths, active, 0.0)
+    changed = [name for name, t, t0 in zip(('bonus', 'paths', 'active'), (bonus, paths, active), given)
+               if not torch.equal(t, t0)]
+    if changed:
+        raise harness.Fail(f"tree_step changed its input {changed[0]}, want it as it was",
+                           "what fits: an in-place op (mul_, masked_fill_, an indexed assignment) on an input; the "
+                           "caller keeps them (a row that takes no part keeps its pending block)")
     if not (cache.lengths[1] == 6 and cache.lengths[0] > 6):
         raise harness.Fail(f"cache lengths {cache.lengths.tolist()}, want [>6, 6] (row 1 inactive)",
                            "an inactive row commits nothing, an active one at least its bonus: " + (
@@ -261,6 +284,9 @@ BONUS, PATHS = 7, [[1, 6, 6], [6, 6, 6], [1, 2, 4], [1, 6, 2], [1, 6, 4]]
 # [6, 6] and [6, 6, 6] are branch 1's prefixes, whose last tokens are branch 0's at the same depths
 # after another first token)
 TESTED = [(), (1,), (1, 6), (6, 6), (6, 6, 6)]
+# at T = 0.6, branches whose shared nodes are not branch 0's ([6] three share, [6, 6] two), and
+# whose leaves the walk reaches often (the bonus drawn there at T too)
+PATHS_COLD, TESTED_COLD = [[0, 0, 0], [6, 6, 6], [6, 6, 2], [6, 1, 4], [1, 6, 6]], [(), (6,), (6, 6), (6, 6, 6)]
 STEPS = 20000
 
 
@@ -285,44 +311,54 @@ def test_sampling_every_token_of_a_step_follows_p(impl):
     # 127 to 146 with 10,000 steps (three seeds; 103 to 120 of it after [1, 6]): with 20,000, about
     # 240, 5 sd above the critical value. A right answer fails with probability 1e-5.
     world = harness.context_target()
-    model = harness.float32(world)
-    T0 = harness.PROMPT8.size(1)
-    prefix = harness.PROMPT8.expand(STEPS, -1)
-    paths = torch.tensor(PATHS).expand(STEPS, -1, -1)
-    cache = model.new_cache(STEPS, 32)
-    model.forward_cached(prefix, cache)
-    cache.commit(T0)
-    n_acc, branch, nxt, _ = impl.tree_step(model, cache, torch.full((STEPS,), BONUS), paths,
-                                           torch.ones(STEPS, dtype=torch.bool), 1.0, torch.Generator().manual_seed(0))
-    chosen = paths.gather(1, branch.view(STEPS, 1, 1).expand(STEPS, 1, 3)).squeeze(1)
-    emitted = torch.cat([chosen, torch.zeros(STEPS, 1, dtype=torch.long)], 1)
-    emitted.scatter_(1, n_acc[:, None], nxt[:, None])                     # the committed drafts, then the bonus
-    length = n_acc + 1
     conditionals = F.softmax(world(torch.stack([torch.cat([harness.PROMPT8[0], torch.tensor([BONUS, *p, 0])])
                                                 for p in ((1, 6), (6, 6))]))[0], -1)   # (2, T, V)
+    T0 = harness.PROMPT8.size(1)
     reach = conditionals[1, T0, 6] * conditionals[1, T0 + 1, 6]
     tv = 0.5 * (conditionals[0, T0 + 2] - conditionals[1, T0 + 2]).abs().sum()
     assert reach > 0.16 and tv > 0.45, f"the check's world is not the one its power was worked out for " \
                                        f"(reach {float(reach):.3f}, TV {float(tv):.3f})"
+    for T, paths, tested in ((1.0, PATHS, TESTED), (0.6, PATHS_COLD, TESTED_COLD)):
+        step_follows_p(impl, world, T, paths, tested)
+
+
+def step_follows_p(impl, world, T, paths, tested):
+    """STEPS steps of tree_step at T from PROMPT8 and BONUS with these branches: the committed
+    tokens after each prefix of `tested` against the target's conditional at T, one chi-square."""
+    model = harness.float32(world)
+    T0 = harness.PROMPT8.size(1)
+    prefix = harness.PROMPT8.expand(STEPS, -1)
+    paths = torch.tensor(paths).expand(STEPS, -1, -1)
+    cache = model.new_cache(STEPS, 32)
+    model.forward_cached(prefix, cache)
+    cache.commit(T0)
+    n_acc, branch, nxt, _ = impl.tree_step(model, cache, torch.full((STEPS,), BONUS), paths,
+                                           torch.ones(STEPS, dtype=torch.bool), T, torch.Generator().manual_seed(0))
+    chosen = paths.gather(1, branch.view(STEPS, 1, 1).expand(STEPS, 1, 3)).squeeze(1)
+    emitted = torch.cat([chosen, torch.zeros(STEPS, 1, dtype=torch.long)], 1)
+    emitted.scatter_(1, n_acc[:, None], nxt[:, None])                     # the committed drafts, then the bonus
+    length = n_acc + 1
     stat, df, parts, off = 0.0, 0, [], []
-    for p in TESTED:
+    for p in tested:
         j = len(p)
         rows = (length > j) & (emitted[:, :j] == torch.tensor(p, dtype=torch.long)).all(1)
         if not rows.any():
-            raise harness.Fail(f"no step of {STEPS} committed {list(p)} and a token after it, which the target's "
-                               f"samples do in about one step in ten or more; want the target's samples",
+            raise harness.Fail(f"T = {T}: no step of {STEPS} committed {list(p)} and a token after it, which the "
+                               f"target's samples do in about one step in ten or more; want the target's samples",
                                "what fits: drafts accepted by fewer than the samples that match them (a walk cut "
                                "short, or n_acc capped), or the bonus counted as a draft")
-        want = F.softmax(world(torch.cat([harness.PROMPT8[0], torch.tensor([BONUS, *p])])[None])[0][0, -1], -1)
-        s, d = harness.pearson(torch.bincount(emitted[rows, j], minlength=8).double(), want)
+        logits = world(torch.cat([harness.PROMPT8[0], torch.tensor([BONUS, *p])])[None])[0][0, -1]
+        s, d = harness.pearson(torch.bincount(emitted[rows, j], minlength=8).double(), F.softmax(logits / T, -1))
         stat, df = stat + s, df + d
         parts.append(f"after {list(p)}: {s:.0f} over {int(rows.sum())} steps")
         if s > harness.critical(d):
             off.append(p)
     crit = harness.critical(df)
     if not stat < crit:
-        raise harness.Fail(f"the step's tokens are not the target's: chi-square {stat:.0f}, want below {crit:.0f} "
-                           f"(p < {harness.ALPHA:g}); {'; '.join(parts)}", sampling_hint(off))
+        raise harness.Fail(f"T = {T}, branches {paths[0].tolist()}: the step's tokens are not the target's: "
+                           f"chi-square {stat:.0f}, want below {crit:.0f} (p < {harness.ALPHA:g}); {'; '.join(parts)}",
+                           sampling_hint(off) + ("" if T == 1.0 else " At T != 1: every token the step draws, the "
+                                                 "leaf's bonus too, is a sample of softmax(logits / T)"))
 
 
 def sampling_hint(off):
@@ -363,22 +399,35 @@ def test_sampling_is_lossless(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no Python loop, no tensor on another device. tree_step, greedy and sampled,
-    makes the host wait for nothing (tree_generate around it reads how far the rows are, as
-    decode.generate does), dispatches as many ops for 6 rows or 5 drafts a branch as for 3 rows of
-    3, and makes no tensor off the device of its inputs (run on PyTorch's 'meta' device, which
-    refuses a mix of devices as CUDA does)."""
+    """No host sync, no Python loop, no tensor on another device. tree_step, greedy and sampled, for
+    three rows and for one, and sampled without a generator (the global RNG's draws), makes the host
+    wait for nothing (tree_generate around it reads how far the rows are, as decode.generate does),
+    draws from the generator it is given (the same seed, the same step, whatever the global RNG),
+    dispatches as many ops for 6 rows or 5 drafts a branch as for 3 rows of 3, and makes no tensor
+    off the device of its inputs (run on PyTorch's 'meta' device, which refuses a mix of devices as
+    CUDA does)."""
     model = harness.tiny_target()
-    for T in (0.0, 1.0):
-        step_args = sized_step(model, 3, 3)
+    for T, B, g in ((0.0, 3, 8), (1.0, 3, 8), (0.0, 1, 8), (1.0, 1, 8), (1.0, 3, None)):   # one row; no generator
+        step_args = sized_step(model, B, 3)
         with harness.HostSyncs() as syncs:
-            impl.tree_step(*step_args, T, torch.Generator().manual_seed(8))
+            impl.tree_step(*step_args, T, None if g is None else torch.Generator().manual_seed(g))
         if syncs.seen:
-            raise harness.Fail(f"T={T}: host syncs {', '.join(sorted(set(syncs.seen)))}, want none",
+            raise harness.Fail(f"T={T}, {B} row(s){', generator None' if g is None else ''}: host syncs "
+                               f"{', '.join(sorted(set(syncs.seen)))}, want none",
                                "the ops listed make the host wait for the device: a value read back (.item(), int() "
                                "or bool() of a tensor, a Python if or loop bound on one), a shape that depends on "
                                "the data (boolean indexing, nonzero), or a draw that checks its input on the host "
                                "(torch.multinomial does, on a GPU)")
+    # every draw from the generator: the same seed, the same step, whatever the global RNG's state
+    outs = []
+    for global_seed in (1, 2):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(global_seed)
+            outs.append(impl.tree_step(*sized_step(model, 6, 3), 1.0, torch.Generator().manual_seed(8))[:3])
+    if not all(torch.equal(a, b) for a, b in zip(*outs)):
+        raise harness.Fail("T=1.0: the same generator seed, the global RNG seeded otherwise: the steps differ, want "
+                           "the same", "some draw came from the global RNG, not from `generator` (torch.rand or "
+                           "a sampler called without it)")
     # rows and drafts a branch: other sizes, as many ops (K stays 4: a loop over it is allowed); each
     # call after a prefill of its own into a fresh cache, whose ops are the same at every size
     for T in (0.0, 1.0):

@@ -53,11 +53,13 @@ def commit_branch(cache, branch, n, n_acc, active):
 
 @torch.no_grad()
 def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
-                nodes='prefix', move=True, clamp=True, on_device=True, squeeze=False, calls=1, h_at_bonus=True):
+                nodes='prefix', move=True, clamp=True, on_device=True, squeeze=False, calls=1, h_at_bonus=True,
+                own_generator=True):
     """tree_step, and (by its keywords) the wrong answers below: nodes 'prefix' shares a node
     between branches with the same prefix (right), 'none' gives every branch its own, 'token' shares
     it between branches with the same token at that depth, whatever came before, 'first' shares the
-    first depth's nodes only."""
+    first depth's nodes only, 'sum' shares it between prefixes whose tokens sum alike; own_generator
+    False draws from the global RNG."""
     B, K, n = paths.shape
     dev = paths.device
     depth, attend = tree_layout(K, n, dev)
@@ -68,7 +70,7 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     if temperature == 0:
         x = logits.argmax(-1)                                     # the target's token after each node
     elif on_device:
-        x = sample(F.softmax(tempered(logits, temperature), -1), generator)
+        x = sample(F.softmax(tempered(logits, temperature), -1), generator if own_generator else None)
     else:                                                         # by inverse CDF, its uniforms on the CPU
         cdf = F.softmax(tempered(logits, temperature), -1).cumsum(-1)
         u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, dtype=cdf.dtype)
@@ -76,6 +78,9 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     # node slots: the node after path_z[:i+1] is slot 1 + z n + i; branches with the same prefix share
     # the node, and use the first such branch's slot (and its one sample)
     same = paths[:, :, None, :] == paths[:, None, :, :]                                 # (B, z, z', i)
+    if nodes == 'sum':                                          # prefixes told apart by the sum of their tokens
+        total = paths.cumsum(-1)
+        same = total[:, :, None, :] == total[:, None, :, :]
     if nodes == 'prefix':
         same = same.long().cumprod(-1).bool()                                           # the whole prefix
     canon = torch.arange(K, device=dev)[None, :, None].expand(B, K, n) if nodes == 'none' else same.long().argmax(2)
@@ -121,4 +126,6 @@ CONTROLS = {
     "the node samples drawn without the logits' device": wrong(on_device=False),
     'the tree run through the target twice': wrong(calls=2),
     "h at the first draft's slot where no draft is accepted": wrong(h_at_bonus=False),
+    'nodes shared by the sum of their prefix (a hash that collides)': wrong(nodes='sum'),
+    'the node samples drawn from the global RNG, not the generator': wrong(own_generator=False),
 }
