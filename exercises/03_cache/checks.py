@@ -141,8 +141,8 @@ def test_the_buffers_stay_in_place(impl):
         now = getattr(cache, name)
         if now is not tensor or not torch.equal(now, values):
             raise harness.Fail(f"cache.{name} changed after write and commit, want it as KVCache made it",
-                               f"KVCache's own index tensors are read by its other methods (keep_path, a tree's "
-                               f"path): use them as they are, and keep what you make in a name of your own")
+                               "KVCache's own index tensors are read by its other methods (keep_path, a tree's "
+                               "path): use them as they are, and keep what you make in a name of your own")
     assert cache.lengths.tolist() == [2, 3], \
         f"lengths {cache.lengths.tolist()} after commit(1), commit([1, 2]), want [2, 3]"
 

@@ -181,7 +181,7 @@ def test_no_underflow_over_32_tokens(impl):
             raise harness.Fail(f"{what}, 32 drafts: the posterior is "
                                + ("NaN or inf in places" if not torch.isfinite(got).all() else
                                   f"off by {(got - want.exp()).abs().max().item():.1e}") + ", want finite and exact "
-                               f"to 1e-12", "what fits: a shift by one branch's value (or a max over positions) that "
+                               "to 1e-12", "what fits: a shift by one branch's value (or a max over positions) that "
                                "is -inf or far off for some rows (-inf - -inf is NaN), or the prior multiplied in "
                                "after a shift that did not count it")
     # a draft far below the others: log q~ of -150 and -200 weighs the branches e^-50 apart, no less
