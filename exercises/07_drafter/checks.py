@@ -568,10 +568,10 @@ def test_it_proposes_what_its_loss_trains(impl):
     """It proposes what its loss trains, at the same temperature. The drafter trained above proposes
     at the temperature asked: on held-out contexts its Q at T = 0.5 is sharper than at T = 1.5 (a
     mean entropy below 0.95 times as much, at every draft). Trained 100 steps more by its loss at
-    T = 1.5 on its own drafts at T = 1.5 (drawn by a copy of it, kept as it was), and again at
-    T = 0.5, it keeps the scale of its log Q at each of its 3 drafts on 2,000 held-out contexts: fitting log Q' = s log Q over
+    T = 1.5 on its own drafts at T = 1.5 (drawn by a copy of it, kept as it was), it keeps the scale
+    of its log Q at each of its 3 drafts on 2,000 held-out contexts: fitting log Q' = s log Q over
     each context's likely tokens (Q before, Q' after), the median s is between 0.8 and 1.25 at
-    every draft."""
+    every draft; trained so at T = 0.5, below 1.25."""
     # Why its own drafts: a loss and a draft that read the temperature alike are at their optimum on
     # the drafter's own samples (cross-entropy is minimised by the distribution the samples came
     # from), whatever the drafter can represent; with the temperature twice in draft, or missing in
@@ -593,10 +593,12 @@ def test_it_proposes_what_its_loss_trains(impl):
     # applied twice), and a sharpness measured in nats takes a label-smoothed loss's flatter tail
     # for a temperature.
     sharper_when_colder(impl)
+    # at T = 0.5 only a scale going sharper is judged: a label-smoothed loss (right) pulls a sharp Q
+    # flatter, to 0.66 there, while a loss that leaves out a temperature below 1 pulls it to 1.8 to 2
     for T, i, (before, after) in [(T, i, pair) for T in (T_TRAIN, 0.5)
                                   for i, pair in enumerate(self_trained(impl.MyDrafter, T))]:
         s = scale(before, after)
-        if not 0.8 < s < 1.25:
+        if not (0.8 if T == T_TRAIN else 0.0) < s < 1.25:
             raise harness.Fail(
                 f"trained on its own drafts at T = {T} by its loss at {T}, your drafter's Q at draft {i} "
                 f"went {'flatter' if s < 1 else 'sharper'}: log Q' = {s:.2f} log Q over its likely tokens, want a "
