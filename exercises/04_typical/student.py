@@ -22,6 +22,6 @@ def typical(logits, drafts, param):
 
 def parse_typical(text, vocab_size):
     """The parameter of 'typical:EPSILON,DELTA' from its text 'EPSILON,DELTA' -> (epsilon, delta),
-    exactly two numbers with 0 < epsilon <= 1 and 0 < delta < 1 (nan refused). Anything else: raise
+    two Python floats: exactly two numbers with 0 < epsilon <= 1 and 0 < delta < 1 (nan refused). Anything else: raise
     ValueError with a short reason (decode turns it into a one-line error naming the flag)."""
     raise NotImplementedError("exercise 4: write parse_typical in exercises/04_typical/student.py")
