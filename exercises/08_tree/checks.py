@@ -402,8 +402,8 @@ def test_no_host_sync(impl):
     """No host sync, no Python loop, no tensor on another device. tree_step, greedy and sampled, for
     three rows and for one, and sampled without a generator (the global RNG's draws), makes the host
     wait for nothing (tree_generate around it reads how far the rows are, as decode.generate does),
-    draws from the generator it is given (the same seed, the same step, whatever the global RNG),
-    dispatches as many ops for 6 rows or 5 drafts a branch as for 3 rows of 3, and makes no tensor
+    draws from the generator it is given (the same seed, the same step, whatever the global RNG;
+    without one, from the global RNG, two steps drawing anew), dispatches as many ops for 6 rows or 5 drafts a branch as for 3 rows of 3, and makes no tensor
     off the device of its inputs (run on PyTorch's 'meta' device, which refuses a mix of devices as
     CUDA does)."""
     model = harness.tiny_target()
@@ -428,6 +428,15 @@ def test_no_host_sync(impl):
         raise harness.Fail("T=1.0: the same generator seed, the global RNG seeded otherwise: the steps differ, want "
                            "the same", "some draw came from the global RNG, not from `generator` (torch.rand or "
                            "a sampler called without it)")
+    # without a generator the draws are the global RNG's, which moves on: two steps draw anew
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        first, second = (impl.tree_step(*sized_step(model, 64, 3), 1.0, None)[:3] for _ in range(2))
+    if all(torch.equal(a, b) for a, b in zip(first, second)):
+        raise harness.Fail("T=1.0, generator None: two steps from the same 64 rows drew the same in every row, want "
+                           "the global RNG's draws, which move on from call to call",
+                           "what fits: a generator made and seeded inside tree_step when none is given (every step "
+                           "then draws the same numbers)")
     # rows and drafts a branch: other sizes, as many ops (K stays 4: a loop over it is allowed); each
     # call after a prefill of its own into a fresh cache, whose ops are the same at every size
     for T in (0.0, 1.0):

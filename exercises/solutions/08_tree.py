@@ -54,12 +54,13 @@ def commit_branch(cache, branch, n, n_acc, active):
 @torch.no_grad()
 def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
                 nodes='prefix', move=True, clamp=True, on_device=True, squeeze=False, calls=1, h_at_bonus=True,
-                own_generator=True):
+                own_generator=True, seeds_its_own=False):
     """tree_step, and (by its keywords) the wrong answers below: nodes 'prefix' shares a node
     between branches with the same prefix (right), 'none' gives every branch its own, 'token' shares
     it between branches with the same token at that depth, whatever came before, 'first' shares the
     first depth's nodes only, 'sum' shares it between prefixes whose tokens sum alike; own_generator
-    False draws from the global RNG."""
+    False draws from the global RNG, seeds_its_own True from a generator seeded anew when none is
+    given."""
     B, K, n = paths.shape
     dev = paths.device
     depth, attend = tree_layout(K, n, dev)
@@ -70,6 +71,8 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     if temperature == 0:
         x = logits.argmax(-1)                                     # the target's token after each node
     elif on_device:
+        if seeds_its_own and generator is None:                   # every step then draws the same numbers
+            generator = torch.Generator(device=logits.device).manual_seed(0)
         x = sample(F.softmax(tempered(logits, temperature), -1), generator if own_generator else None)
     else:                                                         # by inverse CDF, its uniforms on the CPU
         cdf = F.softmax(tempered(logits, temperature), -1).cumsum(-1)
@@ -128,4 +131,5 @@ CONTROLS = {
     "h at the first draft's slot where no draft is accepted": wrong(h_at_bonus=False),
     'nodes shared by the sum of their prefix (a hash that collides)': wrong(nodes='sum'),
     'the node samples drawn from the global RNG, not the generator': wrong(own_generator=False),
+    'a generator seeded inside when none is given': wrong(seeds_its_own=True),
 }
