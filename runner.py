@@ -17,9 +17,10 @@ most of the time (gpu_check.py's part j measures it). Three things take the host
                       whose kernels one C++ function calls (CPU_OPTIONS)
 
 The host reads the device once per batch of needed steps (how far the slowest row is) and at
-the end (the steps run, and their taus for the stats). Random draws inside a graph come from the device's global RNG, forked and
-seeded from the caller's generator for the length of one generate() (global_rng_from): a
-torch.Generator handed to a compiled function splits its graph at every draw.
+the end (the steps run, and their taus for the stats). Random draws inside a graph come from the
+device's global RNG, forked and seeded from the caller's generator for the length of one
+generate() (global_rng_from): a torch.Generator handed to a compiled function splits its graph at
+every draw.
 """
 import math
 from contextlib import contextmanager

@@ -610,6 +610,18 @@ def assert_no_python_loop(what, calls):
                    "a GPU each op is a kernel launch: one per row or position costs that many launches a step")
 
 
+def assert_inputs_unchanged(what, call, hint, **inputs):
+    """call()'s result, the tensors `inputs` (name=tensor, what call reads) compared before and after
+    it: Fail naming the first one it changed (in place: an op with an underscore, an indexed
+    assignment, or one on a view or on .double() of a tensor already in float64, the same tensor)."""
+    given = {name: t.clone() for name, t in inputs.items()}
+    out = call()
+    changed = [name for name, t in inputs.items() if not torch.equal(t, given[name])]
+    if changed:
+        raise Fail(f"{what} changed its input {changed[0]}, want it as it was", hint)
+    return out
+
+
 # ops whose kernel allocates a temporary the size of the tensor it writes, which none of its outputs
 # shows: a count per slot for a 'mean' reduction (on a CPU as on CUDA), and on CUDA the prefix sum
 # of masked_scatter's mask, expanded to the size of the tensor (aten/src/ATen/native/cuda)
@@ -744,8 +756,8 @@ class HostData(TorchFunctionMode):
 
     def from_the_host(self, name, args, kwargs):
         """What in the call torch would make on the host and copy to the device, or None."""
-        def host_data(x, sequences):   # a Python sequence, or an array of one dimension or more
-            return isinstance(x, sequences) or (getattr(x, 'ndim', 0) > 0 and not isinstance(x, torch.Tensor))
+        def host_data(x, kinds):   # Python data of these kinds, or an array of one dimension or more
+            return isinstance(x, kinds) or (getattr(x, 'ndim', 0) > 0 and not isinstance(x, torch.Tensor))
         if name in ('__getitem__', '__setitem__') and args[0].device.type != 'cpu':
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             return "an index given as Python data (a list)" if any(host_data(i, (list, range)) for i in index) else None

@@ -519,18 +519,3 @@ def test_expander_offsets_start_at_about_a_third_of_the_anchor_scale():
         _, u_z = d.anchor(h, b, target)
     assert abs(float(u.std()) - 1) < 0.02
     assert abs(float((u_z - u[:, None]).std()) - 8 ** -0.5) < 0.02
-
-
-def test_branch_order_is_a_draw_without_replacement_from_pi_prime():
-    """§9: branch_order is a draw without replacement from pi' = softmax(log pi / Z_T) (Z_T = 0.5
-    here, where pi' != pi): its first branch ~ pi', its second ~ sum_a pi'(a) pi'(.)/(1 - pi'(a))."""
-    n = 40000
-    pi = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
-    zt = 0.5
-    pp = pi ** (1 / zt) / (pi ** (1 / zt)).sum()
-    order = dblast.branch_order(pi.log().expand(n, 3), zt, torch.Generator().manual_seed(0))
-    second = torch.stack([sum(pp[a] * pp[b] / (1 - pp[a]) for a in range(3) if a != b) for b in range(3)])
-    for got, want in ((order[:, 0], pp), (order[:, 1], second)):
-        freq = torch.bincount(got, minlength=3).double() / n
-        se = (want * (1 - want) / n).sqrt()
-        assert ((freq - want).abs() < 4.5 * se + 1e-4).all(), (freq, want)

@@ -240,14 +240,25 @@ def test_chi_square_catches_branch_paths_verified_against_the_mixture(target8, m
 
 
 def test_branch_order_is_a_draw_without_replacement_from_the_prior():
-    """branch_order: a permutation of the branches; its first is a sample of pi' (Gumbel-max), and
-    Z_T = 0 sorts by the prior."""
+    """branch_order (MATH.md §9): a permutation of the branches, drawn without replacement from
+    pi' = softmax(log pi / Z_T): at Z_T = 1 its first is a sample of pi (Gumbel-max); at Z_T = 0.5,
+    where pi' != pi, its first ~ pi' and its second ~ sum_a pi'(a) pi'(.) / (1 - pi'(a)); Z_T = 0
+    sorts by the prior."""
     log_pi = torch.log(torch.tensor([[0.1, 0.6, 0.3]])).expand(30000, 3)
     order = dblast.branch_order(log_pi, 1.0, torch.Generator().manual_seed(0))
     assert torch.equal(order.sort(-1).values, torch.arange(3).expand(30000, 3))
     first = torch.bincount(order[:, 0], minlength=3).double() / 30000
     assert (first - torch.tensor([0.1, 0.6, 0.3])).abs().max() < 0.015, first
     assert dblast.branch_order(log_pi[:1], 0.0).tolist() == [[1, 2, 0]]
+    n, zt = 40000, 0.5
+    pi = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
+    pp = pi ** (1 / zt) / (pi ** (1 / zt)).sum()
+    order = dblast.branch_order(pi.log().expand(n, 3), zt, torch.Generator().manual_seed(0))
+    second = torch.stack([sum(pp[a] * pp[b] / (1 - pp[a]) for a in range(3) if a != b) for b in range(3)])
+    for got, want in ((order[:, 0], pp), (order[:, 1], second)):
+        freq = torch.bincount(got, minlength=3).double() / n
+        se = (want * (1 - want) / n).sqrt()
+        assert ((freq - want).abs() < 4.5 * se + 1e-4).all(), (freq, want)
 
 
 def test_one_path_is_todays_step(target8):

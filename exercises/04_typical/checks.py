@@ -91,14 +91,10 @@ def test_the_threshold(impl):
         logits, drafts = random_block(k=k, seed=1)
         for eps, delta in SETTINGS:
             want = rule(logits, drafts, eps, delta)
-            given = logits.clone(), drafts.clone()
-            got = impl.typical(logits, drafts, (eps, delta))
-            changed = [name for name, t, t0 in (('logits', logits, given[0]), ('drafts', drafts, given[1]))
-                       if not torch.equal(t, t0)]
-            if changed:
-                raise harness.Fail(f"typical changed its input ({changed[0]}), want it as it was",
-                                   "what fits: an in-place op (softmax_, log_, unsqueeze_, masked_fill_) on an input, "
-                                   "or on .double() of float64 logits, which is the same tensor")
+            got = harness.assert_inputs_unchanged(
+                'typical', lambda: impl.typical(logits, drafts, (eps, delta)),
+                "what fits: an in-place op (softmax_, log_, unsqueeze_, masked_fill_) on an input, or on .double() "
+                "of float64 logits, which is the same tensor", logits=logits, drafts=drafts)
             if not (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == torch.bool):
                 shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
                 raise harness.Fail(f"k = {k}, B = 400: ok is {shown}, want {tuple(want.shape)} torch.bool",

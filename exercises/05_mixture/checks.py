@@ -58,16 +58,15 @@ def misread(w, log_prior, log_q, drafts):
 
 def test_the_posterior_by_enumeration(impl):
     """The posterior by enumeration. log w (N, n, K) equals pi'_z prod_{l<i} q~_l(d_l | z),
-    normalised, computed directly; the inputs left as they were. Hint: position i's posterior weighs each branch by the drafts
-    before i only (position 0 sees none: its posterior is the prior), normalised over the branches."""
+    normalised, computed directly; the inputs left as they were. Hint: position i's posterior
+    weighs each branch by the drafts before i only (position 0 sees none: its posterior is the
+    prior), normalised over the branches."""
     log_prior, log_q, drafts = random_mixture()
     log_qd = drafted(log_q, drafts)
-    given = log_prior.clone(), log_qd.clone()
-    log_w = impl.posterior(log_prior, log_qd)
-    if not (torch.equal(log_prior, given[0]) and torch.equal(log_qd, given[1])):
-        raise harness.Fail("posterior changed its input (log_prior or log_qd), want it as it was",
-                           "what fits: an in-place op (cumsum into the input, sub_, a slice assigned) on an input, or "
-                           "on .contiguous() of one that already is (the same tensor)")
+    log_w = harness.assert_inputs_unchanged(
+        'posterior', lambda: impl.posterior(log_prior, log_qd),
+        "what fits: an in-place op (cumsum into the input, sub_, a slice assigned) on an input, or on .contiguous() "
+        "of one that already is (the same tensor)", log_prior=log_prior, log_qd=log_qd)
     assert log_w.shape == (6, 4, 3), f"log w should be (N, n, K) = (6, 4, 3), got {tuple(log_w.shape)}"
     w, _ = brute_force(log_prior, log_q, drafts)
     err = (log_w.exp() - w).abs().max().item()

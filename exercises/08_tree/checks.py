@@ -225,14 +225,10 @@ def test_inactive_rows_stay(impl):
     cache.commit(6)
     paths = torch.randint(32, (2, 2, 3), generator=torch.Generator().manual_seed(4))
     bonus, active = prefix[:, -1].clone(), torch.tensor([True, False])
-    given = bonus.clone(), paths.clone(), active.clone()
-    impl.tree_step(model, cache, bonus, paths, active, 0.0)
-    changed = [name for name, t, t0 in zip(('bonus', 'paths', 'active'), (bonus, paths, active), given)
-               if not torch.equal(t, t0)]
-    if changed:
-        raise harness.Fail(f"tree_step changed its input {changed[0]}, want it as it was",
-                           "what fits: an in-place op (mul_, masked_fill_, an indexed assignment) on an input; the "
-                           "caller keeps them (a row that takes no part keeps its pending block)")
+    harness.assert_inputs_unchanged(
+        'tree_step', lambda: impl.tree_step(model, cache, bonus, paths, active, 0.0),
+        "what fits: an in-place op (mul_, masked_fill_, an indexed assignment) on an input; the caller keeps them "
+        "(a row that takes no part keeps its pending block)", bonus=bonus, paths=paths, active=active)
     if not (cache.lengths[1] == 6 and cache.lengths[0] > 6):
         raise harness.Fail(f"cache lengths {cache.lengths.tolist()}, want [>6, 6] (row 1 inactive)",
                            "an inactive row commits nothing, an active one at least its bonus: " + (
