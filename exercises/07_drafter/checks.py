@@ -502,10 +502,10 @@ def scale(before, after):
 
 def self_trained(cls, T=T_TRAIN):
     """The drafter `trained` made of cls, and a copy of it trained SELF_STEPS steps more by its loss
-    at T on the first one's drafts at T (T_TRAIN unless said): for each of its 3 drafts (k = 4), (Q before,
-    after) on 2,000 held-out contexts, each drawn with the same random numbers before and after;
-    at draft i only the contexts whose drafts before i came out the same, since a Q may depend on
-    them (a recurrent drafter's)."""
+    at T on the first one's drafts at T (T_TRAIN unless said): for each of its 3 drafts (k = 4),
+    (Q before, after) on 2,000 held-out contexts, each drawn with the same random numbers before
+    and after; at draft i only the contexts whose drafts before i came out the same, since a Q may
+    depend on them (a recurrent drafter's)."""
     d = trained(cls)
     model, samples, _, _ = periodic_world()
     d.sample_drafts = True
@@ -602,8 +602,8 @@ def test_it_proposes_what_its_loss_trains(impl):
             raise harness.Fail(
                 f"trained on its own drafts at T = {T} by its loss at {T}, your drafter's Q at draft {i} "
                 f"went {'flatter' if s < 1 else 'sharper'}: log Q' = {s:.2f} log Q over its likely tokens, want a "
-                f"scale between 0.8 and 1.25 (1/T = {1 / T:.2f} or T = {T} when the temperature is "
-                f"applied once too often, or too rarely, on one side)", "its loss is not at its optimum where its "
+                f"scale {'between 0.8 and 1.25' if T == T_TRAIN else 'below 1.25'} (1/T = {1 / T:.2f} or T = {T} "
+                f"when the temperature is applied once too often, or too rarely, on one side)", "its loss is not at its optimum where its "
                 "drafts come from: what it trains is not what draft proposes. What fits: " + (
                     "the temperature applied twice in draft (logits already over T, tempered again: at every draft, "
                     "or only at some), the loss without it, a loss that trains other positions than draft proposes, "
