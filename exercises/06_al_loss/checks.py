@@ -246,19 +246,18 @@ def test_the_threshold_at_its_edges(impl):
                                f"{fmt(want)} (every prefix kept{', not the NLL' if torch.allclose(got, nll_) else ''})",
                                hint)
     # exactly at a threshold no float32 computes (float32's log 0.4 lies above float64's), and just below one
-    edges = ((math.log(0.4), 0.4, 1, "a_0 = log 0.4 is kept", torch.float64),
-             (math.log(0.01) - 5e-7, 0.01, 0, "a_0, 5e-7 below log 0.01, is not kept: the NLL", torch.float64))
-    for a_0, tau_threshold, keep, why, dtype in edges:
-        a_ = torch.tensor([[a_0, -6.0, -7.0, -8.0]], dtype=dtype)
-        got = surrogate(impl, a_, nll[:1].to(dtype), tau_threshold)
-        want = -tails(a_)[0, :keep].mean().reshape(1) if keep else nll[:1].to(dtype)
-        if not torch.allclose(got.to(dtype), want):
-            raise harness.Fail(f"tau_threshold {tau_threshold}, a = [{a_0:.17g}, -6, -7, -8] ({dtype}): {fmt(got)}, "
+    edges = ((math.log(0.4), 0.4, 1, "a_0 = log 0.4 is kept"),
+             (math.log(0.01) - 5e-7, 0.01, 0, "a_0, 5e-7 below log 0.01, is not kept: the NLL"))
+    for a_0, tau_threshold, keep, why in edges:
+        a_ = torch.tensor([[a_0, -6.0, -7.0, -8.0]], dtype=torch.float64)
+        got = surrogate(impl, a_, nll[:1], tau_threshold)
+        want = -tails(a_)[0, :keep].mean().reshape(1) if keep else nll[:1]
+        if not torch.allclose(got, want):
+            raise harness.Fail(f"tau_threshold {tau_threshold}, a = [{a_0:.17g}, -6, -7, -8] (float64): {fmt(got)}, "
                                f"want {fmt(want)} ({why})",
-                               "compare a_j with log tau_threshold in a's own precision (a >= math.log(tau_threshold): "
-                               "torch rounds the number to a's dtype), exactly: what fits is the threshold's log "
-                               "taken in another precision than a's (a torch.tensor(tau_threshold) is float32; a "
-                               "float32 a upcast to float64 first), or a tolerance added to it")
+                               "compare a_j with log tau_threshold in a's own precision (math.log(tau_threshold), "
+                               "float64 here), exactly: what fits is the threshold's log taken in float32 (a "
+                               "torch.tensor(tau_threshold) is float32), or a tolerance added to it")
     # a block that leaves the greedy branches' paths has a_j = -inf from there: R leaves those out, and
     # the loss stays finite (no -inf times 0)
     a_ = torch.tensor([[-0.1, -0.5, -math.inf, -math.inf]], dtype=torch.float64)
