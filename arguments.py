@@ -12,7 +12,7 @@ import torch
 
 from cli import BadInput, check_number
 from data import describe, is_real, is_whole
-from heads import Drafter
+from heads import Drafter, tree_size
 from model import GPT
 
 MAX_PATHS = 64   # drafted paths per call: the block is 1 + paths * (k-1) tokens
@@ -24,15 +24,17 @@ MAX_TREE = 16 * MAX_NODES
 
 def named(name, value, cli=False):
     """How an error names what the user gave: 'k=9' to a Python caller, '--k 9' on the command line
-    (a switch as itself: '--no-sample-drafts')."""
+    (a switch as itself: '--no-sample-drafts'; a tuple as typed: '--branching 4,2,1')."""
     flag = name.replace('_', '-')
     if cli and isinstance(value, bool):
         return f"--{'' if value else 'no-'}{flag}"
+    if cli and isinstance(value, tuple):   # as typed: --branching 4,2,1
+        value = ','.join(map(str, value))
     return f"--{flag} {value}" if cli else f"{name}={value!r}"
 
 
 def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0, cli=False, paths=1,
-               generator=None, compile=False, threads=None, nodes=None):
+               generator=None, compile=False, threads=None, nodes=None, branching=None):
     """Every user error of generate()'s arguments but the acceptance rule (check_accept), as
     a one-line BadInput naming the argument (the command-line flag when cli=True). Returns k: the
     drafter's when None, 1 for plain decoding."""
@@ -59,18 +61,24 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
     if nodes is not None and paths != 1:
         raise BadInput(f"{say('nodes', nodes)} and {say('paths', paths)}: a call verifies one tree or several paths, "
                        f"not both")
+    tree = ('nodes', nodes, nodes)   # a tree's argument, as given, and its drafted tokens
+    if branching is not None:
+        tree = ('branching', branching, check_branching(branching, nodes, paths, temperature, say))
+        if max(branching) > model.config.vocab_size:
+            raise BadInput(f"{say('branching', branching)}: a node has at most as many children as the vocabulary "
+                           f"has tokens, {model.config.vocab_size}")
     if drafter is None:
         if k is not None:
             raise BadInput(f"{say('k', k)} means nothing without a drafter: plain decoding takes the target's own "
                            f"token, one a call")
         for name, value, default, what in (('paths', paths, 1, 'several paths need'),
-                                           ('nodes', nodes, None, 'a tree needs')):
+                                           tree[:2] + (None, 'a tree needs')):
             if value != default:
                 raise BadInput(f"{say(name, value)}: {what} a drafter "
                                + ("(--heads, --drafter, --draft-model or --lookup)" if cli else "(drafter=...)"))
         k = 1
     else:
-        k = check_drafter(model, drafter, k, paths, nodes, say)
+        k = check_drafter(model, drafter, k, paths, tree, say)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise BadInput(f"generator is {describe(generator)}; want a torch.Generator or None")
     if generator is not None and generator.device.type != prompt.device.type:
@@ -108,9 +116,29 @@ def check_prompt(model, prompt):
         raise BadInput(f"prompt holds token id {lo if lo < 0 else hi}; the model's vocabulary has ids 0..{V - 1}")
 
 
-def check_drafter(model, drafter, k, paths, nodes, say):
+def check_branching(branching, nodes, paths, temperature, say):
+    """A sampled tree's widths, one a drafted position (k-1 of them: check_drafter), apart from the
+    drafter. Returns its drafted tokens (heads.tree_size)."""
+    if not (isinstance(branching, (tuple, list)) and branching and all(is_whole(b, 1) for b in branching)):
+        raise BadInput(f"{say('branching', branching)}: want the children of a node at each drafted position, whole "
+                       f"numbers >= 1: (4, 2, 1)")
+    if nodes is not None or paths != 1:
+        raise BadInput(f"{say('branching', branching)}: a call verifies a sampled tree (branching), a best-first one "
+                       f"(nodes) or several paths (paths), one of them")
+    if temperature == 0:
+        raise BadInput(f"{say('branching', branching)}: a sampled tree is for sampling (temperature > 0); greedy "
+                       f"decoding grows a best-first tree (nodes)")
+    if tree_size(branching) > MAX_NODES:
+        raise BadInput(f"{say('branching', branching)}: a tree of {tree_size(branching)} drafted tokens; at most "
+                       f"{MAX_NODES}")
+    return tree_size(branching)
+
+
+def check_drafter(model, drafter, k, paths, tree, say):
     """A drafter of the contract (heads.Drafter) that fits the model, k within what it drafts, and
-    what paths and nodes ask of it. Returns k (the drafter's when None)."""
+    what paths and a tree ask of it: tree = (its argument's name, its value, its drafted tokens).
+    Returns k (the drafter's when None)."""
+    name, value, nodes = tree
     if not (callable(getattr(drafter, 'draft', None)) and is_whole(getattr(drafter, 'k', None), 2)):
         raise BadInput(f"drafter is {describe(drafter)}; want a drafter (heads.Drafter: its k and draft)")
     device = model.lm_head.weight.device
@@ -132,6 +160,9 @@ def check_drafter(model, drafter, k, paths, nodes, say):
     if k > limit:   # a drafter that drafts any length (prompt lookup, a draft model) is given its k
         raise BadInput(f"{say('k', k)}: a block of k tokens would be longer than the model's context of {limit} "
                        f"tokens")
+    if name == 'branching' and len(value) != k - 1:
+        raise BadInput(f"{say(name, value)} at {say('k', k)}: want one width a drafted position, k-1 = {k - 1} of "
+                       f"them")
     if nodes is not None and nodes * (k - 1) > MAX_TREE:
         raise BadInput(f"{say('nodes', nodes)} at {say('k', k)}: growing a tree scores up to nodes x (k-1) = "
                        f"{nodes * (k - 1)} drafted positions a call, more than {MAX_TREE}; use fewer nodes or a "
@@ -139,7 +170,7 @@ def check_drafter(model, drafter, k, paths, nodes, say):
     if paths > 1 and not callable(getattr(drafter, 'draft_paths', None)):
         raise BadInput(f"{say('paths', paths)}: this drafter drafts one path a call (no draft_paths: heads.Drafter's)")
     if nodes is not None and getattr(type(drafter), 'next_log_q', Drafter.next_log_q) is Drafter.next_log_q:
-        raise BadInput(f"{say('nodes', nodes)}: this drafter grows no token trees (no next_log_q of its own: "
+        raise BadInput(f"{say(name, value)}: this drafter grows no token trees (no next_log_q of its own: "
                        f"heads.Drafter's)")
     return k
 

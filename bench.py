@@ -61,7 +61,7 @@ from cli import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, 
 from data import PROMPT_LEN, load_checkpoint, load_target
 from decode import generate
 from drafters import MixedPaths, PromptLookup, load_draft_model, load_drafter
-from heads import BlockHeads
+from heads import BlockHeads, tree_size
 from measure import (DRAFTING, TINY_TARGET, Bench, Tee, call_costs, command_line, common_flags, forward_ratio, hf_assistant,
                      hf_generate, identical, md_row, md_table, meta, output_nll, parse_list, prepare, results_md,
                      runner_settings, time_split, timed, to_hf, token_tree_ratio, train_args, tree_ratio,
@@ -388,13 +388,22 @@ def paths_table(b, base, args, results):
 
 
 TREE_NODES = [8, 16, 24, 32, 64]   # table 8's node budgets (24: as many drafted tokens as 8 paths at k = 4)
+# table 8's sampled trees under sampling, the spine's widths at k = 4 (heads.sample_tree; at another k the
+# first k-1, then 1s): 9, 21 and 29 drafted tokens
+SAMPLED_TREES = [(2, 2, 2), (4, 4, 4), (6, 5, 4)]
+
+
+def fitted(widths, k):
+    """A sampled tree's widths for k - 1 drafted positions: the first k - 1, then 1s."""
+    return (tuple(widths) + (1,) * k)[:k - 1]
 
 
 def trees_table(b, base, args, results):
     """Table 8: token trees grown from the drafters' own distributions (MATH.md §10) beside one path
     and several (MATH.md §9): BPD heads greedy at k = 8 (frozen, distilled), and the independent
     K = 1 and DBlast K = 4 drafters sampling at each T of --paths-temps, k = --dblast-k (train.py's
-    drafters at T = 1.5): tau, calls, tokens per call and speedup over plain decoding (with
+    drafters at T = 1.5), with best-first trees and sampled ones (SAMPLED_TREES, walked by recursive
+    rejection sampling): tau, calls, tokens per call and speedup over plain decoding (with
     --compile: compiled), t(block) / t(one path's block) measured in this run, and tau over one
     path's tau, the speedup the tree would give where a wider call costs nothing more."""
     kd = args.dblast_k
@@ -411,13 +420,18 @@ def trees_table(b, base, args, results):
     rows, ratios = [], {}
     for name, d, k, T in configs:
         shapes = [('1 path', 1, None)] + ([(f'{N} paths', N, None) for N in (2, 4, 8)] if T > 0 else [])
-        shapes += [(f'tree of {N}', 1, N) for N in TREE_NODES]
+        shapes = [(shape, paths, nodes, None) for shape, paths, nodes in shapes + [
+            (f'tree of {N}', 1, N) for N in TREE_NODES]]
+        for widths in SAMPLED_TREES if T > 0 else []:
+            widths = fitted(widths, k)
+            shapes.append((f"sampled {','.join(map(str, widths))} ({tree_size(widths)})", 1, tree_size(widths), widths))
         one = None
-        for shape, paths, nodes in shapes:
+        for shape, paths, nodes, branching in shapes:
             size = 1 + (nodes if nodes else paths * (k - 1))            # the block's tokens; one path's: k
             if (size, k) not in ratios:   # what a block of `size` tokens costs does not depend on its shape
                 ratios[size, k] = token_tree_ratio(base, size - 1, k, b.device, args.batch) if size > k else 1.0
-            r, _, _ = b.row(base, d, k, temperature=T, paths=paths, nodes=nodes)
+            r, _, _ = b.row(base, d, k, temperature=T, paths=paths, nodes=None if branching else nodes,
+                            branching=branching)
             one = one or r['tau']
             r.update(drafter=name, T=T, block=shape, tokens_per_call=args.n_prompts * args.max_new / r['calls'],
                      t_block_over_t_path=ratios[size, k], tau_over_one_path=r['tau'] / one)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import runner
 from arguments import check_accept, check_args, named
 from cli import BadInput, decoding_threads, num_threads
-from heads import Text, grow_tree
+from heads import Text, grow_tree, sample_tree, tree_size
 from model import sample, tempered, upcast
 
 
@@ -325,32 +325,70 @@ def walk_down(choice, block, tree, attend, n):
     return n_acc, last, (above[:, None, :] & at).long().argmax(-1)
 
 
-def tree_step(model, drafter, cache, text, block, tree, active, temperature, generator, k, nodes):
+def sampled_tree_choice(logits, Q, block, tree, temperature, width, generator=None):
+    """What a sampled tree's walk follows (MATH.md §10, "A sampled tree"), lossless: at every slot
+    at once, recursive rejection sampling of its children, tried in the order they were drawn
+    without replacement from Q[:, slot]. Child l is accepted with probability min(1, r(x) / q_l(x)),
+    r what is left of p after the earlier ones (as in verify_tree_sampled) and q_l the slot's Q
+    without the earlier children's tokens, renormalised: what child l was drawn from. logits
+    (B, L, V) after every slot; Q (B, L, V); block (B, L); tree (B, 2, L) (heads.sample_tree); width:
+    the most children of a node. Returns choice (B, L): the accepted child's token, or where none
+    is (a leaf: all of them), a sample of what is left of p."""
+    p = F.softmax(tempered(logits, temperature), dim=-1)               # (B, L, V) p_target at each slot
+    parent, slot = tree[:, 0], torch.arange(tree.size(-1), device=tree.device)
+    child = (parent[:, None, :] == slot[None, :, None]) & (slot > 0)   # (B, L, L) [s, c]: c a child of s (not the bonus)
+    rank = child.long().cumsum(-1) - 1                                 # a child's place among its siblings
+    r, q, done = p, Q, torch.zeros_like(parent, dtype=torch.bool)
+    chosen = torch.zeros_like(parent)
+    for l in range(width):   # the l-th children of every node at once
+        has = child & (rank == l)                                      # (B, L, L)
+        tried = has.any(-1) & ~done
+        x = block.gather(1, has.long().argmax(-1))                     # (B, L) the l-th child's token
+        ok = accept_sampled(r, q, x, generator) & tried
+        chosen = torch.where(ok, x, chosen)
+        done = done | ok
+        left = residual(r, q, x)                                       # r after rejecting child l
+        r = torch.where((tried & ~ok)[..., None], left / left.sum(-1, keepdim=True), r)
+        rest = q.scatter(-1, x[..., None], 0.0)                        # the next child is drawn from q without x
+        q = torch.where(tried[..., None], rest / rest.sum(-1, keepdim=True).clamp(min=1e-30), q)
+    return torch.where(done, chosen, sample(r, generator))
+
+
+def tree_step(model, drafter, cache, text, block, tree, active, temperature, generator, k, nodes, Q=None,
+              branching=None):
     """merged_step for a token tree: one target call verifies the tree `block` (B, 1 + m) whose
     shape is `tree` (B, 2, 1 + m), commits the walk's path, and grows the next tree from the state
-    after its last token. Returns n_acc (B,), the next block and its tree. Static shapes, no host
-    sync."""
+    after its last token. A sampled tree (branching, its Q (B, 1 + m, V)) is walked by recursive
+    rejection sampling. Returns n_acc (B,), the next block, its tree and its Q (None for a
+    best-first tree). Static shapes, no host sync."""
     B = block.size(0)
     depth, attend = tree_attend(tree, k - 1)
     h = model.forward_cached(block, cache, (depth, attend))                 # (B, 1 + m, C): the one call
-    choice = target_choice(upcast(model.lm_head(h)), temperature, generator)   # (B, 1 + m) at every node
+    logits = upcast(model.lm_head(h))
+    if branching is None:                                                   # (B, 1 + m) at every node
+        choice = target_choice(logits, temperature, generator)
+    else:
+        choice = sampled_tree_choice(logits, Q, block, tree, temperature, max(branching), generator)
     n_acc, last, slots = walk_down(choice, block, tree, attend, k - 1)
     cache.keep_path(slots)                                                  # the path's keys and values
     cache.commit((n_acc + 1) * active)                                      # b, then the path's n_acc
     text = commit_text(text, torch.cat([block[:, :1], block.gather(1, slots)], dim=1), (n_acc + 1) * active)
     bonus = choice.gather(1, last[:, None]).squeeze(1)                      # the target's own, at the end
     h_last = h.gather(1, last[:, None, None].expand(B, 1, h.size(-1))).squeeze(1)
-    drafts, next_tree = propose_tree(drafter, h_last, bonus, model, k, nodes, temperature, text)
-    return n_acc, torch.cat([bonus[:, None], drafts], dim=1), next_tree
+    drafts, next_tree, next_Q = propose_tree(drafter, h_last, bonus, model, k, nodes, temperature, text, branching,
+                                             generator)
+    return n_acc, torch.cat([bonus[:, None], drafts], dim=1), next_tree, next_Q
 
 
-def propose_tree(drafter, h, bonus, target, k, nodes, temperature, text):
-    """The next tree: tokens (B, m) and its shape (B, 2, 1 + m), grown from the drafter's
-    distributions after the state h and the bonus (heads.grow_tree). A drafter that reads the text
-    gets it (heads.Text)."""
+def propose_tree(drafter, h, bonus, target, k, nodes, temperature, text, branching=None, generator=None):
+    """The next tree: tokens (B, m), its shape (B, 2, 1 + m) and Q, grown from the drafter's
+    distributions after the state h and the bonus: best-first (heads.grow_tree; Q None), or sampled
+    with `branching` (heads.sample_tree). A drafter that reads the text gets it (heads.Text)."""
     own = {'text': text} if getattr(drafter, 'reads_text', False) else {}
     log_q = drafter.next_log_q(h, bonus, target, k, temperature, **own)
-    return grow_tree(log_q, h.size(0), k - 1, nodes, h.device)
+    if branching is not None:
+        return sample_tree(log_q, h.size(0), branching, h.device, generator)
+    return *grow_tree(log_q, h.size(0), k - 1, nodes, h.device), None
 
 
 # ------------------------------------------------------------------------- the merged step
@@ -424,7 +462,8 @@ class Decoding(NamedTuple):
 
         block (B, 1 + N(k-1))     the pending block: the bonus the last call chose, and drafts
                                   (nodes=m: (B, 1 + m), a token tree)
-        Q (B, N(k-1), V) or None  the proposal's conditionals the drafts were drawn from
+        Q (B, N(k-1), V) or None  the proposal's conditionals the drafts were drawn from (a sampled
+                                  tree: (B, 1 + m, V), what each slot's children were drawn from)
         tree (B, 2, 1 + m) or None  a token tree's parent slots and depths (heads.grow_tree)
         out (B, W)                the prompt, then each row's committed tokens (W: room past the end)
         n_out (B,)                tokens committed per row, the prompt included
@@ -461,11 +500,13 @@ class Decoding(NamedTuple):
         self.t.zero_()
 
 
-def first_block(model, drafter, cache, prompt, temperature, generator, paths, k, nodes=None, state=None):
+def first_block(model, drafter, cache, prompt, temperature, generator, paths, k, nodes=None, state=None,
+                branching=None):
     """Call 1, the prefill: the prompt's keys and values into the cache, and from its last hidden
     state the first bonus and drafts. Returns the first block (B, 1 + N(k-1)), its Q, and with
-    nodes the first token tree instead (its block (B, 1 + m), Q None, its tree). state: the
-    drafter's own (heads.Drafter.new_state), which reads the prompt here."""
+    nodes the first token tree instead (its block (B, 1 + m), Q None (a sampled tree's, with
+    branching: (B, 1 + m, V)), its tree). state: the drafter's own (heads.Drafter.new_state), which
+    reads the prompt here."""
     h = model.forward_cached(prompt, cache)[:, -1]              # (B, C)
     cache.commit(prompt.size(1))
     bonus = target_choice(upcast(model.lm_head(h)), temperature, generator)
@@ -476,18 +517,20 @@ def first_block(model, drafter, cache, prompt, temperature, generator, paths, k,
     B, T0 = prompt.shape
     text = Text(F.pad(prompt, (0, 1)), torch.full((B,), T0, device=prompt.device), state)   # room for the bonus
     if nodes:
-        drafts, tree = propose_tree(drafter, h, bonus, model, k, nodes, temperature, text)
-        return torch.cat([bonus[:, None], drafts], dim=1), None, tree
+        drafts, tree, Q = propose_tree(drafter, h, bonus, model, k, nodes, temperature, text, branching, generator)
+        return torch.cat([bonus[:, None], drafts], dim=1), Q, tree
     drafts, Q = propose(drafter, h, bonus, model, k, paths, temperature, generator, text)
     return torch.cat([bonus[:, None], drafts], dim=1), Q, None
 
 
-def advance(model, drafter, cache, d, temperature, accept, generator, paths, k=None, nodes=None, state=None):
+def advance(model, drafter, cache, d, temperature, accept, generator, paths, k=None, nodes=None, state=None,
+            branching=None):
     """One step of generate's loop, in place on its state d (Decoding): the merged step (which writes
     what it commits into d.out), then what the loop keeps of it: each row advanced, tau recorded.
     A step that no row needs any more (each lacks at most its pending bonus) commits nothing and
     leaves each row's pending block as it was, so that a unit of several steps (runner.py) may run
-    past the last one needed. With a token tree (d.tree; k and nodes given) the step is tree_step.
+    past the last one needed. With a token tree (d.tree; k and nodes given, and branching for a
+    sampled one) the step is tree_step.
     state: the drafter's own, if it keeps one (heads.Drafter.new_state)."""
     needed = d.n_out.min() < d.total - 1
     active = (d.n_out < d.total) & needed                       # (B,) the rows that take part
@@ -496,8 +539,8 @@ def advance(model, drafter, cache, d, temperature, accept, generator, paths, k=N
         n_acc, block, Q = merged_step(model, drafter, cache, text, d.block, d.Q, active, temperature, accept,
                                       generator, paths)
     else:
-        n_acc, block, tree = tree_step(model, drafter, cache, text, d.block, d.tree, active, temperature, generator,
-                                       k, nodes)
+        n_acc, block, tree, Q = tree_step(model, drafter, cache, text, d.block, d.tree, active, temperature,
+                                          generator, k, nodes, d.Q, branching)
         d.tree.copy_(torch.where(active[:, None, None], tree, d.tree))    # each row's tree, with its block
     tau = (n_acc.long() + 1) * active                           # (B,); n_acc may come as int32 (exercise 1)
     d.n_out.add_(tau)
@@ -512,7 +555,7 @@ def advance(model, drafter, cache, d, temperature, accept, generator, paths, k=N
 
 @torch.no_grad()
 def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.0,
-             accept="exact", generator=None, compile=False, paths=1, threads='auto', nodes=None):
+             accept="exact", generator=None, compile=False, paths=1, threads='auto', nodes=None, branching=None):
     """Generate max_new_tokens after prompt (B, T0) -> (out (B, T0 + max_new_tokens), stats).
 
     prompt: token ids (B, T0), an integer tensor on the model's device, every id in the model's
@@ -531,6 +574,9 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     nodes=N verifies a tree of at most N drafted tokens per call, chosen best-first from the
     drafter's distributions (drafter.next_log_q, heads.grow_tree) and walked with the target's own
     choices (MATH.md §10): greedy, plain greedy decoding's output; sampling, the target's samples.
+    branching=(b_1, .., b_{k-1}) (sampling only) verifies a sampled tree instead: b_j children a node
+    at depth j-1, drawn without replacement from the drafter's conditional (heads.sample_tree) and
+    walked by recursive rejection sampling (MATH.md §10, "A sampled tree").
     compile=True runs the same steps compiled, several a host call, on CUDA as CUDA graphs
     (runner.py; the first call of a configuration pays the compilation: warm up first).
     generator: the source of every random draw (where nothing is drawn, as in greedy decoding with
@@ -549,15 +595,18 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     not (they are cut). generate.merged_stats adds up several calls'.
     """
     k = check_args(model, prompt, max_new_tokens, drafter, k, temperature, paths=paths, nodes=nodes,
-                   generator=generator, compile=compile, threads=threads)
+                   generator=generator, compile=compile, threads=threads, branching=branching)
     rule, param = parse_accept(accept, model.config.vocab_size)
     check_accept(accept, param, temperature, drafter, k, nodes)
+    if branching is not None:
+        branching, nodes = tuple(branching), tree_size(branching)
     with num_threads(decoding_threads(model, prompt.device) if threads == 'auto' else threads):
         return decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, (rule, param), generator, compile,
-                           paths, nodes)
+                           paths, nodes, branching)
 
 
-def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths, nodes=None):
+def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, generator, compile, paths, nodes=None,
+                branching=None):
     """generate's loop, its arguments checked: the prefill (call 1), then merged steps until every
     row lacks at most its pending bonus. compile=True runs the same prefill and steps on static
     buffers, several steps a host call (runner.Compiled), drawing from the device's global RNG
@@ -575,10 +624,10 @@ def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, 
     g = None if compile else generator
 
     def prefill(cache, state, prompt):
-        return first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes, state)
+        return first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes, state, branching)
 
     def step(cache, state, d):
-        advance(model, drafter, cache, d, temperature, accept, g, paths, k, nodes, state)
+        advance(model, drafter, cache, d, temperature, accept, g, paths, k, nodes, state, branching)
 
     def drafter_state(width):   # a drafter's own state (a draft model's cache): one row per path
         new_state = getattr(drafter, 'new_state', None)   # a drafter of its own class may lack it: no state
@@ -587,7 +636,7 @@ def decode_loop(model, prompt, max_new_tokens, drafter, k, temperature, accept, 
     with runner.global_rng_from(generator if compile else None, prompt.device):
         if compile:
             context = model.config.block_size
-            loop = runner.Compiled(model, drafter, B, room, (k, paths, nodes, temperature, accept),
+            loop = runner.Compiled(model, drafter, B, room, (k, paths, nodes, temperature, accept, branching),
                                    prefill, step, lambda block, Q, tree: Decoding.like(
                                        block, Q, tree, context + 2 * k, context + runner.largest_unit()),
                                    lambda: drafter_state(context + own_room))

@@ -10,6 +10,7 @@ train.py's closing demos (`closing_demos`).
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --paths 4
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8 --nodes 32      # a token tree a call
+    python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --branching 4,2,1  # sampled
     python generate.py --ckpt out/ckpt.pt --draft-model out/draft.pt --k 6          # a small draft model
     python generate.py --ckpt out/ckpt.pt --draft-model out/draft.pt --k 6 --nodes 16  # its tree
     python generate.py --ckpt out/ckpt.pt --lookup 2 --k 11                         # prompt lookup
@@ -191,6 +192,10 @@ def main(argv=None):
                     help=f'a token tree of at most N drafted tokens verified per call, grown from the drafter\'s '
                          f'distributions (--lookup: what followed every earlier occurrence of the n-gram) and walked '
                          f'with the target\'s own choices (up to {MAX_NODES})')
+    ap.add_argument('--branching', default=None, type=parse_branching,
+                    help="sampling: a sampled token tree verified per call, b_j children a node at drafted position "
+                         "j, drawn without replacement from the drafter and walked by recursive rejection sampling "
+                         "(one width a drafted position, k-1 of them: --k 4 --branching 4,2,1)")
     ap.add_argument('--paths-from', default=None, choices=PATHS_FROM,
                     help="DBlast, --paths > 1: i.i.d. samples of the mixture (default), or one path per branch, "
                          "the branches drawn without replacement from the prior")
@@ -206,6 +211,14 @@ def main(argv=None):
                     help=f'CPU threads (default: 1 for a model under {SMALL_MODEL // 10 ** 6}M parameters, else the '
                          f'cores not already busy)')
     run_cli(ap.parse_args(argv))
+
+
+def parse_branching(text):
+    """--branching 4,2,1 -> (4, 2, 1); check_args judges the numbers."""
+    parts = text.split(',')
+    if not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError("want whole numbers separated by commas, one a drafted position: 4,2,1")
+    return tuple(int(p) for p in parts)
 
 
 def check_cli(args):
@@ -237,6 +250,8 @@ def check_cli(args):
         (args.verify is not None and not args.drafter, '--verify', 'a DBlast --drafter'),
         (args.paths > 1 and not drafter, '--paths', ANY_DRAFTER),
         (args.nodes is not None and (several or not drafter), '--nodes',
+         'one drafter (--heads, --drafter, --draft-model or --lookup: its distributions grow the tree)'),
+        (args.branching is not None and (several or not drafter), '--branching',
          'one drafter (--heads, --drafter, --draft-model or --lookup: its distributions grow the tree)'),
         (args.paths_from is not None and (not args.drafter or args.paths == 1), '--paths-from',
          'a DBlast --drafter with --paths > 1'),
@@ -324,7 +339,8 @@ def decode_cli(args, device, precision):
     drafter = None if not drafters else drafters[0] if len(drafters) == 1 else MixedPaths(drafters)
     paths = args.paths if len(drafters) < 2 else len(drafters)
     # the drafter's own word on what means nothing here (heads.Drafter.meaningless), named as flags
-    k = check_args(model, prompt, max_new, drafter, args.k, args.temperature, cli=True, paths=paths, nodes=args.nodes)
+    k = check_args(model, prompt, max_new, drafter, args.k, args.temperature, cli=True, paths=paths, nodes=args.nodes,
+                   branching=args.branching)
     check_accept(args.accept, parse_accept(args.accept, model.config.vocab_size, cli=True)[1], args.temperature,
                  drafter, k, args.nodes, cli=True)
     kw = dict(temperature=args.temperature, compile=args.compile, threads=None)   # intra_op_threads' above
@@ -340,7 +356,7 @@ def decode_cli(args, device, precision):
         print(vocab.decode(out[0].tolist()))
         print(f"\n--- {max_new} tokens in {dt:.3f}s: {max_new / dt:.1f} tokens/s, {stats['calls']} calls ({precision})")
         return
-    spec = dict(drafter=drafter, k=args.k, accept=args.accept, paths=paths, nodes=args.nodes)
+    spec = dict(drafter=drafter, k=args.k, accept=args.accept, paths=paths, nodes=args.nodes, branching=args.branching)
     gen(**spec)  # warm-up both paths so neither pays first-call costs in the timing
     gen()
     out, stats, dt = gen(**spec)
@@ -349,7 +365,8 @@ def decode_cli(args, device, precision):
     T0 = prompt.size(1)
     print(vocab.decode(out[0, :T0].tolist()) + colour_blocks(vocab, out[0, T0:].tolist(), stats['accept_lengths'], colour))
     plain = 'greedy' if args.temperature == 0 else 'sampling'
-    shape = f"nodes={args.nodes}" if args.nodes else f"paths={paths}"
+    shape = (f"nodes={args.nodes}" if args.nodes else f"branching={','.join(map(str, args.branching))}"
+             if args.branching else f"paths={paths}")
     print(f"\n--- k={args.k or drafter.k} {shape} accept={args.accept}: mean tau {stats['mean_tau']:.2f}, "
           f"{stats['calls']} calls (plain: {base_stats['calls']}), "
           f"{max_new / dt:.1f} tokens/s vs {max_new / dt_base:.1f} plain {plain}: speedup {dt_base / dt:.2f}x "

@@ -48,7 +48,8 @@ import decode
 import model
 import runner
 import train
-from bench import LOOKUP_K, LOOKUP_NGRAM, TREE_OF, dblast_tag, heads_tag, settle, speed_table, trainings
+from bench import (LOOKUP_K, LOOKUP_NGRAM, SAMPLED_TREES, TREE_OF, dblast_tag, fitted, heads_tag, settle, speed_table,
+                   trainings)
 from cli import (ArgumentParser, BadInput, Precision, check_compiler, first_line, intra_op_threads, pick_dtype,
                  run_script)
 from data import check_out_dir, load_checkpoint, load_target
@@ -417,19 +418,21 @@ def part_trees(c):
     """k: token trees against one path and several (MATH.md §10), compiled on CUDA (eager on a CPU,
     where a wider block is not free anyway): BPD heads greedy at k = 8 with 1 path and trees of 8, 32
     and 64 nodes; the DBlast K = 4 drafter sampling at its own temperature with 1 path, 8 paths and a
-    tree of 24 nodes (as many drafted tokens); prompt lookup greedy (bench table 9's: a 2-gram, 10
-    drafts) with 1 path and a tree of 16. tau, calls, speedup over plain decoding, timed
-    interleaved with it."""
+    tree of 24 nodes (as many drafted tokens), and a sampled tree (bench's SAMPLED_TREES[1]); prompt
+    lookup greedy (bench table 9's: a 2-gram, 10 drafts) with 1 path and a tree of 16. tau, calls,
+    speedup over plain decoding, timed interleaved with it."""
     heads, _, k4, T, kd = c.drafters
     b, rows = c.compiled if c.cuda else c.eager, []
+    sampled = [(1, None, fitted(SAMPLED_TREES[1], kd))]
     for name, d, k, temperature, shapes in (('BPD heads', heads, 8, 0.0, [(1, None), (1, 8), (1, 32), (1, 64)]),
-                                             ('DBlast K=4', k4, kd, T, [(1, None), (8, None), (1, 24)]),
+                                             ('DBlast K=4', k4, kd, T, [(1, None), (8, None), (1, 24)] + sampled),
                                              ('prompt lookup', PromptLookup(LOOKUP_NGRAM, LOOKUP_K), LOOKUP_K, 0.0,
                                               [(1, None), (1, TREE_OF)])):
-        for paths, nodes in shapes:
-            r, _, _ = b.row(c.base, d, k, temperature=temperature, paths=paths, nodes=nodes)
-            rows.append(dict(drafter=name, T=temperature, paths=paths, nodes=nodes, tau=r['tau'], calls=r['calls'],
-                             speedup=r['speedup'], seconds=r['seconds']))
+        for paths, nodes, *branching in shapes:
+            branching = branching[0] if branching else None
+            r, _, _ = b.row(c.base, d, k, temperature=temperature, paths=paths, nodes=nodes, branching=branching)
+            rows.append(dict(drafter=name, T=temperature, paths=paths, nodes=nodes, branching=branching, tau=r['tau'],
+                             calls=r['calls'], speedup=r['speedup'], seconds=r['seconds']))
     return dict(ok=True, rows=rows)
 
 

@@ -187,6 +187,51 @@ def grow_tree(log_q, B, n, nodes, device):
     return token.gather(1, keep), tree
 
 
+def sample_tree(log_q, B, branching, device, generator=None):
+    """A sampled token tree (MATH.md §10, "A sampled tree"): a node's children are distinct tokens
+    drawn without replacement from the drafter's q(. | the node's prefix), in the order drawn (the
+    top w of log q + Gumbel noise are an ordered draw without replacement: Gumbel top-k). The first
+    child drawn is the likeliest to be accepted, so the tree is widest along the first-drawn
+    children, its spine: the bonus and the spine's node at depth j get branching[j] children, every
+    other node one. log_q as grow_tree's. Static shapes, no host sync.
+
+    Returns tokens (B, m) and tree (B, 2, 1 + m) as grow_tree's (m = tree_size(branching); slots
+    depth by depth, the spine's node first, a node's children side by side in the order drawn;
+    parent -1, padding: a draw past the tokens q gives any probability, and everything below it),
+    and Q (B, 1 + m, V): at each slot the q its children were drawn from (zeros at the deepest)."""
+    prefix = torch.zeros(B, 1, 0, dtype=torch.long, device=device)   # (B, M, d) this depth's nodes' prefixes
+    real = torch.ones(B, 1, dtype=torch.bool, device=device)         # (B, M) not padding
+    tokens, parents, depths, Qs = [], [], [], []
+    for d, w in enumerate(branching):   # a fixed number of depths: a compiled step unrolls this
+        lq = log_q(d, prefix)                                                       # (B, M, V)
+        Qs.append(lq.exp())
+        M = lq.size(1)
+        u = torch.rand(B, M, lq.size(-1), generator=generator, device=device, dtype=lq.dtype)
+        drawn = (lq - (-u.log()).log()).topk(w, dim=-1).indices                      # (B, M, w) in the order drawn
+        token = torch.cat([drawn[:, 0], drawn[:, 1:, 0]], dim=1)                    # the spine's w, then one each
+        up = torch.cat([torch.zeros(w, dtype=torch.long, device=device), torch.arange(1, M, device=device)])
+        real = real[:, up] & (lq[:, up].gather(-1, token[..., None]).squeeze(-1) > -math.inf)
+        first = 1 + sum(t.size(1) for t in tokens[:-1]) if tokens else 0            # the slot of this depth's first node
+        parents.append(torch.where(real, first + up, -1))
+        prefix = torch.cat([prefix[:, up], token[..., None]], dim=2)
+        tokens.append(token)
+        depths.append(torch.full_like(token, d + 1))
+    Qs.append(torch.zeros_like(Qs[-1][:, :1]).expand(-1, prefix.size(1), -1))
+    root = torch.zeros(B, 1, dtype=torch.long, device=device)
+    tree = torch.stack([torch.cat([root] + parents, 1), torch.cat([root] + depths, 1)], dim=1)
+    return torch.cat(tokens, 1), tree, torch.cat(Qs, 1)
+
+
+def tree_size(branching):
+    """The drafted tokens of a sampled tree of these widths: the spine's node at depth j has b_{j+1}
+    children and every other node one, so depth j+1 holds b_{j+1} more nodes than depth j, less one."""
+    size, M = 0, 1
+    for w in branching:
+        M = M - 1 + w
+        size += M
+    return size
+
+
 def drafts_from(logits, temperature, sample_drafts, generator=None):
     """Drafts from a drafter's logits (..., V) as the contract asks: their argmax with Q None (a
     point mass) at temperature 0 or when sample_drafts is False, else a draw from

@@ -133,14 +133,15 @@ class Bench:
         self.heldout = {}      # temperature -> held-out target samples for the evaluator
 
     def decode_all(self, model, drafter=None, k=None, temperature=0.0, accept='exact', seed=0, compile=None, paths=1,
-                   nodes=None, max_new=None):
+                   nodes=None, max_new=None, branching=None):
         """Every prompt, --batch rows per generate() call (default 1: per-request latency, as the
         papers measure), compiled as --compile says unless `compile` is given, --max-new tokens
         each unless `max_new` is. Returns outputs and the calls' stats merged."""
         compile = self.args.compile if compile is None else compile
         g = torch.Generator(device=self.device).manual_seed(seed)
         runs = [generate(model, chunk, max_new or self.args.max_new, drafter=drafter, k=k, temperature=temperature, accept=accept,
-                         generator=g, compile=compile, paths=paths, nodes=nodes, threads=None)   # bench's threads
+                         generator=g, compile=compile, paths=paths, nodes=nodes, threads=None,   # bench's threads
+                         branching=branching)
                 for chunk in self.prompts.split(self.args.batch)]
         return torch.cat([out for out, _ in runs]), merged_stats([s for _, s in runs])
 
@@ -162,15 +163,17 @@ class Bench:
             self.plain_runs[key] = self.decode_all(model, temperature=temperature)
         return self.plain_runs[key]
 
-    def row(self, model, drafter, k, temperature=0.0, accept='exact', against_eager=False, paths=1, nodes=None):
+    def row(self, model, drafter, k, temperature=0.0, accept='exact', against_eager=False, paths=1, nodes=None,
+            branching=None):
         """tau, acceptance per position, calls and speedup over plain decoding, timed together.
         against_eager (with --compile): the eager runs of both are timed in the same rounds too, so
         that what compiling gains is a ratio inside one run (eager_seconds, plain_eager_seconds)."""
-        fns = [lambda: self.decode_all(model, drafter, k, temperature, accept, paths=paths, nodes=nodes),
+        fns = [lambda: self.decode_all(model, drafter, k, temperature, accept, paths=paths, nodes=nodes,
+                                       branching=branching),
                lambda: self.decode_all(model, temperature=temperature)]
         if against_eager and self.args.compile:
             fns += [lambda: self.decode_all(model, drafter, k, temperature, accept, compile=False, paths=paths,
-                                            nodes=nodes),
+                                            nodes=nodes, branching=branching),
                     lambda: self.decode_all(model, temperature=temperature, compile=False)]
         times, results = timed(fns, self.args.repeats, self.device, warmup=self.args.compile or str(self.device) != 'cpu')
         (dt, dt0), ((out, stats), (base_out, base_stats)) = times[:2], results[:2]

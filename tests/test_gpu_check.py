@@ -68,10 +68,12 @@ def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
     assert all(r['us_per_call'] > 0 and r['first_call_s'] > 0 for r in parts['l']['rows'])
     assert parts['l']['graphs_compiled'] >= 4
     # k: one path, trees and paths, each with its tau and speedup
-    assert [(r['drafter'], r['paths'], r['nodes']) for r in parts['k']['rows']] == [
-        ('BPD heads', 1, None), ('BPD heads', 1, 8), ('BPD heads', 1, 32), ('BPD heads', 1, 64),
-        ('DBlast K=4', 1, None), ('DBlast K=4', 8, None), ('DBlast K=4', 1, 24),
-        ('prompt lookup', 1, None), ('prompt lookup', 1, bench.TREE_OF)]
+    sampled = list(bench.fitted(bench.SAMPLED_TREES[1], 4))   # as JSON keeps it
+    assert [(r['drafter'], r['paths'], r['nodes'], r['branching']) for r in parts['k']['rows']] == [
+        ('BPD heads', 1, None, None), ('BPD heads', 1, 8, None), ('BPD heads', 1, 32, None),
+        ('BPD heads', 1, 64, None), ('DBlast K=4', 1, None, None), ('DBlast K=4', 8, None, None),
+        ('DBlast K=4', 1, 24, None), ('DBlast K=4', 1, None, sampled),
+        ('prompt lookup', 1, None, None), ('prompt lookup', 1, bench.TREE_OF, None)]
     assert all(r['tau'] >= 1 and r['speedup'] > 0 for r in parts['k']['rows'])
     assert all(0 <= r['identical_tokens'] <= 1 for r in parts['d']['rows'])
     assert [r['mode'] for r in parts['e']['rows']] == ['eager', 'compiled']

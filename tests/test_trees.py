@@ -15,7 +15,7 @@ import runner
 from conftest import V8, V8_PROMPT, naive_greedy, peaky, tiny_model
 from dblast import DBlastDrafter
 from decode import generate, tree_attend, walk_down
-from heads import BlockHeads, Drafter, Text, grow_tree
+from heads import BlockHeads, Drafter, Text, grow_tree, sample_tree, tree_size
 from model import GPT, sample
 from test_sampling import chi_square, continuation_probs, make_drafter
 
@@ -265,10 +265,10 @@ def test_the_sampled_walk_attains_p_of_the_children_at_every_node():
     assert want > 1.3   # the tree is walked into, not a single node
 
 
-def tree_counts(model, drafter, temperature, k, nodes, n_rows=20000, seed=0, m=3, compile=False):
+def tree_counts(model, drafter, temperature, k, nodes, n_rows=20000, seed=0, m=3, compile=False, branching=None):
     g = torch.Generator().manual_seed(seed)
     out, stats = generate(model, V8_PROMPT.expand(n_rows, -1), m, drafter=drafter, k=k, temperature=temperature,
-                          generator=g, nodes=nodes, compile=compile)
+                          generator=g, nodes=nodes, compile=compile, branching=branching)
     codes = (out[:, V8_PROMPT.size(1):] * torch.tensor([V ** (m - 1 - i) for i in range(m)])).sum(-1)
     return torch.bincount(codes, minlength=V ** m).double(), stats
 
@@ -318,6 +318,100 @@ def test_chi_square_catches_a_walk_whose_draws_share_one_number(target8, monkeyp
     assert stat > crit, f"shared draws passed: chi2 {stat:.1f} < {crit:.1f}"
 
 
+# ----------------------------------------------------------------------------- sampled trees
+
+def test_a_sampled_tree_draws_each_nodes_children_without_replacement():
+    """sample_tree: slots depth by depth, a node's children next to each other, the spine widest; the ordered pair of
+    a node's two children has the law of two draws without replacement, q(a) q(b) / (1 - q(a))
+    (chi-square over the 12 ordered pairs); a child q cannot give is padding, and so is all below it;
+    Q at each slot is the q its children were drawn from."""
+    q = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 20000
+    log_q = lambda d, prefix: q.log().expand(prefix.size(0), prefix.size(1), -1)   # noqa: E731
+    tokens, tree, Q = sample_tree(log_q, n, (2, 1), 'cpu', torch.Generator().manual_seed(0))
+    assert tree[0].tolist() == [[0, 0, 0, 1, 2], [0, 1, 1, 2, 2]]
+    assert torch.allclose(Q[:, :3], q.expand(n, 3, -1)) and (Q[:, 3:] == 0).all()
+    assert (tokens[:, 0] != tokens[:, 1]).all()
+    pairs = torch.bincount(tokens[:, 0] * 4 + tokens[:, 1], minlength=16).double()
+    law = torch.tensor([float(q[a] * q[b] / (1 - q[a])) if a != b else 0.0 for a in range(4) for b in range(4)])
+    stat, crit = chi_square(pairs, law, n)
+    assert stat < crit, (stat, crit)
+    # the spine, the first-drawn children, gets the widths, every other node one child (MATH.md's (4, 4, 4): 21)
+    tokens, tree, _ = sample_tree(log_q, 1, (3, 2, 2), 'cpu')
+    assert tree[0, 0].tolist() == [0, 0, 0, 0, 1, 1, 2, 3, 4, 4, 5, 6, 7] and tokens.size(1) == tree_size((3, 2, 2)) == 12
+    assert tree[0, 1].tolist() == [0] + [1] * 3 + [2] * 4 + [3] * 5 and tree_size((4, 4, 4)) == 21
+    # a q of one token: the second child is padding, and so is the child below it
+    one = torch.tensor([0.0, 1.0, 0.0, 0.0]).log()
+    tokens, tree, _ = sample_tree(lambda d, prefix: one.expand(1, prefix.size(1), -1), 1, (2, 1), 'cpu')
+    assert tokens[0, 0] == 1 and tree[0, 0].tolist() == [0, 0, -1, 1, -1]
+
+
+@pytest.mark.parametrize('spec,temperature,k,branching', [
+    ('K4-sampled-mixture-zt1', 1.5, 2, (4,)), pytest.param('heads-sampled', 1.0, 4, (2, 2, 2), marks=pytest.mark.slow)])
+def test_a_sampled_tree_is_lossless(target8, spec, temperature, k, branching):
+    """Recursive rejection sampling over children drawn without replacement (MATH.md §10): every
+    3-token continuation as the target's own sampling, with k = 2 counting a leaf's bonus and a fully
+    accepted block's (a DBlast tree at k = 4 below, in units of steps)."""
+    counts, stats = tree_counts(target8, make_drafter(spec), temperature, k, None, branching=branching)
+    stat, crit = chi_square(counts, continuation_probs(temperature), 20000)
+    assert stat < crit, f"{spec} k={k} branching={branching} T={temperature}: chi2 {stat:.1f} >= {crit:.1f}"
+    taus = torch.tensor(stats['accept_lengths'])
+    assert (taus > 1).any() and (taus < k).any()
+    if k == 2:
+        assert (taus == 2).any()
+
+
+@pytest.mark.slow
+def test_a_sampled_tree_is_lossless_in_units_of_steps(target8, monkeypatch):
+    monkeypatch.setattr(runner, 'compiled', lambda fn, *how, **options: fn)
+    counts, stats = tree_counts(target8, make_drafter('K4-sampled-mixture-zt1'), 1.5, 4, None, compile=True,
+                                branching=(3, 2, 1), n_rows=10000)
+    stat, crit = chi_square(counts, continuation_probs(1.5), 10000)
+    assert (torch.tensor(stats['accept_lengths']) == 3).any()   # walks three deep: the bonus and two children
+    assert stat < crit, f"sampled tree in units: chi2 {stat:.1f} >= {crit:.1f}"
+
+
+def node_law(p, Q, w, n=20000):
+    """How often each token is emitted at one node of p's (V,) with w children drawn from Q (V,)
+    (sample_tree, sampled_tree_choice), and how often a child is accepted."""
+    g = torch.Generator().manual_seed(0)
+    tokens, tree, Q_slots = sample_tree(lambda d, prefix: Q.log().expand(n, prefix.size(1), -1), n, (w,), 'cpu', g)
+    block = torch.cat([torch.zeros(n, 1, dtype=torch.long), tokens], 1)
+    choice = decode.sampled_tree_choice(p.log().expand(n, 1 + w, -1), Q_slots, block, tree, 1.0, w, g)[:, 0]
+    return torch.bincount(choice, minlength=len(p)).double(), (choice[:, None] == tokens).any(1).double().mean()
+
+
+NODES = [([0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4], 2), ([0.1, 0.3, 0.3, 0.3], [0.7, 0.1, 0.1, 0.1], 3),
+         ([0.5, 0.5, 0.0, 0.0], [0.0, 0.2, 0.8, 0.0], 3), ([0.2, 0.2, 0.2, 0.4], [0.25, 0.25, 0.25, 0.25], 4)]
+
+
+@pytest.mark.parametrize('p,Q,w', NODES)
+def test_one_node_of_a_sampled_tree_emits_p(p, Q, w):
+    """At a node, recursive rejection sampling over w children drawn without replacement from Q emits
+    a token of p (chi-square), Q with fewer tokens than w (padding) and p with zeros included; with
+    Q = uniform and w = V a child is always accepted."""
+    p, Q = torch.tensor(p), torch.tensor(Q)
+    counts, accepted = node_law(p, Q, w)
+    stat, crit = chi_square(counts, p, 20000)
+    assert stat < crit, (stat, crit)
+    if w == len(p):
+        assert accepted == 1
+
+
+@pytest.mark.parametrize('broken', ['each child against the whole q', 'residual kept'])
+def test_chi_square_catches_a_sampled_tree_verified_wrongly(monkeypatch, broken):
+    """Negative controls: a later child tested against the node's whole q, not q without the earlier
+    children (what it was drawn from); the residual not updated after a rejection."""
+    if broken == 'residual kept':
+        monkeypatch.setattr(decode, 'residual', lambda r, q, x: r)
+    else:
+        monkeypatch.setattr(torch.Tensor, 'scatter', lambda q, *removed: q)   # the earlier children left in q
+    p, Q, w = (torch.tensor(t) if isinstance(t, list) else t for t in NODES[0])
+    counts, _ = node_law(p, Q, w)
+    stat, crit = chi_square(counts, p, 20000)
+    assert stat > crit, f"{broken} passed: chi2 {stat:.1f} < {crit:.1f}"
+
+
 def test_where_p_is_spread_a_sampled_candidate_beats_fixed_children():
     """MATH.md §10's example: p = Q uniform over 100 tokens. One candidate drawn from Q is accepted
     with probability sum_v min(p(v), Q(v)) = 1 (decode.accept_sampled), while the walk from a node
@@ -341,10 +435,21 @@ def test_where_p_is_spread_a_sampled_candidate_beats_fixed_children():
     (dict(nodes=8, paths=2), "nodes=8 and paths=2: a call verifies one tree or several paths, not both"),
     (dict(nodes=8, accept='topk:2'), "accept='topk:2' with nodes=8: a tree is walked"),
     (dict(nodes=8, accept='minblock:2'), "accept='minblock:2' with nodes=8"),
-    (dict(nodes=8, drafter=None, k=None), "nodes=8: a tree needs a drafter (drafter=...)")])
+    (dict(nodes=8, drafter=None, k=None), "nodes=8: a tree needs a drafter (drafter=...)"),
+    (dict(branching=(2, 2)), "branching=(2, 2) at k=4: want one width a drafted position, k-1 = 3 of them"),
+    (dict(branching=(2, 0, 1)), "branching=(2, 0, 1): want the children of a node at each drafted position"),
+    (dict(branching='4,2,1'), "branching='4,2,1': want the children"), (dict(branching=()), "branching=()"),
+    (dict(branching=(2, 2, 2), temperature=0.0), "branching=(2, 2, 2): a sampled tree is for sampling"),
+    (dict(branching=(2, 2, 2), nodes=8), "a call verifies a sampled tree (branching), a best-first one (nodes)"),
+    (dict(branching=(2, 2, 2), paths=2), "a call verifies a sampled tree (branching), a best-first one (nodes)"),
+    (dict(branching=(1024, 1, 1)), "branching=(1024, 1, 1): a tree of 3072 drafted tokens; at most 1024"),
+    (dict(branching=(65, 1, 1)), "branching=(65, 1, 1): a node has at most as many children as the vocabulary has tokens, 64"),
+    (dict(branching=(2, 2, 2), drafter=None, k=None), "branching=(2, 2, 2): a tree needs a drafter")])
 def test_what_a_tree_cannot_take_is_one_line(kw, needle):
     model = tiny_model(std=0.3)
     args = {**dict(drafter=BlockHeads(model.config, 4).double(), k=4), **kw}
+    if 'branching' in kw:
+        args.setdefault('temperature', 1.0)
     with pytest.raises(decode.BadInput) as e:
         generate(model, torch.zeros(1, 4, dtype=torch.long), 8, **args)
     assert needle in str(e.value) and '\n' not in str(e.value)
@@ -359,6 +464,8 @@ def test_a_drafter_that_grows_no_trees_is_refused():
     model = tiny_model(std=0.3)
     with pytest.raises(decode.BadInput, match=r"^nodes=4: this drafter grows no token trees"):
         generate(model, torch.zeros(1, 4, dtype=torch.long), 8, drafter=Plain(), nodes=4)
+    with pytest.raises(decode.BadInput, match=r"^branching=\(2, 1, 1\): this drafter grows no token trees"):
+        generate(model, torch.zeros(1, 4, dtype=torch.long), 8, drafter=Plain(), branching=(2, 1, 1), temperature=1.0)
 
 
 # ----------------------------------------------------------------------------- MATH.md's equations, written out

@@ -14,7 +14,10 @@ WHY = "several drafted paths per call: generate.py --paths needs the full projec
 STUBS = {'decode.tree_layout': WHY, 'decode.tree_nodes': WHY, 'decode.tree_walk': WHY, 'decode.longest': WHY,
          'decode.verify_tree_greedy': WHY, 'decode.verify_tree_sampled': WHY, 'decode.verify [if N > 1]': WHY,
          'model.KVCache.keep_path': WHY, 'model.GPT.forward_cached [else of tree is None]': WHY,
-         'decode.merged_step [if paths > 1]': WHY}
+         'decode.merged_step [if paths > 1]': WHY,
+         # a sampled tree's walk is the same multi-candidate speculative sampling, node by node
+         'decode.sampled_tree_choice': "a sampled token tree (generate.py --branching) is walked by this exercise's "
+                                       "multi-candidate speculative sampling: it needs the full project"}
 MAY_USE = ('model.Layer.forward', 'model.KVCache.write', 'model.KVCache.commit', 'model.sample', 'model.tempered',
            'model.upcast', 'decode.verify_greedy')
 
