@@ -24,11 +24,11 @@ MAX_TREE = 16 * MAX_NODES
 
 def named(name, value, cli=False):
     """How an error names what the user gave: 'k=9' to a Python caller, '--k 9' on the command line
-    (a switch as itself: '--no-sample-drafts'; a tuple as typed: '--branching 4,2,1')."""
+    (a switch as itself: '--no-sample-drafts'; a tuple as typed: '--branching 4,4,4')."""
     flag = name.replace('_', '-')
     if cli and isinstance(value, bool):
         return f"--{'' if value else 'no-'}{flag}"
-    if cli and isinstance(value, tuple):   # as typed: --branching 4,2,1
+    if cli and isinstance(value, tuple):   # as typed: --branching 4,4,4
         value = ','.join(map(str, value))
     return f"--{flag} {value}" if cli else f"{name}={value!r}"
 
@@ -120,8 +120,8 @@ def check_branching(branching, nodes, paths, temperature, say):
     """A sampled tree's widths, one a drafted position (k-1 of them: check_drafter), apart from the
     drafter. Returns its drafted tokens (heads.tree_size)."""
     if not (isinstance(branching, (tuple, list)) and branching and all(is_whole(b, 1) for b in branching)):
-        raise BadInput(f"{say('branching', branching)}: want the children of a node at each drafted position, whole "
-                       f"numbers >= 1: (4, 2, 1)")
+        raise BadInput(f"{say('branching', branching)}: want the children of the tree's spine at each drafted "
+                       f"position, whole numbers >= 1: (4, 4, 4)")
     if nodes is not None or paths != 1:
         raise BadInput(f"{say('branching', branching)}: a call verifies a sampled tree (branching), a best-first one "
                        f"(nodes) or several paths (paths), one of them")

@@ -574,9 +574,10 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     nodes=N verifies a tree of at most N drafted tokens per call, chosen best-first from the
     drafter's distributions (drafter.next_log_q, heads.grow_tree) and walked with the target's own
     choices (MATH.md §10): greedy, plain greedy decoding's output; sampling, the target's samples.
-    branching=(b_1, .., b_{k-1}) (sampling only) verifies a sampled tree instead: b_j children a node
-    at depth j-1, drawn without replacement from the drafter's conditional (heads.sample_tree) and
-    walked by recursive rejection sampling (MATH.md §10, "A sampled tree").
+    branching=(b_1, .., b_{k-1}) (sampling only) verifies a sampled tree instead: children drawn
+    without replacement from the drafter's conditional, b_j for the bonus and the first-drawn
+    child at depth j-1 (the spine), one for every other node (heads.sample_tree), walked by recursive
+    rejection sampling (MATH.md §10, "A sampled tree").
     compile=True runs the same steps compiled, several a host call, on CUDA as CUDA graphs
     (runner.py; the first call of a configuration pays the compilation: warm up first).
     generator: the source of every random draw (where nothing is drawn, as in greedy decoding with

@@ -10,7 +10,7 @@ train.py's closing demos (`closing_demos`).
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5
     python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --paths 4
     python generate.py --ckpt out/ckpt.pt --heads out/heads.pt --k 8 --nodes 32      # a token tree a call
-    python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --branching 4,2,1  # sampled
+    python generate.py --ckpt out/ckpt.pt --drafter out/dblast_K4.pt --temperature 1.5 --branching 4,4,4  # sampled
     python generate.py --ckpt out/ckpt.pt --draft-model out/draft.pt --k 6          # a small draft model
     python generate.py --ckpt out/ckpt.pt --draft-model out/draft.pt --k 6 --nodes 16  # its tree
     python generate.py --ckpt out/ckpt.pt --lookup 2 --k 11                         # prompt lookup
@@ -193,9 +193,10 @@ def main(argv=None):
                          f'distributions (--lookup: what followed every earlier occurrence of the n-gram) and walked '
                          f'with the target\'s own choices (up to {MAX_NODES})')
     ap.add_argument('--branching', default=None, type=parse_branching,
-                    help="sampling: a sampled token tree verified per call, b_j children a node at drafted position "
-                         "j, drawn without replacement from the drafter and walked by recursive rejection sampling "
-                         "(one width a drafted position, k-1 of them: --k 4 --branching 4,2,1)")
+                    help="sampling: a sampled token tree verified per call, its children drawn without replacement "
+                         "from the drafter, b_j for the bonus and the first-drawn child at depth j-1, one for every "
+                         "other node, walked by recursive rejection sampling (k-1 widths: --k 4 --branching 4,4,4, "
+                         "21 drafted tokens)")
     ap.add_argument('--paths-from', default=None, choices=PATHS_FROM,
                     help="DBlast, --paths > 1: i.i.d. samples of the mixture (default), or one path per branch, "
                          "the branches drawn without replacement from the prior")
@@ -214,10 +215,10 @@ def main(argv=None):
 
 
 def parse_branching(text):
-    """--branching 4,2,1 -> (4, 2, 1); check_args judges the numbers."""
+    """--branching 4,4,4 -> (4, 4, 4); check_args judges the numbers."""
     parts = text.split(',')
     if not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
-        raise argparse.ArgumentTypeError("want whole numbers separated by commas, one a drafted position: 4,2,1")
+        raise argparse.ArgumentTypeError("want whole numbers separated by commas, one a drafted position: 4,4,4")
     return tuple(int(p) for p in parts)
 
 

@@ -437,7 +437,7 @@ def test_where_p_is_spread_a_sampled_candidate_beats_fixed_children():
     (dict(nodes=8, accept='minblock:2'), "accept='minblock:2' with nodes=8"),
     (dict(nodes=8, drafter=None, k=None), "nodes=8: a tree needs a drafter (drafter=...)"),
     (dict(branching=(2, 2)), "branching=(2, 2) at k=4: want one width a drafted position, k-1 = 3 of them"),
-    (dict(branching=(2, 0, 1)), "branching=(2, 0, 1): want the children of a node at each drafted position"),
+    (dict(branching=(2, 0, 1)), "branching=(2, 0, 1): want the children of the tree's spine at each drafted position"),
     (dict(branching='4,2,1'), "branching='4,2,1': want the children"), (dict(branching=()), "branching=()"),
     (dict(branching=(2, 2, 2), temperature=0.0), "branching=(2, 2, 2): a sampled tree is for sampling"),
     (dict(branching=(2, 2, 2), nodes=8), "a call verifies a sampled tree (branching), a best-first one (nodes)"),
