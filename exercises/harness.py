@@ -475,10 +475,13 @@ aten = torch.ops.aten
 # ops that make the host wait for the device: reading a value (.item(), bool(), int()), an output
 # whose shape depends on the data (the host must read the count before allocating), or a check of
 # the input on the host (multinomial reads whether its weights are finite and non-negative, inside
-# the op, where this watch does not see it)
+# the op, where this watch does not see it). bincount is both, given minlength or not: on CUDA it
+# reads its input's min back (none may be negative) and its max (the length is the larger of
+# minlength and max + 1), inside the op, where a CPU's run dispatches nothing this watch sees
 SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-            aten.repeat_interleave.Tensor, aten._unique2.default, aten.unique_consecutive.default,
-            aten.unique_dim.default, aten.multinomial.default,
+            aten.repeat_interleave.Tensor, aten._unique.default, aten._unique2.default,
+            aten.unique_consecutive.default, aten.unique_dim.default, aten.unique_dim_consecutive.default,
+            aten.bincount.default, aten.multinomial.default,
             aten.equal.default}     # torch.equal: a Python bool, read back from the device
 
 
@@ -521,8 +524,17 @@ class HostSyncs(EagerMode):
             isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
         # repeat_interleave told its output_size need not read the repeats back to learn it
         sized = func == aten.repeat_interleave.Tensor and kwargs.get('output_size') is not None
+        # histc given no range (min == max, 0 and 0 unless told) reads its input's min and max back on
+        # CUDA to make one; given a range it reads nothing
+        if func == aten.histc.default:
+            given = dict(zip(('bins', 'min', 'max'), args[1:]), **kwargs)
+            if given.get('min', 0) == given.get('max', 0):
+                self.seen.append(str(func))
+        # inside a call that syncs only a CPU (HostReads): one_hot's range check reads a value, and
+        # x[mask] = number writes through index_put_, which a GPU runs as masked_fill_
         if (func in SYNC_OPS or bool_index) and not sized and not (
-                self.cpu_only and func == aten._local_scalar_dense.default):
+                self.cpu_only and (func == aten._local_scalar_dense.default
+                                   or (bool_index and func == aten.index_put_.default))):
             self.seen.append(str(func))
         return func(*args, **kwargs)
 
@@ -530,7 +542,8 @@ class HostSyncs(EagerMode):
 class HostReads(TorchFunctionMode):
     """HostSyncs' view of the calls themselves, above the ops: a CPU tensor's .tolist(), .numpy()
     or .cpu() reads it where it lies, with no op dispatched, where on a GPU each copies it to the
-    host, which waits; and F.one_hot with its num_classes, whose range checks only a CPU makes."""
+    host, which waits; and the calls whose syncs only a CPU makes: F.one_hot with its num_classes
+    (a range check), x[mask] = number (boolean indexing that a GPU runs as masked_fill_)."""
     READS = ('tolist', 'numpy', '__array__', 'cpu')
 
     def __init__(self, syncs):
@@ -543,6 +556,16 @@ class HostReads(TorchFunctionMode):
         if name in self.READS:   # not .to(device): on a GPU that device is the GPU
             self.syncs.seen.append(f"Tensor.{name}()")
         cpu_only = name == 'one_hot' and (args[1] if len(args) > 1 else kwargs.get('num_classes', -1)) != -1
+        if name == '__setitem__' and len(args) == 3 and isinstance(args[2], (bool, int, float)):
+            # x[mask] = number, one bool mask beside basic indices only (ints, slices, None, ...): on
+            # CUDA the number stays on the host, and index_put_ runs as masked_fill_ (ATen's
+            # canDispatchToMaskedFill), with no nonzero and no sync. A tensor value, or an index tensor
+            # or list beside the mask, goes through nonzero and still counts
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            tensors = [i for i in index if isinstance(i, torch.Tensor)]
+            basic = all(isinstance(i, (torch.Tensor, slice, int, type(None), type(Ellipsis)))
+                        and not isinstance(i, bool) for i in index)
+            cpu_only = cpu_only or (basic and len(tensors) == 1 and tensors[0].dtype in (torch.bool, torch.uint8))
         self.syncs.cpu_only += cpu_only
         try:
             return func(*args, **kwargs)

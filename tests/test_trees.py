@@ -382,20 +382,24 @@ def node_law(p, Q, w, n=20000):
 
 
 NODES = [([0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4], 2), ([0.1, 0.3, 0.3, 0.3], [0.7, 0.1, 0.1, 0.1], 3),
-         ([0.5, 0.5, 0.0, 0.0], [0.0, 0.2, 0.8, 0.0], 3), ([0.2, 0.2, 0.2, 0.4], [0.25, 0.25, 0.25, 0.25], 4)]
+         ([0.5, 0.5, 0.0, 0.0], [0.0, 0.2, 0.8, 0.0], 3), ([0.2, 0.2, 0.2, 0.4], [0.25, 0.25, 0.25, 0.25], 4),
+         ([0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], 2)]
 
 
 @pytest.mark.parametrize('p,Q,w', NODES)
 def test_one_node_of_a_sampled_tree_emits_p(p, Q, w):
     """At a node, recursive rejection sampling over w children drawn without replacement from Q emits
     a token of p (chi-square), Q with fewer tokens than w (padding) and p with zeros included; with
-    Q = uniform and w = V a child is always accepted."""
+    w = V children of a Q that gives every token some probability, or with Q = p, a child is always
+    accepted (with Q = p, the first: MATH.md §10)."""
     p, Q = torch.tensor(p), torch.tensor(Q)
     counts, accepted = node_law(p, Q, w)
     stat, crit = chi_square(counts, p, 20000)
     assert stat < crit, (stat, crit)
-    if w == len(p):
+    if w == len(p) or torch.equal(p, Q):
         assert accepted == 1
+    if torch.equal(p, Q):
+        assert node_law(p, Q, 1)[1] == 1
 
 
 @pytest.mark.parametrize('broken', ['each child against the whole q', 'residual kept'])

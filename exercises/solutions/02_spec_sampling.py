@@ -87,6 +87,25 @@ fallback_by_a_tolerance = residual_falling_back(lambda r, p, logits: torch.where
 # P at T = 1, not at T
 fallback_to_p_at_one = residual_falling_back(
     lambda r, p, logits: torch.where(r.sum(-1, keepdim=True) > 0, r, F.softmax(logits[:, :-1], -1)))
+# one verdict for a row's positions, the other way round: any position's zero residual sends all to P
+fallback_if_any_position_is_zero = residual_falling_back(
+    lambda r, p, logits: torch.where((r.sum(-1) == 0).any(-1)[:, None, None], p, r))
+def own_generator_when_none(logits, Q, drafts, temperature, generator=None):
+    if generator is None:
+        generator = torch.Generator(device=logits.device)              # never seeded: the same draws each call
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    return accept_prefix(ok, sample(weights, generator))
+
+
+def coins_in_float16(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_d = 1.0 if Q is None else Q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    coin = torch.rand(p_d.shape, generator=generator, dtype=torch.float16, device=p.device).to(p.dtype)   # 2^-11 apart
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    return accept_prefix(coin * q_d < p_d, sample(weights, generator))
 
 
 def every_dimension_squeezed(logits, Q, drafts, temperature, generator=None):
@@ -131,4 +150,8 @@ CONTROLS = {
     "the residual's fallback to P at T = 1": dict(verify_sampled=fallback_to_p_at_one),
     'the bonus drawn by torch.multinomial (a host sync on a GPU)': dict(verify_sampled=bonus_by_multinomial),
     'the coins drawn in bfloat16': dict(verify_sampled=coins_in_bfloat16),
+    'the coins drawn in float16': dict(verify_sampled=coins_in_float16),
+    "the residual's fallback decided for a row's whole block when any position's residual is 0":
+        dict(verify_sampled=fallback_if_any_position_is_zero),
+    'a generator of its own, never seeded, when none is given': dict(verify_sampled=own_generator_when_none),
 }
