@@ -93,7 +93,7 @@ def test_a_further_call_is_the_difference_of_two_decodes(monkeypatch):
 @pytest.mark.slow
 def test_trees_table_at_tiny_sizes(tmp_path, corpus_file):
     """Table 8 end to end at tiny sizes: for the heads greedy and each drafter at each T, one path,
-    several paths (sampling only) and every tree size, each row with its tau, calls, tokens per
+    several paths and sampled trees (sampling only) and every tree size, each row with its tau, calls, tokens per
     call and the block's cost over one path's; greedy trees are exact (their output is checked by
     tests/test_trees.py), and a tree's tau is measured against its own drafter's one path."""
     out = tmp_path / 'trees'
@@ -103,7 +103,11 @@ def test_trees_table_at_tiny_sizes(tmp_path, corpus_file):
     rows = json.loads((out / 'results.json').read_text())['trees']['rows']
     trees = [f'tree of {n}' for n in bench.TREE_NODES]
     assert [r['block'] for r in rows if r['T'] == 0] == ['1 path'] + trees
-    assert [r['block'] for r in rows if r['drafter'] == 'DBlast K=4'] == ['1 path', '2 paths', '4 paths', '8 paths'] + trees
+    k = rows[-1]['k']
+    sampled = [f"sampled {','.join(map(str, w))} ({bench.tree_size(w)})" for w in
+               (bench.fitted(widths, k) for widths in bench.SAMPLED_TREES)]
+    assert [r['block'] for r in rows if r['drafter'] == 'DBlast K=4'] == ['1 path', '2 paths', '4 paths', '8 paths'] + \
+        trees + sampled
     for r in rows:
         assert 1 <= r['tau'] <= r['k'] and r['calls'] > 0 and r['t_block_over_t_path'] > 0 and r['speedup'] > 0
         assert r['tokens_per_call'] == pytest.approx(2 * 16 / r['calls'])
