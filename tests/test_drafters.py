@@ -295,14 +295,18 @@ def test_mixed_paths_are_lossless(target8, which, temperature):
     assert (taus > 1).any() and (taus < 4).any()
 
 
-@pytest.mark.parametrize('which', ['prompt lookup', 'draft model'])
-def test_text_drafters_trees_are_lossless(target8, which):
-    """A tree of the text's repeats, or of a draft model's q, walked with the target's own samples
-    (test_trees' chi-square): the target's distribution, with some drafts taken."""
+@pytest.mark.parametrize('which,tree', [('prompt lookup', 'best-first'), ('prompt lookup', 'sampled'),
+                                        pytest.param('draft model', 'best-first', marks=pytest.mark.slow),
+                                        pytest.param('draft model', 'sampled', marks=pytest.mark.slow)])
+def test_text_drafters_trees_are_lossless(target8, which, tree):
+    """A tree of the text's repeats, or of a draft model's q, walked with the target's own samples,
+    or drawn from them and walked by recursive rejection sampling (test_trees' chi-square): the
+    target's distribution, with some drafts taken."""
     drafter = PromptLookup(1, 4) if which == 'prompt lookup' else draft_model8()
-    counts, stats = tree_counts(target8, drafter, 1.5, 4, 6)
+    how = dict(nodes=6) if tree == 'best-first' else dict(nodes=None, branching=(2, 2, 2))
+    counts, stats = tree_counts(target8, drafter, 1.5, 4, **how)
     stat, crit = chi_square(counts, continuation_probs(1.5), 20000)
-    assert stat < crit, f"{which} tree: chi2 {stat:.1f} >= {crit:.1f}"
+    assert stat < crit, f"{which} {tree} tree: chi2 {stat:.1f} >= {crit:.1f}"
     assert any(t > 1 for t in stats['accept_lengths'])
 
 
