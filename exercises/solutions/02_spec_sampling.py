@@ -54,13 +54,16 @@ def bonus_from_the_global_rng(logits, Q, drafts, temperature, generator=None):
     return accept_prefix(ok, sample(weights))                          # generator forgotten here
 
 
-def coins_in_bfloat16(logits, Q, drafts, temperature, generator=None):
-    p = F.softmax(tempered(logits, temperature), -1)
-    p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    q_d = 1.0 if Q is None else Q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    coin = torch.rand(p_d.shape, generator=generator, dtype=torch.bfloat16, device=p.device).to(p.dtype)   # 2^-8 apart
-    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
-    return accept_prefix(coin * q_d < p_d, sample(weights, generator))
+def coins_in(dtype):
+    """The coins drawn in a coarse dtype: bfloat16's uniforms are 2^-8 apart, float16's 2^-11."""
+    def verify_sampled(logits, Q, drafts, temperature, generator=None):
+        p = F.softmax(tempered(logits, temperature), -1)
+        p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        q_d = 1.0 if Q is None else Q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        coin = torch.rand(p_d.shape, generator=generator, dtype=dtype, device=p.device).to(p.dtype)
+        weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+        return accept_prefix(coin * q_d < p_d, sample(weights, generator))
+    return verify_sampled
 
 
 def residual_falling_back(fallback):
@@ -97,15 +100,6 @@ def own_generator_when_none(logits, Q, drafts, temperature, generator=None):
     ok = accept_sampled(p[:, :-1], Q, drafts, generator)
     weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
     return accept_prefix(ok, sample(weights, generator))
-
-
-def coins_in_float16(logits, Q, drafts, temperature, generator=None):
-    p = F.softmax(tempered(logits, temperature), -1)
-    p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    q_d = 1.0 if Q is None else Q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    coin = torch.rand(p_d.shape, generator=generator, dtype=torch.float16, device=p.device).to(p.dtype)   # 2^-11 apart
-    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
-    return accept_prefix(coin * q_d < p_d, sample(weights, generator))
 
 
 def every_dimension_squeezed(logits, Q, drafts, temperature, generator=None):
@@ -149,8 +143,8 @@ CONTROLS = {
     "the coins drawn without the logits' device": dict(verify_sampled=coins_off_the_logits_device),
     "the residual's fallback to P at T = 1": dict(verify_sampled=fallback_to_p_at_one),
     'the bonus drawn by torch.multinomial (a host sync on a GPU)': dict(verify_sampled=bonus_by_multinomial),
-    'the coins drawn in bfloat16': dict(verify_sampled=coins_in_bfloat16),
-    'the coins drawn in float16': dict(verify_sampled=coins_in_float16),
+    'the coins drawn in bfloat16': dict(verify_sampled=coins_in(torch.bfloat16)),
+    'the coins drawn in float16': dict(verify_sampled=coins_in(torch.float16)),
     "the residual's fallback decided for a row's whole block when any position's residual is 0":
         dict(verify_sampled=fallback_if_any_position_is_zero),
     'a generator of its own, never seeded, when none is given': dict(verify_sampled=own_generator_when_none),
