@@ -332,8 +332,8 @@ def sampled_tree_choice(logits, Q, block, tree, temperature, width, generator=No
     r what is left of p after the earlier ones (as in verify_tree_sampled) and q_l the slot's Q
     without the earlier children's tokens, renormalised: what child l was drawn from. logits
     (B, L, V) after every slot; Q (B, L, V); block (B, L); tree (B, 2, L) (heads.sample_tree); width:
-    the most children of a node. Returns choice (B, L): the accepted child's token, or where none
-    is (a leaf: all of them), a sample of what is left of p."""
+    the most children of a node. Returns choice (B, L): the accepted child's token, or where no
+    child is accepted (a leaf has none to accept), a sample of what is left of p."""
     p = F.softmax(tempered(logits, temperature), dim=-1)               # (B, L, V) p_target at each slot
     parent, slot = tree[:, 0], torch.arange(tree.size(-1), device=tree.device)
     child = (parent[:, None, :] == slot[None, :, None]) & (slot > 0)   # (B, L, L) [s, c]: c a child of s (not the bonus)
