@@ -113,6 +113,7 @@ def test_trees_table_at_tiny_sizes(tmp_path, corpus_file):
         assert r['tokens_per_call'] == pytest.approx(2 * 16 / r['calls'])
 
 
+@pytest.mark.slow
 def test_profiling_on_a_cpu_writes_nothing_between_the_tables():
     """On a CPU, measure's profiling (call_costs, time_split) adds no line of the profiler's own
     to stderr, where its backend wrote profiler_start / profiler_stop at each use, between the rows
