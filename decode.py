@@ -5,7 +5,8 @@ or a token tree per target call.
 
 Read in this order (MATH.md has every equation):
   the acceptance rules and verifiers   one block (MATH.md §2, §4) and a tree of paths (§9)
-  a token tree                         its block and its walks with the target's own choices (§10)
+  a token tree                         its block and its walks: with the target's own choices, or a
+                                       sampled tree's by recursive rejection sampling (§10)
   merged_step                          one target call: verify, commit, propose
   the loop                             the prefill, advance (a step and what the loop keeps of
                                        it), generate
