@@ -80,7 +80,12 @@ def test_a_wrong_draft_first_middle_last(impl):
     after it are not, and the bonus is the target's correction there."""
     k = 6
     greedy, drafts, wrong_at = planted(k)
-    accepted, n_acc, bonus = impl.verify_greedy(scripted(greedy, 11), drafts, EXACT)
+    logits = scripted(greedy, 11)
+    accepted, n_acc, bonus = harness.assert_inputs_unchanged(
+        'verify_greedy', lambda: impl.verify_greedy(logits, drafts, EXACT),
+        "the step reads the drafts again after the call (they are the tokens it commits), and the logits are the "
+        "caller's: compute into tensors of your own, with no in-place op on them (a name ending in _, -= or &=, an "
+        "indexed assignment)", logits=logits, drafts=drafts)
     assert_outputs(accepted, n_acc, bonus, 4, k)
     for row, j in enumerate(wrong_at):
         want = k - 1 if j is None else j
@@ -110,30 +115,53 @@ def test_ties_near_ties_long_blocks(impl):
     """Ties, near-ties and a long block. The bonus is torch.argmax's (the first of tied maxima, as
     plain greedy decoding takes it) in the logits' own dtype: row 0 ties two or three tokens at
     every position (vocabularies of 40 and 4000), row 1 puts token 3 1e-12 above token 1 in float64
-    (equal in float32); and a block of k = 40, every draft right in one row and the 35th refused in
-    the other."""
+    (equal in float32), row 2 token 3 1e-17 above the rest, all near 0 (equal after a softmax or a
+    log-softmax); and a block of k = 40, every draft right in one row and the 35th refused in the
+    other, also with the ties of sort and topk broken in the other order (theirs is unspecified: a
+    GPU's may differ from a CPU's)."""
     for V, tied in ((40, [7, 30]), (4000, [7, 1900, 3000])):
-        logits = torch.zeros(2, 3, V, dtype=torch.float64)
+        logits = torch.zeros(3, 3, V, dtype=torch.float64)
         logits[0, :, tied] = 1.0
         logits[1, :, 1], logits[1, :, 3] = 1.0, 1.0 + 1e-12
-        drafts = logits[:, :-1].argmax(-1)                              # both right: 7 7 and 3 3
+        logits[2, :, 3] = 1e-17
+        drafts = logits[:, :-1].argmax(-1)                              # all right: 7 7, 3 3 and 3 3
         _, n_acc, bonus = impl.verify_greedy(logits, drafts, EXACT)
-        if bonus.long().tolist() != [7, 3]:
-            raise harness.Fail(f"bonus {bonus.tolist()}, want [7, 3]: row 0 ties tokens {tied} of {V} (argmax takes "
-                               f"the first), row 1 has token 3 1e-12 above token 1 in float64",
+        if bonus.long().tolist() != [7, 3, 3]:
+            raise harness.Fail(f"bonus {bonus.tolist()}, want [7, 3, 3]: row 0 ties tokens {tied} of {V} (argmax "
+                               f"takes the first), row 1 has token 3 1e-12 above token 1 in float64, row 2 token 3 "
+                               f"1e-17 above the rest (all near 0)",
                                "the bonus is logits.argmax(-1) at the last committed position, in the logits' dtype: "
                                + ("what fits is a tie broken the other way (topk, sort and max over a float cast do "
                                   "not promise the first of equals)" if bonus[0] != 7 else
-                                  "what fits is a cast to float32 (or lower) first, which makes tokens 1 and 3 equal"))
-        if n_acc.tolist() != [2, 2]:
+                                  "what fits is a cast to float32 (or lower) first, which makes tokens 1 and 3 equal"
+                                  if bonus[1] != 3 else
+                                  "what fits is an argmax of probabilities (softmax, log_softmax) instead of the "
+                                  "logits: near 0 they round logits 1e-17 apart to the same value"))
+        if n_acc.tolist() != [2, 2, 2]:
             raise harness.Fail(f"every draft is the argmax (ties and near-ties, V = {V}): n_acc {n_acc.tolist()}, "
-                               f"want [2, 2]")
+                               f"want [2, 2, 2]", "what fits: the rule given something other than the logits "
+                               "(probabilities from softmax or log_softmax round row 2's near-tie to a tie)"
+                               if n_acc.tolist()[:2] == [2, 2] else '')
     k = 40
     greedy = torch.randint(11, (2, k), generator=torch.Generator().manual_seed(4))
     drafts = greedy[:, :-1].clone()
     drafts[1, 34] = (drafts[1, 34] + 1) % 11
-    accepted, n_acc, bonus = impl.verify_greedy(scripted(greedy, 11), drafts, EXACT)
+    logits = scripted(greedy, 11)
+    accepted, n_acc, bonus = impl.verify_greedy(logits, drafts, EXACT)
     assert_outputs(accepted, n_acc, bonus, 2, k)
+    for last in (False, True):             # sort and topk's ties broken first first, then last first
+        with harness.TieOrder(last):
+            other = impl.verify_greedy(logits, drafts, EXACT)
+        if not all(torch.equal(a, b) for a, b in zip(other, (accepted, n_acc, bonus))):
+            raise harness.Fail(f"k = 40, drafts[1, 34] wrong, with the ties of sort and topk broken "
+                               f"{'in reverse index order' if last else 'in index order'}: n_acc {other[1].tolist()}, bonus "
+                               f"{other[2].tolist()}; without: n_acc {n_acc.tolist()}, bonus {bonus.tolist()}; want "
+                               f"the same whatever their order",
+                               "the order sort and topk give equal values is unspecified (a CPU's happens to keep "
+                               "them in order for short rows, a GPU's may not): what fits is the first refusal or the "
+                               "bonus read from the indices of a sort or topk over values with ties (the refusal "
+                               "flags, the logits). argmax and argmin promise the first of equals; "
+                               "sort(stable=True) keeps their order")
     if n_acc.tolist() != [39, 34] or bonus.long().tolist() != [int(greedy[0, 39]), int(greedy[1, 34])]:
         raise harness.Fail(f"k = 40, every draft right in row 0, drafts[1, 34] wrong: n_acc {n_acc.tolist()}, bonus "
                            f"{bonus.tolist()}, want [39, 34], {[int(greedy[0, 39]), int(greedy[1, 34])]}",

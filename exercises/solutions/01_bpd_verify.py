@@ -58,6 +58,31 @@ def bonus_by_topk(logits, drafts, accept):
     return accepted, n_acc, best.gather(1, n_acc[:, None]).squeeze(1)
 
 
+def bonus_from_probabilities(logits, drafts, accept):
+    rule, param = accept
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    best = logits.softmax(-1).argmax(-1)                 # near 0, logits 1e-17 apart round to equal probabilities
+    return accepted, n_acc, best.gather(1, n_acc[:, None]).squeeze(1)
+
+
+def first_refusal_by_an_unstable_sort(logits, drafts, accept):
+    rule, param = accept
+    ok = rule(logits, drafts, param)
+    refused = torch.cat([~ok, torch.ones_like(ok[:, :1])], 1).long()    # a refusal after the last draft
+    n_acc = refused.sort(-1, descending=True).indices[:, 0]             # ties: the first of equals only by luck
+    accepted = torch.arange(drafts.size(1), device=drafts.device) < n_acc[:, None]
+    return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+
+
+def writes_into_the_logits(logits, drafts, accept):
+    rule, param = accept
+    logits -= logits.amax(-1, keepdim=True)              # "for stability", in place: the caller's logits change
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+
+
 CONTROLS = {
     'counts past the first rejection': dict(verify_greedy=counts_past_the_first_rejection),
     'bonus one position late': dict(verify_greedy=bonus_one_position_late),
@@ -66,4 +91,8 @@ CONTROLS = {
     'the bonus squeezed of every dimension (one row: a 0-dim tensor)': dict(verify_greedy=every_dimension_squeezed),
     'the prefix counted in Python from .tolist() (a host sync)': dict(verify_greedy=prefix_read_on_the_host),
     'the bonus by topk (a tie broken otherwise than argmax)': dict(verify_greedy=bonus_by_topk),
+    'the bonus from softmax probabilities (a near-tie near 0 rounded to a tie)': dict(
+        verify_greedy=bonus_from_probabilities),
+    'the first refusal by sort (ties in an unspecified order)': dict(verify_greedy=first_refusal_by_an_unstable_sort),
+    'writes into its input (logits -= max in place)': dict(verify_greedy=writes_into_the_logits),
 }

@@ -112,6 +112,16 @@ def read_by_literal_eval(text, vocab_size):
     return float(epsilon), float(delta)
 
 
+def shifted_in_place_in_float32(logits, drafts, param):
+    epsilon, delta = param
+    x = logits[:, :-1].float()                                      # float32 logits: the same tensor, a view
+    x -= x.amax(-1, keepdim=True)                                   # writes into the caller's logits
+    p = F.softmax(x.double(), dim=-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    threshold = (delta * torch.exp(-entropy)).clamp(max=epsilon)
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
@@ -125,4 +135,5 @@ CONTROLS = {
     'a guard added inside the log, log(p + 1e-6) (off over a large vocabulary)': dict(
         typical=a_guard_added_inside_the_log),
     "parse_typical reads with Python's literal_eval (True is a number there)": dict(parse_typical=read_by_literal_eval),
+    'logits shifted in place through .float() (the same tensor in float32)': dict(typical=shifted_in_place_in_float32),
 }
