@@ -63,10 +63,8 @@ def check_args(model, prompt, max_new_tokens, drafter=None, k=None, temperature=
                        f"not both")
     tree = ('nodes', nodes, nodes)   # a tree's argument, as given, and its drafted tokens
     if branching is not None:
-        tree = ('branching', branching, check_branching(branching, nodes, paths, temperature, say))
-        if max(branching) > model.config.vocab_size:
-            raise BadInput(f"{say('branching', branching)}: a node has at most as many children as the vocabulary "
-                           f"has tokens, {model.config.vocab_size}")
+        tree = ('branching', branching, check_branching(branching, nodes, paths, temperature, model.config.vocab_size,
+                                                        say))
     if drafter is None:
         if k is not None:
             raise BadInput(f"{say('k', k)} means nothing without a drafter: plain decoding takes the target's own "
@@ -116,9 +114,9 @@ def check_prompt(model, prompt):
         raise BadInput(f"prompt holds token id {lo if lo < 0 else hi}; the model's vocabulary has ids 0..{V - 1}")
 
 
-def check_branching(branching, nodes, paths, temperature, say):
+def check_branching(branching, nodes, paths, temperature, V, say):
     """A sampled tree's widths, one a drafted position (k-1 of them: check_drafter), apart from the
-    drafter. Returns its drafted tokens (heads.tree_size)."""
+    drafter; V the vocabulary's size. Returns its drafted tokens (heads.tree_size)."""
     if not (isinstance(branching, (tuple, list)) and branching and all(is_whole(b, 1) for b in branching)):
         raise BadInput(f"{say('branching', branching)}: want the children of the tree's spine at each drafted "
                        f"position, whole numbers >= 1: (4, 4, 4)")
@@ -128,10 +126,13 @@ def check_branching(branching, nodes, paths, temperature, say):
     if temperature == 0:
         raise BadInput(f"{say('branching', branching)}: a sampled tree is for sampling (temperature > 0); greedy "
                        f"decoding grows a best-first tree (nodes)")
-    if tree_size(branching) > MAX_NODES:
-        raise BadInput(f"{say('branching', branching)}: a tree of {tree_size(branching)} drafted tokens; at most "
-                       f"{MAX_NODES}")
-    return tree_size(branching)
+    size = tree_size(branching)
+    if size > MAX_NODES:
+        raise BadInput(f"{say('branching', branching)}: a tree of {size} drafted tokens; at most {MAX_NODES}")
+    if max(branching) > V:
+        raise BadInput(f"{say('branching', branching)}: a node has at most as many children as the vocabulary "
+                       f"has tokens, {V}")
+    return size
 
 
 def check_drafter(model, drafter, k, paths, tree, say):

@@ -419,19 +419,18 @@ def trees_table(b, base, args, results):
                     'tau / one path\'s'], []), flush=True)
     rows, ratios = [], {}
     for name, d, k, T in configs:
-        shapes = [('1 path', 1, None)] + ([(f'{N} paths', N, None) for N in (2, 4, 8)] if T > 0 else [])
-        shapes = [(shape, paths, nodes, None) for shape, paths, nodes in shapes + [
-            (f'tree of {N}', 1, N) for N in TREE_NODES]]
-        for widths in SAMPLED_TREES if T > 0 else []:
-            widths = fitted(widths, k)
-            shapes.append((f"sampled {','.join(map(str, widths))} ({tree_size(widths)})", 1, tree_size(widths), widths))
+        sampling = T > 0
+        shapes = [('1 path', 1, None, None)] + [(f'{N} paths', N, None, None) for N in (2, 4, 8) if sampling]
+        shapes += [(f'tree of {N}', 1, N, None) for N in TREE_NODES]
+        shapes += [(f"sampled {','.join(map(str, w))} ({tree_size(w)})", 1, None, w)
+                   for w in (fitted(widths, k) for widths in SAMPLED_TREES) if sampling]
         one = None
         for shape, paths, nodes, branching in shapes:
-            size = 1 + (nodes if nodes else paths * (k - 1))            # the block's tokens; one path's: k
+            # the block's tokens (one path's: k)
+            size = 1 + (tree_size(branching) if branching else nodes if nodes else paths * (k - 1))
             if (size, k) not in ratios:   # what a block of `size` tokens costs does not depend on its shape
                 ratios[size, k] = token_tree_ratio(base, size - 1, k, b.device, args.batch) if size > k else 1.0
-            r, _, _ = b.row(base, d, k, temperature=T, paths=paths, nodes=None if branching else nodes,
-                            branching=branching)
+            r, _, _ = b.row(base, d, k, temperature=T, paths=paths, nodes=nodes, branching=branching)
             one = one or r['tau']
             r.update(drafter=name, T=T, block=shape, tokens_per_call=args.n_prompts * args.max_new / r['calls'],
                      t_block_over_t_path=ratios[size, k], tau_over_one_path=r['tau'] / one)

@@ -224,6 +224,16 @@ def verify_tree_greedy(logits, drafts, accept=(exact, None)):
     return n_acc, bonuses.view(B, N).gather(1, path[:, None]).squeeze(1), path
 
 
+def try_candidate(r, Q, x, tried, generator=None):
+    """One round of multi-step speculative sampling at every node at once (MATH.md §9): where
+    `tried` (B, L), candidate x (B, L), drawn from Q (B, L, V) (None: a point mass), is accepted with
+    probability min(1, r(x) / Q(x)); where it is refused, what is left of p becomes
+    norm(max(0, r - Q)). Returns ok (B, L) and r (B, L, V) after the round."""
+    ok = accept_sampled(r, Q, x, generator) & tried
+    left = residual(r, Q, x)                                           # r after refusing x
+    return ok, torch.where((tried & ~ok)[..., None], left / left.sum(-1, keepdim=True), r)
+
+
 def verify_tree_sampled(logits, Q, drafts, temperature, generator=None):
     """Multi-step speculative sampling over N drafted paths (MATH.md §9), lossless.
 
@@ -247,12 +257,9 @@ def verify_tree_sampled(logits, Q, drafts, temperature, generator=None):
     chosen = torch.zeros_like(done, dtype=torch.long)
     for i in range(N):   # candidates in path order; each pass covers every node at once
         Q_path = None if Q is None else Q[:, i, at]                    # (B, L, V) path i's Q
-        tried = through[:, :, i] & ~done
-        ok = accept_sampled(r, Q_path, cand[:, :, i], generator) & tried
+        ok, r = try_candidate(r, Q_path, cand[:, :, i], through[:, :, i] & ~done, generator)
         chosen = torch.where(ok, i, chosen)
         done = done | ok
-        left = residual(r, Q_path, cand[:, :, i])                      # r after rejecting candidate i
-        r = torch.where((tried & ~ok)[..., None], left / left.sum(-1, keepdim=True), r)
     kept_token = torch.where(done, cand.gather(-1, chosen[..., None]).squeeze(-1), -1)   # (B, L)
     fallback = sample(r, generator)                                                      # (B, L)
     _, n_acc, path, last = tree_walk(kept_token, node, drafts)
@@ -329,15 +336,15 @@ def walk_down(choice, block, tree, attend, n):
 def sampled_tree_choice(logits, Q, block, tree, temperature, width, generator=None):
     """What a sampled tree's walk follows (MATH.md §10, "A sampled tree"), lossless: at every slot
     at once, recursive rejection sampling of its children, tried in the order they were drawn
-    without replacement from Q[:, slot]. Child l is accepted with probability min(1, r(x) / q_l(x)),
-    r what is left of p after the earlier ones (as in verify_tree_sampled) and q_l the slot's Q
-    without the earlier children's tokens, renormalised: what child l was drawn from. logits
+    without replacement from Q[:, slot]. Child l is accepted with probability min(1, r(x) / q_l(x))
+    (try_candidate, as in verify_tree_sampled), r what is left of p after the earlier ones and q_l
+    the slot's Q without the earlier children's tokens, renormalised: what child l was drawn from. logits
     (B, L, V) after every slot; Q (B, L, V); block (B, L); tree (B, 2, L) (heads.sample_tree); width:
     the most children of a node. Returns choice (B, L): the accepted child's token, or where no
     child is accepted (a leaf has none to accept), a sample of what is left of p."""
     p = F.softmax(tempered(logits, temperature), dim=-1)               # (B, L, V) p_target at each slot
     parent, slot = tree[:, 0], torch.arange(tree.size(-1), device=tree.device)
-    child = (parent[:, None, :] == slot[None, :, None]) & (slot > 0)   # (B, L, L) [s, c]: c a child of s (not the bonus)
+    child = (parent[:, None, :] == slot[None, :, None]) & (slot > 0)   # (B, L, L) [s, c]: c a child of s, not the bonus
     rank = child.long().cumsum(-1) - 1                                 # a child's place among its siblings
     r, q, done = p, Q, torch.zeros_like(parent, dtype=torch.bool)
     chosen = torch.zeros_like(parent)
@@ -345,11 +352,9 @@ def sampled_tree_choice(logits, Q, block, tree, temperature, width, generator=No
         has = child & (rank == l)                                      # (B, L, L)
         tried = has.any(-1) & ~done
         x = block.gather(1, has.long().argmax(-1))                     # (B, L) the l-th child's token
-        ok = accept_sampled(r, q, x, generator) & tried
+        ok, r = try_candidate(r, q, x, tried, generator)
         chosen = torch.where(ok, x, chosen)
         done = done | ok
-        left = residual(r, q, x)                                       # r after rejecting child l
-        r = torch.where((tried & ~ok)[..., None], left / left.sum(-1, keepdim=True), r)
         rest = q.scatter(-1, x[..., None], 0.0)                        # the next child is drawn from q without x
         q = torch.where(tried[..., None], rest / rest.sum(-1, keepdim=True).clamp(min=1e-30), q)
     return torch.where(done, chosen, sample(r, generator))

@@ -423,13 +423,13 @@ def part_trees(c):
     speedup over plain decoding, timed interleaved with it."""
     heads, _, k4, T, kd = c.drafters
     b, rows = c.compiled if c.cuda else c.eager, []
-    sampled = [(1, None, fitted(SAMPLED_TREES[1], kd))]
-    for name, d, k, temperature, shapes in (('BPD heads', heads, 8, 0.0, [(1, None), (1, 8), (1, 32), (1, 64)]),
-                                             ('DBlast K=4', k4, kd, T, [(1, None), (8, None), (1, 24)] + sampled),
-                                             ('prompt lookup', PromptLookup(LOOKUP_NGRAM, LOOKUP_K), LOOKUP_K, 0.0,
-                                              [(1, None), (1, TREE_OF)])):
-        for paths, nodes, *branching in shapes:
-            branching = branching[0] if branching else None
+    sampled = fitted(SAMPLED_TREES[1], kd)
+    for name, d, k, temperature, shapes in (   # each shape (paths, nodes, a sampled tree's widths)
+            ('BPD heads', heads, 8, 0.0, [(1, None, None), (1, 8, None), (1, 32, None), (1, 64, None)]),
+            ('DBlast K=4', k4, kd, T, [(1, None, None), (8, None, None), (1, 24, None), (1, None, sampled)]),
+            ('prompt lookup', PromptLookup(LOOKUP_NGRAM, LOOKUP_K), LOOKUP_K, 0.0,
+             [(1, None, None), (1, TREE_OF, None)])):
+        for paths, nodes, branching in shapes:
             r, _, _ = b.row(c.base, d, k, temperature=temperature, paths=paths, nodes=nodes, branching=branching)
             rows.append(dict(drafter=name, T=temperature, paths=paths, nodes=nodes, branching=branching, tau=r['tau'],
                              calls=r['calls'], speedup=r['speedup'], seconds=r['seconds']))

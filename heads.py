@@ -190,10 +190,10 @@ def grow_tree(log_q, B, n, nodes, device):
 def sample_tree(log_q, B, branching, device, generator=None):
     """A sampled token tree (MATH.md §10, "A sampled tree"): a node's children are distinct tokens
     drawn without replacement from the drafter's q(. | the node's prefix), in the order drawn (the
-    top w of log q + Gumbel noise are an ordered draw without replacement: Gumbel top-k). The first
-    child drawn is the likeliest to be accepted, so the tree is widest along the first-drawn
-    children, its spine: the bonus and the spine's node at depth j get branching[j] children, every
-    other node one. log_q as grow_tree's. Static shapes, no host sync.
+    top w of log q + Gumbel noise are an ordered draw without replacement: Gumbel top-k). A later
+    child is tried only where every earlier one was refused, so the tree is widest along the
+    first-drawn children, its spine: the bonus and the spine's node at depth j get branching[j]
+    children, every other node one. log_q as grow_tree's. Static shapes, no host sync.
 
     Returns tokens (B, m) and tree (B, 2, 1 + m) as grow_tree's (m = tree_size(branching); slots
     depth by depth, the spine's node first, a node's children side by side in the order drawn;
@@ -201,6 +201,7 @@ def sample_tree(log_q, B, branching, device, generator=None):
     and Q (B, 1 + m, V): at each slot the q its children were drawn from (zeros at the deepest)."""
     prefix = torch.zeros(B, 1, 0, dtype=torch.long, device=device)   # (B, M, d) this depth's nodes' prefixes
     real = torch.ones(B, 1, dtype=torch.bool, device=device)         # (B, M) not padding
+    first, count = 0, 1        # the slot of this depth's first node, and the slots taken (the bonus: 0)
     tokens, parents, depths, Qs = [], [], [], []
     for d, w in enumerate(branching):   # a fixed number of depths: a compiled step unrolls this
         lq = log_q(d, prefix)                                                       # (B, M, V)
@@ -211,8 +212,8 @@ def sample_tree(log_q, B, branching, device, generator=None):
         token = torch.cat([drawn[:, 0], drawn[:, 1:, 0]], dim=1)                    # the spine's w, then one each
         up = torch.cat([torch.zeros(w, dtype=torch.long, device=device), torch.arange(1, M, device=device)])
         real = real[:, up] & (lq[:, up].gather(-1, token[..., None]).squeeze(-1) > -math.inf)
-        first = 1 + sum(t.size(1) for t in tokens[:-1]) if tokens else 0            # the slot of this depth's first node
         parents.append(torch.where(real, first + up, -1))
+        first, count = count, count + token.size(1)
         prefix = torch.cat([prefix[:, up], token[..., None]], dim=2)
         tokens.append(token)
         depths.append(torch.full_like(token, d + 1))

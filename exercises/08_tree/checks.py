@@ -12,7 +12,8 @@ NAMES = ('tree_step',)
 WHY = "several drafted paths per call: generate.py --paths needs the full project; your tree_step runs in " \
       "python -m exercises check 8 and try 8"
 STUBS = {'decode.tree_layout': WHY, 'decode.tree_nodes': WHY, 'decode.tree_walk': WHY, 'decode.longest': WHY,
-         'decode.verify_tree_greedy': WHY, 'decode.verify_tree_sampled': WHY, 'decode.verify [if N > 1]': WHY,
+         'decode.verify_tree_greedy': WHY, 'decode.verify_tree_sampled': WHY, 'decode.try_candidate': WHY,
+         'decode.verify [if N > 1]': WHY,
          'model.KVCache.keep_path': WHY, 'model.GPT.forward_cached [else of tree is None]': WHY,
          'decode.merged_step [if paths > 1]': WHY,
          # a sampled tree's walk is the same multi-candidate speculative sampling, node by node
