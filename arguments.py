@@ -2,7 +2,7 @@
 What decode.generate accepts: every user error it can meet, checked before any work and raised as
 one line (cli.BadInput) that names the argument (its flag, from generate.py), what was given and
 what is allowed. None of it is the algorithm; decode.py calls `check_args` first, then reads the
-acceptance rule beside its table (decode.parse_accept) and `check_accept` checks it here.
+acceptance rule (verification.parse_accept, beside its table) and `check_accept` checks it here.
 
 A setting that means nothing here is refused too (k without a drafter, several paths with a
 drafter that drafts one), and a drafter has its own word on what means nothing to it
@@ -177,7 +177,7 @@ def check_drafter(model, drafter, k, paths, tree, say):
 
 
 def check_accept(accept, param, temperature, drafter, k, nodes, cli=False):
-    """The acceptance rule `accept` (its text; param: its N, as decode.parse_accept read it) against
+    """The acceptance rule `accept` (its text; param: its N, as verification.parse_accept read it) against
     the other settings, k the block's: every rule but 'exact' is lossy, so greedy-only, and judges
     one block."""
     say, lossy = named('accept', accept, cli), accept != 'exact'

@@ -40,8 +40,9 @@ from cli import (DTYPES, SMALL_MODEL, ArgumentParser, BadInput, check_compiler, 
                  intra_op_threads, pick_device, run_script)
 from data import load_checkpoint, target_from, vocab_for
 from dblast import PATHS_FROM, VERIFY
-from decode import generate, parse_accept
+from decode import generate
 from drafters import MixedPaths, PromptLookup, load_draft_model, load_drafter
+from verification import parse_accept
 
 # the default block of the drafters that can draft any length: gpt-fast drafts 5 tokens with its
 # draft model, Hugging Face's prompt lookup examples 10

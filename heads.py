@@ -132,7 +132,7 @@ class Drafter(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} grows no token trees (Drafter.next_log_q)")
 
     def draft_paths(self, h, bonus, target, k, paths, temperature=0.0, generator=None, text=None):
-        """Several paths for one call (decode's tree verification, MATH.md §9): drafts
+        """Several paths for one call (verification's tree of paths, MATH.md §9): drafts
         (B, paths, k-1) and Q (B, paths, k-1, V), row [:, i] as `draft` returns it for path i (the
         proposal of each token given path i's earlier tokens), or None for point masses.
 

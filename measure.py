@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 import decode
 import runner
 import train
+import verification
 from cli import BadInput, write_atomically
 from data import PROMPT_LEN, check_out_dir, heldout_prompts, load_dataset, newline_id
 from dblast import expected_tau
@@ -217,7 +218,7 @@ def tree_ratio(model, paths, k, device, B, ctx=96, repeats=200):
     context of ctx tokens: what verifying several paths costs over one."""
     cache = model.new_cache(B, ctx + 1 + paths * (k - 1))
     cache.lengths.fill_(ctx)
-    tree = decode.tree_layout(paths, k - 1, device)
+    tree = verification.tree_layout(paths, k - 1, device)
     blocks = [torch.zeros(B, n, dtype=torch.long, device=device) for n in (k, 1 + paths * (k - 1))]
     (tk, tn), _ = timed([lambda: model.forward_cached(blocks[0], cache),
                          lambda: model.forward_cached(blocks[1], cache, tree)], repeats, device)
@@ -233,7 +234,7 @@ def token_tree_ratio(model, nodes, k, device, B, ctx=96, repeats=200):
     cache.lengths.fill_(ctx)
     tree = torch.zeros(B, 2, 1 + nodes, dtype=torch.long, device=device)
     tree[:, 1, 1:] = 1
-    attend = decode.tree_attend(tree, k - 1)
+    attend = verification.tree_attend(tree, k - 1)
     blocks = [torch.zeros(B, n, dtype=torch.long, device=device) for n in (k, 1 + nodes)]
     (tk, tn), _ = timed([lambda: model.forward_cached(blocks[0], cache),
                          lambda: model.forward_cached(blocks[1], cache, attend)], repeats, device)
@@ -245,10 +246,10 @@ def token_tree_ratio(model, nodes, k, device, B, ctx=96, repeats=200):
 @contextmanager
 def step_regions():
     """While inside, the pieces of a decoding step run inside named profiler regions ('step.*'),
-    attached from outside so that decode.py carries no profiling code: the target's forward, the
-    verification, the cache, the drafting, and the loop's read from the device. A region entered
-    inside one of the same name (the tree's greedy verification calls verify_greedy) is not
-    counted twice."""
+    attached from outside so that decode.py and verification.py carry no profiling code: the
+    target's forward, the verification, the cache, the drafting, and the loop's read from the
+    device. A region entered inside one of the same name (the tree's greedy verification calls
+    verify_greedy) is not counted twice."""
     inside = set()
 
     def region(name, fn):
@@ -265,8 +266,8 @@ def step_regions():
         return timed_fn
     pieces = [(GPT, 'forward_cached', 'target_forward'), (KVCache, 'commit', 'cache'), (KVCache, 'keep_path', 'cache'),
               (decode, 'propose', 'draft'), (decode, 'tokens_behind', 'host_sync')]
-    pieces += [(decode, f, 'verify') for f in ('verify_greedy', 'verify_sampled', 'verify_tree_greedy',
-                                               'verify_tree_sampled')]
+    pieces += [(verification, f, 'verify') for f in ('verify_greedy', 'verify_sampled', 'verify_tree_greedy',
+                                                     'verify_tree_sampled')]
     with ExitStack() as stack:
         for owner, attr, name in pieces:
             stack.enter_context(mock.patch.object(owner, attr, region(name, getattr(owner, attr))))

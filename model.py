@@ -305,8 +305,8 @@ class GPT(nn.Module):
         `cache.commit` (all of it for a prefill, tau tokens after a verification).
         tree: None for a sequence (slot j at position lengths + j, seeing the slots before it), or
         (depth, attend) for a tree of drafted tokens, one for every row (depth (L,), attend (L, L)
-        bool: decode.tree_layout's paths) or one per row (depth (B, L), attend (B, L, L): a token
-        tree, decode.tree_attend): slot j sits at position lengths + depth[j] and sees the committed
+        bool: verification.tree_layout's paths) or one per row (depth (B, L), attend (B, L, L): a token
+        tree, verification.tree_attend): slot j sits at position lengths + depth[j] and sees the committed
         prefix and the slots i with attend[j, i].
         Returns h (B, L, C), the final hidden states after ln_f; logits are `self.lm_head(h)`.
         """

@@ -81,7 +81,7 @@ def entries():
 
 def parse_entry(entry):
     """'decode.merged_step [if paths > 1]' -> ('decode.merged_step', 'if', 'paths > 1');
-    'decode.residual' -> ('decode.residual', None, None)."""
+    'verification.residual' -> ('verification.residual', None, None)."""
     m = ENTRY.fullmatch(entry)
     if m is None:
         raise ValueError(f"STUBS {entry!r}: want 'module.attr', optionally followed by ' [if TEST]' or "

@@ -79,7 +79,7 @@ def solution_path(n):
 
 
 def resolve(dotted):
-    """'decode.verify_greedy' -> the object; 'model.KVCache.commit' -> the class's function."""
+    """'verification.verify_greedy' -> the object; 'model.KVCache.commit' -> the class's function."""
     module, *attrs = dotted.split('.')
     obj = importlib.import_module(module)
     for a in attrs:

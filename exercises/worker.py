@@ -70,7 +70,9 @@ class Watch:
         import runner
         import train
         import trainer
-        modules = [harness, checks, decode, model, dblast, heads, drafters, runner, cli, data, generate, trainer, train]
+        import verification
+        modules = [harness, checks, verification, decode, model, dblast, heads, drafters, runner, cli, data, generate,
+                   trainer, train]
         owners = [(m.__name__, m) for m in modules] + [
             (c.__module__ + '.' + c.__name__, c) for m in modules for c in vars(m).values()
             if isinstance(c, type) and c.__module__ == m.__name__]

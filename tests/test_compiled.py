@@ -16,11 +16,12 @@ import decode
 import runner
 from dblast import DBlastDrafter
 from drafters import DraftModel, MixedPaths, PromptLookup
-from decode import Decoding, advance, generate, parse_accept
+from decode import Decoding, advance, generate
 from exercises.harness import EagerMode, HostSyncs, MadeOnCpu, autocast_off_on_meta   # the exercises' use them too
 from heads import BlockHeads
 from model import GPT, GPTConfig
 from train import HeadsObjective
+from verification import parse_accept
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -28,6 +28,7 @@ from drafters import load_drafter
 from runner import static_cache
 from heads import BlockHeads, Text
 from model import GPT, GPTConfig
+import verification
 
 V = 32           # vocabulary of the tiny target
 K_MAX = 8        # block size the heads are built / trained for
@@ -209,13 +210,13 @@ def test_plain_generate_matches_naive_full_recompute(model, prompts, greedy_ref)
 @pytest.mark.parametrize('temperature', [0.0, 0.8])
 def test_plain_decoding_calls_no_verifier(model, prompts, greedy_ref, temperature, monkeypatch):
     """Plain decoding has no drafts to verify: its step takes the target's own token
-    (decode.target_choice), so it runs with every verifier broken (as in a handout where only the
+    (verification.target_choice), so it runs with every verifier broken (as in a handout where only the
     cache is written), greedy or sampled equal to GPT.generate's full recompute from the same
     generator."""
     def broken(*a, **kw):
         raise AssertionError("plain decoding called a verifier")
     for name in ('verify_greedy', 'verify_sampled', 'verify_tree_greedy', 'verify_tree_sampled'):
-        monkeypatch.setattr(decode, name, broken)
+        monkeypatch.setattr(verification, name, broken)
     m = 12
     out, stats = generate(model, prompts, m, temperature=temperature, generator=torch.Generator().manual_seed(0))
     assert stats['calls'] == m and stats['accept_lengths'] == [1] * ((m - 1) * prompts.size(0))

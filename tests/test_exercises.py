@@ -2,7 +2,7 @@
 stub with the stub's NotImplementedError (not a crash of the checker), and catches every negative
 control (a plausible wrong answer) by failing at least one check.
 
-For the exercises whose reference is the project's own code (decode.verify_greedy, KVCache.write and
+For the exercises whose reference is the project's own code (verification.verify_greedy, KVCache.write and
 commit, dblast.posterior and conditionals, prefix_log_accept and al_surrogate), the reference run is
 also a test of the project. Without exercises/solutions/ (an instructor's handout) only the stubs
 are checked."""
@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-import decode
+import verification
 from conftest import in_process
 from exercises import harness
 from exercises.__main__ import main as exercises_main
@@ -95,7 +95,7 @@ def test_exercise_1_takes_int32_as_well_as_long():
     (they work everywhere decode.generate takes them)."""
     def int32(logits, drafts, accept):
         rule, param = accept
-        accepted, n_acc, bonus = decode.accept_prefix(rule(logits, drafts, param), logits.argmax(-1))
+        accepted, n_acc, bonus = verification.accept_prefix(rule(logits, drafts, param), logits.argmax(-1))
         return accepted, n_acc.int(), bonus.int()
     checks = harness.checks_of(1)
     impl = types.SimpleNamespace(verify_greedy=int32, which='int32')

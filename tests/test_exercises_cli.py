@@ -198,7 +198,7 @@ def test_train_stopped_by_an_unwritten_exercise_says_resume_continues(tmp_path, 
 
     def demo(*args, paths=1, **kw):
         if paths > 1:
-            raise NotImplementedError("exercise 8: decode.tree_layout is part of exercise 8's answer")
+            raise NotImplementedError("exercise 8: verification.tree_layout is part of exercise 8's answer")
         logged.append('demo')
     monkeypatch.setattr(generate, 'demo', demo)
     target = GPT(GPTConfig(block_size=64, vocab_size=8, n_layer=1, n_head=1, n_embd=8))

@@ -81,7 +81,7 @@ for n in harness.exercises():
 # more entry there, a new function nothing.
 PROBE = TINY + DECODES + """
 import contextlib, inspect, io
-import decode, model
+import decode, model, verification
 from cli import run_script
 from exercises import handout, harness
 from exercises.__main__ import main
@@ -98,20 +98,21 @@ def tree_forward():
                      (torch.tensor([0, 1, 1]), torch.ones(3, 3, dtype=torch.bool)))
 
 def several_paths():   # past the layout and the verifier, to the kept path's move
-    layout, verify = decode.tree_layout, decode.verify
+    layout, verifier = decode.tree_layout, decode.verify   # the names merged_step calls
     decode.tree_layout = lambda paths, n, device: None
     decode.verify = lambda *args: (torch.zeros(1, dtype=torch.long),) * 3
     try:
         decode.merged_step(Faked(), None, None, None, torch.zeros(1, 5, dtype=torch.long), None,
                            torch.ones(1, dtype=torch.bool), paths=2)
     finally:
-        decode.tree_layout, decode.verify = layout, verify
+        decode.tree_layout, decode.verify = layout, verifier
 
 def tree_verify():
-    decode.verify(torch.zeros(1, 5, 8), None, torch.zeros(1, 2, 2, dtype=torch.long), 0.0, (decode.exact, None))
+    verification.verify(torch.zeros(1, 5, 8), None, torch.zeros(1, 2, 2, dtype=torch.long), 0.0,
+                        (verification.exact, None))
 
 BRANCHES = {'model.GPT.forward_cached [else of tree is None]': tree_forward,
-            'decode.merged_step [if paths > 1]': several_paths, 'decode.verify [if N > 1]': tree_verify}
+            'decode.merged_step [if paths > 1]': several_paths, 'verification.verify [if N > 1]': tree_verify}
 
 def outcome(call):
     try:
@@ -397,13 +398,14 @@ def test_try_2_in_a_handout_before_the_dblast_stage_shows_the_heads_and_says_why
 
 def test_a_helper_only_an_answer_uses_is_listed():
     """A function of the main code that nothing but the listed bodies uses is the answer's
-    substance too, and must be an entry (as decode.tree_nodes is, which only the tree verifier
-    calls). Shown here on a copy of decode.py given one more such helper."""
-    modules = ['model', 'data', 'heads', 'dblast', 'decode', 'generate', 'trainer', 'train', 'measure', 'bench', 'gpu_check']
+    substance too, and must be an entry (as verification.tree_nodes is, which only the tree verifier
+    calls). Shown here on a copy of verification.py given one more such helper."""
+    modules = ['model', 'data', 'heads', 'dblast', 'verification', 'decode', 'generate', 'trainer', 'train', 'measure',
+               'bench', 'gpu_check']
     sources = {m: open(os.path.join(ROOT, m + '.py'), encoding='utf-8').read() for m in modules}
     assert only_answers_use(sources) == []
     start = '    B, N, n = drafts.shape\n    p = F.softmax'
-    assert sources['decode'].count(start) == 1                  # verify_tree_sampled's first lines
-    tampered = dict(sources, decode=sources['decode'].replace(start, '    tree_helper(drafts)\n' + start)
+    assert sources['verification'].count(start) == 1            # verify_tree_sampled's first lines
+    tampered = dict(sources, verification=sources['verification'].replace(start, '    tree_helper(drafts)\n' + start)
                     + '\n\ndef tree_helper(drafts):\n    return drafts\n')
-    assert only_answers_use(tampered) == ['decode.tree_helper']
+    assert only_answers_use(tampered) == ['verification.tree_helper']

@@ -7,8 +7,8 @@ import pytest
 
 from conftest import ROOT
 
-ORDER = ['model', 'cli', 'data', 'heads', 'dblast', 'drafters', 'runner', 'arguments', 'decode', 'generate', 'trainer', 'train', 'measure', 'bench',
-         'gpu_check']
+ORDER = ['model', 'cli', 'data', 'heads', 'dblast', 'drafters', 'runner', 'arguments', 'verification', 'decode',
+         'generate', 'trainer', 'train', 'measure', 'bench', 'gpu_check']
 
 
 def project_imports(name):

@@ -11,15 +11,16 @@ import pytest
 import torch
 
 import dblast
-import decode
 import runner
+import verification
 from conftest import ROOT, V8, V8_PROMPT, naive_greedy, peaky, tiny_model
 from dblast import DBlastDrafter
-from decode import generate, tree_layout, tree_nodes, tree_walk, verify_tree_greedy
+from decode import generate
 from exercises.harness import GreedyOracle
 from heads import Drafter
 from model import GPT, KVCache, sample
 from test_sampling import chi_square, continuation_probs, make_drafter
+from verification import tree_layout, tree_nodes, tree_walk, verify_tree_greedy
 
 V = V8.vocab_size
 
@@ -76,7 +77,7 @@ def test_greedy_keeps_the_first_longest_path():
     paths = torch.tensor([[[1, 2, 4], [1, 2, 3], [1, 3, 0]]])              # 2, 2 and 1 agree
     n_acc, bonus, path = verify_tree_greedy(logits, paths)
     assert n_acc.tolist() == [2] and path.tolist() == [0] and bonus.tolist() == [3]
-    n_acc, _, path = verify_tree_greedy(logits, paths, (decode.min_block, 4))   # everything taken
+    n_acc, _, path = verify_tree_greedy(logits, paths, (verification.min_block, 4))   # everything taken
     assert n_acc.tolist() == [3] and path.tolist() == [0]
 
 
@@ -173,7 +174,7 @@ def test_chi_square_at_k2_catches_a_leafs_bonus_drawn_at_its_parent(target8, mon
     tokens never include a leaf's bonus (the same seed gives the same tokens with and without the
     bug), at k = 2 the test catches it. It measures 601 to 776 over six seeds against a critical
     value of 332 (the lossless run: 250)."""
-    real = decode.tree_walk
+    real = verification.tree_walk
 
     def parent_of_leaf(kept_token, node, drafts):
         match, n_acc, path, last = real(kept_token, node, drafts)
@@ -183,7 +184,7 @@ def test_chi_square_at_k2_catches_a_leafs_bonus_drawn_at_its_parent(target8, mon
     d.paths_from = 'branches'
     runs = []
     for walk in (real, parent_of_leaf):
-        monkeypatch.setattr(decode, 'tree_walk', walk)
+        monkeypatch.setattr(verification, 'tree_walk', walk)
         runs.append(generate(target8, V8_PROMPT.expand(500, -1), 3, drafter=d, k=4, temperature=0.7, paths=4,
                              generator=torch.Generator().manual_seed(1))[0])
     assert torch.equal(*runs)
@@ -200,7 +201,7 @@ def test_several_paths_are_lossless_in_units_of_steps(target8, monkeypatch):
 
 def test_chi_square_catches_r_not_updated_after_a_rejected_candidate(target8, monkeypatch):
     """The next candidate tested against p instead of the residual, and the bonus drawn from p."""
-    monkeypatch.setattr(decode, 'residual', lambda p, q, drafts: p)
+    monkeypatch.setattr(verification, 'residual', lambda p, q, drafts: p)
     stat, crit, _ = chi2_paths(target8, make_drafter('heads-sampled'), 1.5, 4)
     assert stat > crit, f"r not updated passed: chi2 {stat:.1f} < {crit:.1f}"
 
@@ -209,8 +210,8 @@ def test_chi_square_catches_r_not_updated_after_a_rejected_candidate(target8, mo
 def test_chi_square_catches_every_candidate_tested_against_path_0s_q(target8, monkeypatch):
     """One path per branch, each branch its own q; testing all of them against the first path's q
     is wrong wherever the branches differ."""
-    real = decode.verify_tree_sampled
-    monkeypatch.setattr(decode, 'verify_tree_sampled',
+    real = verification.verify_tree_sampled
+    monkeypatch.setattr(verification, 'verify_tree_sampled',
                         lambda logits, q, drafts, T, g=None: real(logits, q[:, :1].expand_as(q), drafts, T, g))
     d = make_drafter('K4-sampled-branch-zt1')
     d.paths_from = 'branches'
@@ -309,7 +310,7 @@ def test_the_worked_tree_example_in_math_md_is_what_the_code_computes():
     match, n_acc, path, last = tree_walk(torch.tensor([ex['kept_token']]), node, drafts)
     assert match.int()[0].tolist() == ex['match']
     assert (int(n_acc), int(path), int(last)) == (ex['n_acc'], ex['path'], ex['last'])
-    src = decode.path_slots(N, n, 'cpu')[path][0, 1:]
+    src = verification.path_slots(N, n, 'cpu')[path][0, 1:]
     assert [src.tolist(), list(range(1, n + 1))] == ex['keep']
     assert not through[0, ex['last']].any()        # the walk ends at a leaf: its r is p, untouched
 
@@ -323,9 +324,9 @@ def test_a_rejected_token_has_no_mass_left_at_its_node(point_mass):
     r = torch.softmax(torch.randn(B, 1, V, generator=g, dtype=torch.float64) * 2, -1)
     Q = None if point_mass else torch.softmax(torch.randn(B, 1, V, generator=g, dtype=torch.float64) * 2, -1)
     c = torch.randint(V, (B, 1), generator=g) if point_mass else sample(Q, g)
-    rejected = ~decode.accept_sampled(r, Q, c, g)[:, 0]
+    rejected = ~verification.accept_sampled(r, Q, c, g)[:, 0]
     assert rejected.sum() > 1000                                            # the test sees many rejections
-    left = decode.residual(r, Q, c)                                         # (B, 1, V)
+    left = verification.residual(r, Q, c)                                         # (B, 1, V)
     assert (left.gather(-1, c[..., None])[rejected] == 0).all()
 
 

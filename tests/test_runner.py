@@ -10,6 +10,7 @@ import torch
 
 import decode
 import runner
+import verification
 from conftest import V8, V8_PROMPT, peaky, tiny_model
 from dblast import DBlastDrafter
 from drafters import DraftModel, MixedPaths, PromptLookup
@@ -177,7 +178,7 @@ def test_a_step_no_row_needs_commits_nothing(nodes):
     d.total.fill_(6)                     # each row lacks only its pending bonus: no step is needed
     kept = lambda: (d.block, d.out[:, :5], d.n_out, d.taus, cache.lengths) + ((d.tree,) if nodes else ())  # noqa: E731
     before = [t.clone() for t in kept()]
-    decode.advance(model, heads, cache, d, 0.0, (decode.exact, None), None, 1, 4, nodes)
+    decode.advance(model, heads, cache, d, 0.0, (verification.exact, None), None, 1, 4, nodes)
     assert all(torch.equal(a, b) for a, b in zip(before, kept()))
     assert int(d.t) == 1
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import dblast
-import decode
 import runner
+import verification
 from conftest import V8, V8_PROMPT, peaky
 from dblast import DBlastDrafter
 from decode import generate
@@ -144,12 +144,12 @@ def test_speculative_sampling_is_lossless_at_k2(target, spec, temperature):
 
 
 def bonus_after_a_full_block_from_the_last_drafts_p(logits, Q, drafts, temperature, generator=None):
-    """decode.verify_sampled with an off-by-one: after a fully accepted block the bonus is drawn from
+    """verification.verify_sampled with an off-by-one: after a fully accepted block the bonus is drawn from
     P_{k-2}, the distribution the last draft was tested against, instead of P_{k-1}."""
     p = F.softmax(tempered(logits, temperature), dim=-1)
-    ok = decode.accept_sampled(p[:, :-1], Q, drafts, generator)
-    weights = torch.cat([decode.residual(p[:, :-1], Q, drafts), p[:, -2:-1]], dim=1)
-    return decode.accept_prefix(ok, sample(weights, generator))
+    ok = verification.accept_sampled(p[:, :-1], Q, drafts, generator)
+    weights = torch.cat([verification.residual(p[:, :-1], Q, drafts), p[:, -2:-1]], dim=1)
+    return verification.accept_prefix(ok, sample(weights, generator))
 
 
 def test_chi_square_at_k2_catches_a_full_blocks_bonus_drawn_from_the_wrong_p(target, monkeypatch):
@@ -160,7 +160,7 @@ def test_chi_square_at_k2_catches_a_full_blocks_bonus_drawn_from_the_wrong_p(tar
     d = make_drafter('K4-sampled-mixture-zt1')
     runs = [generate(target, PROMPT.expand(500, -1), 3, drafter=d, k=4, temperature=0.7,
                      generator=torch.Generator().manual_seed(1))[0]]
-    monkeypatch.setattr(decode, 'verify_sampled', bonus_after_a_full_block_from_the_last_drafts_p)
+    monkeypatch.setattr(verification, 'verify_sampled', bonus_after_a_full_block_from_the_last_drafts_p)
     runs.append(generate(target, PROMPT.expand(500, -1), 3, drafter=d, k=4, temperature=0.7,
                          generator=torch.Generator().manual_seed(1))[0])
     assert torch.equal(*runs)
@@ -187,7 +187,7 @@ def test_units_of_several_steps_are_lossless(target, spec, temperature, units_as
 
 
 def test_chi_square_catches_a_broken_verifier_in_units(target, units_as_python, monkeypatch):
-    monkeypatch.setattr(decode, 'residual', lambda p, q, drafts: p)
+    monkeypatch.setattr(verification, 'residual', lambda p, q, drafts: p)
     stat, crit, _ = chi2_of(target, make_drafter('heads-sampled'), 1.5, n_rows=N_ROWS // 4, compile=True)
     assert stat > crit, f"broken verifier passed in units: chi2 {stat:.1f} < {crit:.1f}"
 
@@ -198,7 +198,7 @@ def test_chi_square_catches_a_broken_verifier(target, spec, monkeypatch):
     this large needs a quarter of the rows: at 5000 it measures 899 (heads) and 779 (K = 4) against
     a critical value of 503, more than 5 standard deviations of its statistic (tests/test_paths.py
     has the calculation); the weaker controls below run at the full N_ROWS."""
-    monkeypatch.setattr(decode, 'residual', lambda p, q, drafts: p)
+    monkeypatch.setattr(verification, 'residual', lambda p, q, drafts: p)
     stat, crit, _ = chi2_of(target, make_drafter(spec), 1.5, n_rows=N_ROWS // 4)
     assert stat > crit, f"broken verifier passed: chi2 {stat:.1f} < {crit:.1f}"
 
@@ -244,9 +244,9 @@ def test_q_must_be_the_drafts_own_distribution(target, monkeypatch):
 def test_residual_never_divides_by_zero():
     """p == q everywhere: the residual is all zero, so the bonus falls back to p (finite, valid)."""
     p = torch.tensor([[[0.5, 0.5, 0.0, 0.0]]], dtype=torch.float64)
-    r = decode.residual(p, p.clone(), torch.tensor([[0]]))
+    r = verification.residual(p, p.clone(), torch.tensor([[0]]))
     assert torch.equal(r, p)
-    point = decode.residual(torch.tensor([[[1.0, 0.0, 0.0, 0.0]]]), None, torch.tensor([[0]]))
+    point = verification.residual(torch.tensor([[[1.0, 0.0, 0.0, 0.0]]]), None, torch.tensor([[0]]))
     assert torch.isfinite(point).all() and point.sum() > 0
     idx = sample(torch.tensor([[0.0, 3.0, 1.0]]), torch.Generator().manual_seed(0))
     assert idx.item() in (1, 2)
@@ -279,10 +279,11 @@ def test_sampling_decides_in_float32_under_bf16_autocast(target, spec, monkeypat
         for _, Q in (d.draft(h, bonus, target, 4, 1.3), d.draft_paths(h, bonus, target, 4, 3, 1.3)):
             assert Q.dtype == torch.float32 and (Q.sum(-1) - 1).abs().max() < 1e-5, (Q.dtype, Q.sum(-1))
         seen = []
-        real_accept, real_residual = decode.accept_sampled, decode.residual
-        monkeypatch.setattr(decode, 'accept_sampled', lambda p, q, *a: seen.append((p.dtype, q.dtype)) or
+        real_accept, real_residual = verification.accept_sampled, verification.residual
+        monkeypatch.setattr(verification, 'accept_sampled', lambda p, q, *a: seen.append((p.dtype, q.dtype)) or
                             real_accept(p, q, *a))
-        monkeypatch.setattr(decode, 'residual', lambda *a: seen.append((real_residual(*a).dtype,)) or real_residual(*a))
+        monkeypatch.setattr(verification, 'residual', lambda *a: seen.append((real_residual(*a).dtype,)) or
+                            real_residual(*a))
         monkeypatch.setattr(torch, 'rand', lambda *a, **kw: seen.append((kw.get('dtype'),)) or RAND(*a, **kw))
         for paths in (1, 3):
             generate(target, PROMPT.expand(4, -1), 6, drafter=d, k=4, temperature=1.3, paths=paths)

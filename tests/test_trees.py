@@ -12,12 +12,15 @@ import torch.nn.functional as F
 
 import decode
 import runner
+import verification
+from cli import BadInput
 from conftest import V8, V8_PROMPT, naive_greedy, peaky, tiny_model
 from dblast import DBlastDrafter
-from decode import generate, tree_attend, walk_down
+from decode import generate
 from heads import BlockHeads, Drafter, Text, grow_tree, sample_tree, tree_size
 from model import GPT, sample
 from test_sampling import chi_square, continuation_probs, make_drafter
+from verification import tree_attend, walk_down
 
 V = V8.vocab_size
 
@@ -311,7 +314,7 @@ def test_chi_square_catches_a_walk_whose_draws_share_one_number(target8, monkeyp
         u = torch.rand(logits.size(0), 1, 1, generator=generator)
         return torch.searchsorted(cdf, u.expand(-1, logits.size(1), 1) * cdf[..., -1:], right=True).squeeze(-1).clamp(
             max=logits.size(-1) - 1)
-    real = decode.target_choice
+    real = verification.target_choice
     monkeypatch.setattr(decode, 'target_choice', one_number)
     counts, _ = tree_counts(target8, make_drafter('K4-sampled-mixture-zt1'), 1.5, 4, 24, n_rows=5000)
     stat, crit = chi_square(counts, continuation_probs(1.5), 5000)
@@ -377,7 +380,7 @@ def node_law(p, Q, w, n=20000):
     g = torch.Generator().manual_seed(0)
     tokens, tree, Q_slots = sample_tree(lambda d, prefix: Q.log().expand(n, prefix.size(1), -1), n, (w,), 'cpu', g)
     block = torch.cat([torch.zeros(n, 1, dtype=torch.long), tokens], 1)
-    choice = decode.sampled_tree_choice(p.log().expand(n, 1 + w, -1), Q_slots, block, tree, 1.0, w, g)[:, 0]
+    choice = verification.sampled_tree_choice(p.log().expand(n, 1 + w, -1), Q_slots, block, tree, 1.0, w, g)[:, 0]
     return torch.bincount(choice, minlength=len(p)).double(), (choice[:, None] == tokens).any(1).double().mean()
 
 
@@ -407,7 +410,7 @@ def test_chi_square_catches_a_sampled_tree_verified_wrongly(monkeypatch, broken)
     """Negative controls: a later child tested against the node's whole q, not q without the earlier
     children (what it was drawn from); the residual not updated after a rejection."""
     if broken == 'residual kept':
-        monkeypatch.setattr(decode, 'residual', lambda r, q, x: r)
+        monkeypatch.setattr(verification, 'residual', lambda r, q, x: r)
     else:
         monkeypatch.setattr(torch.Tensor, 'scatter', lambda q, *removed: q)   # the earlier children left in q
     p, Q, w = (torch.tensor(t) if isinstance(t, list) else t for t in NODES[0])
@@ -418,11 +421,11 @@ def test_chi_square_catches_a_sampled_tree_verified_wrongly(monkeypatch, broken)
 
 def test_where_p_is_spread_a_sampled_candidate_beats_fixed_children():
     """MATH.md §10's example: p = Q uniform over 100 tokens. One candidate drawn from Q is accepted
-    with probability sum_v min(p(v), Q(v)) = 1 (decode.accept_sampled), while the walk from a node
+    with probability sum_v min(p(v), Q(v)) = 1 (verification.accept_sampled), while the walk from a node
     with 8 fixed children moves with probability p(D) = 0.08 (within 4 standard errors)."""
     g, n = torch.Generator().manual_seed(0), 20000
     p = torch.full((n, 1, 100), 0.01)
-    assert decode.accept_sampled(p, p, sample(p, g), g).all()
+    assert verification.accept_sampled(p, p, sample(p, g), g).all()
     block = torch.arange(9).expand(n, -1)                                  # the bonus, then children 1..8
     tree = torch.stack([torch.zeros(n, 9, dtype=torch.long), (torch.arange(9) > 0).long().expand(n, -1)], 1)
     choice = sample(torch.full((n, 9, 100), 0.01), g)
@@ -454,7 +457,7 @@ def test_what_a_tree_cannot_take_is_one_line(kw, needle):
     args = {**dict(drafter=BlockHeads(model.config, 4).double(), k=4), **kw}
     if 'branching' in kw:
         args.setdefault('temperature', 1.0)
-    with pytest.raises(decode.BadInput) as e:
+    with pytest.raises(BadInput) as e:
         generate(model, torch.zeros(1, 4, dtype=torch.long), 8, **args)
     assert needle in str(e.value) and '\n' not in str(e.value)
 
@@ -466,9 +469,9 @@ def test_a_drafter_that_grows_no_trees_is_refused():
         def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
             return bonus[:, None].expand(-1, k - 1), None
     model = tiny_model(std=0.3)
-    with pytest.raises(decode.BadInput, match=r"^nodes=4: this drafter grows no token trees"):
+    with pytest.raises(BadInput, match=r"^nodes=4: this drafter grows no token trees"):
         generate(model, torch.zeros(1, 4, dtype=torch.long), 8, drafter=Plain(), nodes=4)
-    with pytest.raises(decode.BadInput, match=r"^branching=\(2, 1, 1\): this drafter grows no token trees"):
+    with pytest.raises(BadInput, match=r"^branching=\(2, 1, 1\): this drafter grows no token trees"):
         generate(model, torch.zeros(1, 4, dtype=torch.long), 8, drafter=Plain(), branching=(2, 1, 1), temperature=1.0)
 
 
@@ -503,10 +506,10 @@ def test_no_walk_follows_padding():
     even where its token is the target's choice at the bonus (greedy or sampled)."""
     block = torch.tensor([[9, 4, 5, 7, 6]])
     tree = torch.tensor([[[0, 0, 0, 1, -1], [0, 1, 1, 2, 2]]])         # slot 4: padding (depth 2 as grown)
-    _, attend = decode.tree_attend(tree, 2)
+    _, attend = verification.tree_attend(tree, 2)
     choice = torch.tensor([[6, 7, 1, 2, 3]])                            # the bonus chose 6: no child holds it
-    n_acc, last, _ = decode.walk_down(choice, block, tree, attend, 2)
+    n_acc, last, _ = verification.walk_down(choice, block, tree, attend, 2)
     assert n_acc.tolist() == [0] and last.tolist() == [0]
     choice[0, 0] = 4                                                    # 4 is a child: the walk goes 4 -> 7
-    n_acc, last, slots = decode.walk_down(choice, block, tree, attend, 2)
+    n_acc, last, slots = verification.walk_down(choice, block, tree, attend, 2)
     assert n_acc.tolist() == [2] and last.tolist() == [3] and slots.tolist() == [[1, 3]]

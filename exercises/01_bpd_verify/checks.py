@@ -3,17 +3,18 @@ under test (student.py, or the reference with --solution)."""
 import torch
 
 import decode
+import verification
 from exercises import harness
 from heads import BlockHeads
 
 NAMES = ('verify_greedy',)                            # what student.py defines
-SEAMS = {'decode.verify_greedy': 'verify_greedy'}     # where decode.merged_step calls it
-REFERENCE = {'verify_greedy': 'decode.verify_greedy'}   # in a handout: a call of student.py
+SEAMS = {'verification.verify_greedy': 'verify_greedy'}     # where decode.merged_step calls it
+REFERENCE = {'verify_greedy': 'verification.verify_greedy'}   # in a handout: a call of student.py
 # the rest of the answer, left out of a handout (exercises/handout.py), and what the student may use
-STUBS = {'decode.accept_prefix': "what a step keeps, the drafts before the first refusal and the bonus there: "
+STUBS = {'verification.accept_prefix': "what a step keeps, the drafts before the first refusal and the bonus there: "
                                  "verify_greedy's own work"}
-MAY_USE = ('decode.exact', 'decode.top_n', 'decode.min_block', 'decode.ACCEPT')
-EXACT = (decode.exact, None)
+MAY_USE = ('verification.exact', 'verification.top_n', 'verification.min_block', 'verification.ACCEPT')
+EXACT = (verification.exact, None)
 
 
 def scripted(greedy, V, seed=0):
@@ -176,7 +177,7 @@ def test_the_rule_decides(impl):
     logits = scripted(greedy, 11)
     second = logits.topk(2, dim=-1).indices[..., 1]                     # runners-up (B, k)
     ignored = "what fits: the verdicts are exact's (a draft equal to the argmax), not those of the rule in `accept`"
-    accepted, n_acc, bonus = impl.verify_greedy(logits, second[:, :-1], (decode.top_n, 2))
+    accepted, n_acc, bonus = impl.verify_greedy(logits, second[:, :-1], (verification.top_n, 2))
     if n_acc.tolist() != [4, 4]:
         raise harness.Fail(f"top-2 acceptance of runner-up drafts: n_acc {n_acc.tolist()}, want [4, 4]",
                            ignored if n_acc.tolist() == [0, 0] else '')
@@ -185,7 +186,7 @@ def test_the_rule_decides(impl):
                            f"{greedy[:, -1].tolist()}", "whatever the rule, the bonus is the target's own argmax "
                            "after the last committed position" + (": yours is the draft there" if torch.equal(
                                bonus.long(), second[:, -2]) else ''))
-    _, n_acc, _ = impl.verify_greedy(logits, second[:, :-1], (decode.min_block, 3))
+    _, n_acc, _ = impl.verify_greedy(logits, second[:, :-1], (verification.min_block, 3))
     if n_acc.tolist() != [2, 2]:
         raise harness.Fail(f"minblock:3 with every draft wrong: n_acc {n_acc.tolist()}, want [2, 2]",
                            ignored if n_acc.tolist() == [0, 0] else '')

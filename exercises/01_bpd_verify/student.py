@@ -13,7 +13,7 @@ def verify_greedy(logits, drafts, accept):
         logits[:, j] is the target's prediction for the token after block position j.
     drafts (B, k-1): d_1 .. d_{k-1}.
     accept: (rule, param). ok = rule(logits, drafts, param) is a (B, k-1) bool tensor saying which
-        drafts the acceptance rule lets through (decode.exact: draft j+1 equals the argmax of
+        drafts the acceptance rule lets through (verification.exact: draft j+1 equals the argmax of
         logits[:, j]).
 
     Returns

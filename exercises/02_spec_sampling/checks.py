@@ -5,17 +5,17 @@ import math
 import torch
 import torch.nn.functional as F
 
-import decode
 from cli import BadInput, first_line
 from exercises import harness
 from heads import BlockHeads
+from model import sample
 
 NAMES = ('verify_sampled',)
-SEAMS = {'decode.verify_sampled': 'verify_sampled'}
-REFERENCE = {'verify_sampled': 'decode.verify_sampled'}   # in a handout: a call of student.py
+SEAMS = {'verification.verify_sampled': 'verify_sampled'}
+REFERENCE = {'verify_sampled': 'verification.verify_sampled'}   # in a handout: a call of student.py
 # the rest of the answer, left out of a handout (exercises/handout.py), and what the student may use
-STUBS = {'decode.accept_sampled': "speculative sampling's test, min(1, P/Q): verify_sampled's own work",
-         'decode.residual': "the bonus after a rejection, norm(max(0, P - Q)): verify_sampled's own work"}
+STUBS = {'verification.accept_sampled': "speculative sampling's test, min(1, P/Q): verify_sampled's own work",
+         'verification.residual': "the bonus after a rejection, norm(max(0, P - Q)): verify_sampled's own work"}
 MAY_USE = ('model.sample', 'model.tempered')
 V, N = 6, 200_000
 
@@ -79,7 +79,7 @@ def test_shapes_and_the_prefix(impl):
     B, k = 500, 5
     logits = torch.randn(B, k, V, generator=g, dtype=torch.float64)
     Q = F.softmax(torch.randn(B, k - 1, V, generator=g, dtype=torch.float64), -1)
-    drafts = decode.sample(Q, g)
+    drafts = sample(Q, g)
     for rows in (1, B):   # one row: a single prompt
         accepted, n_acc, bonus = impl.verify_sampled(logits[:rows], Q[:rows], drafts[:rows], 1.0, g)
         assert accepted.shape == (rows, k - 1) and accepted.dtype == torch.bool, \
@@ -109,7 +109,7 @@ def test_the_first_token_follows_p(impl):
     halves, the test and the residual, at the same P."""
     g = torch.Generator().manual_seed(2)
     Q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64) * 2, -1).expand(N, 1, V)
-    cases = [(Q, decode.sample(Q, g), T, 3, f"T={T}, sampled drafts") for T in (0.7, 1.3)]
+    cases = [(Q, sample(Q, g), T, 3, f"T={T}, sampled drafts") for T in (0.7, 1.3)]
     cases.append((None, torch.full((N, 1), 2), 1.3, 4, "a point-mass draft (always token 2, Q(2) = 1)"))
     for qq, drafts, T, seed, what in cases:
         emitted, accepted, _, p = one_position(impl, qq, drafts, T, seed=seed)
@@ -157,7 +157,7 @@ def test_after_an_accepted_block_the_bonus_follows_p(impl):
     T twice), from another position's logits, or from a residual rather than from P."""
     g = torch.Generator().manual_seed(5)
     Q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64), -1).expand(N, 1, V)
-    drafts = decode.sample(Q, g)
+    drafts = sample(Q, g)
     _, accepted, bonus, p = one_position(impl, Q, drafts, 0.7, seed=6)
     rate = accepted.float().mean().item()
     if not rate > 0.2:
@@ -173,7 +173,7 @@ def test_p_equal_to_q(impl):
     g = torch.Generator().manual_seed(7)
     logits = torch.randn(64, 3, V, generator=g, dtype=torch.float64)
     Q = F.softmax(logits[:, :-1] / 0.9, -1)                              # exactly p at T = 0.9
-    accepted, n_acc, bonus = impl.verify_sampled(logits, Q, decode.sample(Q, g), 0.9, g)
+    accepted, n_acc, bonus = impl.verify_sampled(logits, Q, sample(Q, g), 0.9, g)
     if not accepted.all():
         raise harness.Fail(f"Q is p at T = 0.9, yet {int((~accepted).sum())} of {accepted.numel()} drafts were "
                            f"refused, want none", "with Q = P the test u * Q(d) < P(d) always passes: if it does "
@@ -203,8 +203,8 @@ def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
     rounded = torch.arange(rows) % 5 != 0                                # 4 rows in 5: P (1 + 2^-8)
     first = torch.where(rounded[:, None], p[0] * (1 + 2 ** -8), far)
     Q = torch.stack([first, far.expand(rows, V)], dim=1)                 # (rows, 2, V)
-    drafts = torch.cat([torch.where(rounded[:, None], decode.sample(p[:1].expand(rows, 1, V), g),
-                                    decode.sample(Q[:, :1], g)), decode.sample(Q[:, 1:], g)], dim=1)
+    drafts = torch.cat([torch.where(rounded[:, None], sample(p[:1].expand(rows, 1, V), g),
+                                    sample(Q[:, :1], g)), sample(Q[:, 1:], g)], dim=1)
     _, n_acc, bonus = impl.verify_sampled(L.expand(rows, 3, V), Q, drafts, T, g)
     refused = n_acc == 0
     if (refused & rounded).any():   # (an answer that renormalises Q refuses nothing there: nothing to fall back from)
@@ -235,7 +235,7 @@ def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
     # max(0, P - Q) is 0.01 at `to` and 0 elsewhere; only a draft of `fro` can be refused
     fro, to = p[0].topk(2).indices.tolist()                              # P's two likeliest: 0.35 and 0.28
     small = (p[0] + 0.01 * (F.one_hot(torch.tensor(fro), V) - F.one_hot(torch.tensor(to), V))).expand(N, 1, V)
-    the_residual_is_kept(impl, L[:2], small, decode.sample(small, g), T, g, to, 0.01)
+    the_residual_is_kept(impl, L[:2], small, sample(small, g), T, g, to, 0.01)
     # smaller still, and float32 resolves it: P(a) = 1e-9 drafted by Q(a) = P(a) + 1e-7, the 1e-7 taken
     # from token b (P(b) about 1e-3): 99% of the drafts refused, and the residual is all on b
     a, b, n = 0, 1, 2000
@@ -285,7 +285,7 @@ def sized(B, k, Q_given):
     g = torch.Generator().manual_seed(B * 100 + k)
     logits = torch.randn(B, k, V, generator=g, dtype=torch.float64)
     Q = F.softmax(torch.randn(B, k - 1, V, generator=g, dtype=torch.float64), -1)
-    return logits, Q if Q_given else None, decode.sample(Q, g)
+    return logits, Q if Q_given else None, sample(Q, g)
 
 
 SYNC_HINT = ("the ops listed make the host wait for the device: a value read back (.item(), int() or bool() of a "
@@ -310,7 +310,7 @@ def test_the_same_seed_gives_the_same_output(impl):
     B = 400
     logits = torch.randn(B, 4, V, generator=g, dtype=torch.float64) * 1.5
     Q = F.softmax(torch.randn(B, 3, V, generator=g, dtype=torch.float64), -1)
-    for qq, drafts, what in ((Q, decode.sample(Q, g), 'sampled drafts'),
+    for qq, drafts, what in ((Q, sample(Q, g), 'sampled drafts'),
                              (None, logits[:, :-1].argmax(-1), 'point-mass drafts')):
         runs = []
         with torch.random.fork_rng(devices=[]):                           # the caller's global RNG untouched
@@ -329,7 +329,7 @@ def test_the_same_seed_gives_the_same_output(impl):
     none_hint = ("generator=None means the global RNG: torch.rand(..., generator=None) and model.sample(w, None) "
                  "draw from it. What fits: something read off the generator (its .device, a seed) that None has "
                  "not, or a generator of your own made when none is given (never seeded: the same draws each call)")
-    runs, drafts = [], decode.sample(Q, g)
+    runs, drafts = [], sample(Q, g)
     with torch.random.fork_rng(devices=[]):
         for global_seed in (1, 2):
             torch.manual_seed(global_seed)

@@ -1,17 +1,20 @@
 """Exercise 4's checks: typical acceptance (README.md). Your typical and parse_typical are the
-entry 'typical' of decode.ACCEPT while a check runs."""
+entry 'typical' of verification.ACCEPT while a check runs."""
 import torch
 import torch.nn.functional as F
 
 import decode
+import verification
 from cli import BadInput
 from exercises import harness
 from heads import BlockHeads
+from model import sample
 
 NAMES = ('typical', 'parse_typical')
-SEAMS = {'decode.ACCEPT[typical]': ('typical', 'parse_typical')}
+SEAMS = {'verification.ACCEPT[typical]': ('typical', 'parse_typical')}
 STUBS = {}   # a new rule: its answer was only ever in exercises/solutions/
-MAY_USE = ('decode.ACCEPT', 'decode.exact', 'decode.top_n', 'decode.parse_accept', 'decode.whole_number')
+MAY_USE = ('verification.ACCEPT', 'verification.exact', 'verification.top_n', 'verification.parse_accept',
+           'verification.whole_number')
 SETTINGS = [(0.09, 0.3), (0.3, 0.9), (0.01, 0.05)]
 
 
@@ -20,7 +23,7 @@ def random_block(B=400, k=5, V=50, seed=0):
     g = torch.Generator().manual_seed(seed)
     scale = torch.logspace(-1, 1, B, dtype=torch.float64)[:, None, None]
     logits = torch.randn(B, k, V, generator=g, dtype=torch.float64) * scale
-    drafts = decode.sample(F.softmax(logits[:, :-1], -1), g)
+    drafts = sample(F.softmax(logits[:, :-1], -1), g)
     return logits, drafts
 
 
@@ -225,7 +228,7 @@ def test_a_smaller_epsilon_accepts_at_least_as_much(impl):
 def test_the_parameter_is_read_and_checked(impl):
     """The parameter is read and checked. 'typical:0.09,0.3' gives (0.09, 0.3); malformed or
     out-of-range values are refused with a one-line error naming --accept. Hint: raise ValueError
-    with a short reason; decode.parse_accept adds the rest."""
+    with a short reason; verification.parse_accept adds the rest."""
     got = tuple(impl.parse_typical('0.09,0.3', 50))
     if got == (0.09, 0.3) and not all(isinstance(x, float) for x in got):
         raise harness.Fail(f"parse_typical('0.09,0.3') gave {tuple(type(x).__name__ for x in got)}, want two Python "
@@ -236,13 +239,13 @@ def test_the_parameter_is_read_and_checked(impl):
                            "the two numbers come back swapped: the text is EPSILON,DELTA, and parse_typical returns "
                            "(epsilon, delta) in that order (typical reads epsilon, delta = param)"
                            if got == (0.3, 0.09) else "return the two numbers as floats, (epsilon, delta)")
-    fn, param = decode.parse_accept('typical:0.2,0.5', 50)
+    fn, param = verification.parse_accept('typical:0.2,0.5', 50)
     assert fn is impl.typical and tuple(param) == (0.2, 0.5), \
-        f"decode.parse_accept('typical:0.2,0.5') gave ({getattr(fn, '__name__', fn)}, {param}), " \
+        f"verification.parse_accept('typical:0.2,0.5') gave ({getattr(fn, '__name__', fn)}, {param}), " \
         f"want (typical, (0.2, 0.5))"
     for edge, want in (('1,0.3', (1.0, 0.3)), ('0.09,0.999', (0.09, 0.999)), ('1e-9,1e-9', (1e-9, 1e-9))):
         try:
-            got = tuple(decode.parse_accept(f'typical:{edge}', 50, cli=True)[1])
+            got = tuple(verification.parse_accept(f'typical:{edge}', 50, cli=True)[1])
         except BadInput as e:
             raise harness.Fail(f"'typical:{edge}' was refused ({e}), want it read as {want}: 0 < EPSILON <= 1 "
                                f"and 0 < DELTA < 1 allow it", "a value the statement allows was refused: what fits "
@@ -253,7 +256,7 @@ def test_the_parameter_is_read_and_checked(impl):
                 'nan,nan', 'inf,0.3', '0.1,0.2,0.3', '', 'True,0.5', '(0.1,0.2)', '[0.1,0.2]', '0.1,0.2abc',
                 'eps=0.1;delta=0.2', 'true,0.5'):
         try:
-            decode.parse_accept(f'typical:{bad}', 50, cli=True)
+            verification.parse_accept(f'typical:{bad}', 50, cli=True)
         except BadInput as e:
             assert '--accept' in str(e) and '\n' not in str(e), \
                 f"'typical:{bad}': the error {str(e)!r} should be one line naming --accept"
@@ -290,7 +293,7 @@ def test_every_committed_draft_passes(impl):
     step's bonus is the target's argmax, its committed drafts pass the rule, the first refused one
     fails it. Hint: the checks above judge the rule alone; what fits a failure here only: a rule that
     assumes a batch or a block size, verdicts shaped otherwise than (B, k-1), or a parameter read
-    otherwise through decode.parse_accept."""
+    otherwise through verification.parse_accept."""
     model = harness.tiny_target()
     k = 5
     heads = harness.peaky(BlockHeads(model.config, k), 0.1, 1)

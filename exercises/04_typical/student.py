@@ -1,5 +1,5 @@
 """Exercise 4: a new acceptance rule, typical acceptance. Write typical and parse_typical below;
-they become the entry 'typical' of decode.ACCEPT. Check them with
+they become the entry 'typical' of verification.ACCEPT. Check them with
 
     python -m exercises check 4
 
@@ -14,7 +14,7 @@ def typical(logits, drafts, param):
 
     logits (B, k, V): the target's logits after each block position; drafts (B, k-1);
     param: (epsilon, delta), what parse_typical returned. Returns ok (B, k-1) bool.
-    Like decode.exact, top_n and min_block: no loop, no .item(). The logits may be float32 with
+    Like verification.exact, top_n and min_block: no loop, no .item(). The logits may be float32 with
     probabilities that underflow to 0: 0 log 0 is 0 there, never NaN.
     """
     raise NotImplementedError("exercise 4: write typical in exercises/04_typical/student.py")

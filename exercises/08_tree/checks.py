@@ -11,16 +11,17 @@ NAMES = ('tree_step',)
 # (exercises/handout.py), so several paths per call (generate.py --paths) need the full project.
 WHY = "several drafted paths per call: generate.py --paths needs the full project; your tree_step runs in " \
       "python -m exercises check 8 and try 8"
-STUBS = {'decode.tree_layout': WHY, 'decode.tree_nodes': WHY, 'decode.tree_walk': WHY, 'decode.longest': WHY,
-         'decode.verify_tree_greedy': WHY, 'decode.verify_tree_sampled': WHY, 'decode.try_candidate': WHY,
-         'decode.verify [if N > 1]': WHY,
+STUBS = {'verification.tree_layout': WHY, 'verification.tree_nodes': WHY, 'verification.tree_walk': WHY,
+         'verification.longest': WHY, 'verification.verify_tree_greedy': WHY, 'verification.verify_tree_sampled': WHY,
+         'verification.try_candidate': WHY, 'verification.verify [if N > 1]': WHY,
          'model.KVCache.keep_path': WHY, 'model.GPT.forward_cached [else of tree is None]': WHY,
          'decode.merged_step [if paths > 1]': WHY,
          # a sampled tree's walk is the same multi-candidate speculative sampling, node by node
-         'decode.sampled_tree_choice': "a sampled token tree (generate.py --branching) is walked by this exercise's "
-                                       "multi-candidate speculative sampling: it needs the full project"}
+         'verification.sampled_tree_choice': "a sampled token tree (generate.py --branching) is walked by this "
+                                             "exercise's multi-candidate speculative sampling: it needs the full "
+                                             "project"}
 MAY_USE = ('model.Layer.forward', 'model.KVCache.write', 'model.KVCache.commit', 'model.sample', 'model.tempered',
-           'model.upcast', 'decode.verify_greedy')
+           'model.upcast', 'verification.verify_greedy')
 
 
 def branch_paths(drafter, h, bonus, model, k):

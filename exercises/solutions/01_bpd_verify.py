@@ -1,4 +1,4 @@
-"""Exercise 1's reference is the project's own decode.verify_greedy; these are the plausible wrong
+"""Exercise 1's reference is the project's own verification.verify_greedy; these are the plausible wrong
 answers its checks must catch."""
 import torch
 

@@ -1,10 +1,10 @@
-"""Exercise 2's reference is the project's own decode.verify_sampled; these are the plausible wrong
+"""Exercise 2's reference is the project's own verification.verify_sampled; these are the plausible wrong
 answers its checks must catch."""
 import torch
 import torch.nn.functional as F
 
-from decode import accept_prefix, accept_sampled, residual
 from model import sample, tempered
+from verification import accept_prefix, accept_sampled, residual
 
 
 def residual_without_Q(logits, Q, drafts, temperature, generator=None):

@@ -1,4 +1,4 @@
-"""Exercise 4's reference: typical acceptance as an entry of decode.ACCEPT, and plausible wrong
+"""Exercise 4's reference: typical acceptance as an entry of verification.ACCEPT, and plausible wrong
 answers its checks must catch."""
 import torch
 import torch.nn.functional as F
