@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+import decode
 import verification
 from conftest import in_process
 from exercises import harness
@@ -25,6 +26,17 @@ def test_nine_exercises_in_course_order():
     assert [harness.exercises()[n][3:] for n in EXERCISES] == [
         'bpd_verify', 'spec_sampling', 'cache', 'typical', 'mixture', 'al_loss', 'drafter', 'tree',
         'tree_growth']
+
+
+def test_what_a_student_may_use_from_verification_is_in_decode_too():
+    """The verifiers moved from decode.py to verification.py: an answer written when its statement
+    named decode.exact (or ACCEPT, whole_number, walk_down, ...) still loads, and reads the same
+    objects (decode.ACCEPT is the table a new rule is added to)."""
+    named = {entry.split('.', 1)[1] for n in EXERCISES for entry in getattr(harness.checks_of(n), 'MAY_USE', ())
+             if entry.startswith('verification.')}
+    assert {'ACCEPT', 'exact', 'whole_number', 'walk_down', 'verify_greedy'} <= named
+    for name in sorted(named):
+        assert getattr(decode, name, None) is getattr(verification, name), f"decode.{name}"
 
 
 @pytest.mark.parametrize('n', EXERCISES)
