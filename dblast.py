@@ -96,11 +96,11 @@ def conditionals(log_prior, log_q, drafts):
     B, K, n, V = log_q.shape
     log_qd = log_q.gather(-1, drafts.view(B, 1, n, 1).expand(B, K, n, 1)).squeeze(-1)   # (B, K, n)
     w = posterior(log_prior, log_qd).exp()                                             # (B, n, K)
-    # Q must be what the drafts were drawn from, in float32 whatever the compute dtype: under
-    # autocast an einsum would come back in bf16 (rows summing to 1 +- 1e-3), and acceptance and
-    # the residual would use a distribution the drafts never came from
-    with torch.autocast(log_q.device.type, enabled=False):
-        return torch.einsum('nik,nkiv->niv', w, log_q.exp())
+    # Q must be what the drafts were drawn from, to float32's precision whatever the settings: a
+    # product and a sum over the branches, not a matmul, which bf16 autocast would run in bf16 and
+    # --tf32 with each factor rounded to 10 bits, so that acceptance and the residual would use a
+    # distribution the drafts never came from
+    return (w.transpose(1, 2).unsqueeze(-1) * log_q.exp()).sum(1)                   # (B, n, V)
 
 
 def log_conditionals(log_prior, log_qx):

@@ -482,7 +482,8 @@ SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_
             aten.repeat_interleave.Tensor, aten._unique.default, aten._unique2.default,
             aten.unique_consecutive.default, aten.unique_dim.default, aten.unique_dim_consecutive.default,
             aten.bincount.default, aten.multinomial.default,
-            aten.equal.default}     # torch.equal: a Python bool, read back from the device
+            aten.equal.default,     # torch.equal: a Python bool, read back from the device
+            aten.allclose.default}  # torch.allclose: the same
 
 
 class EagerMode(TorchDispatchMode):

@@ -145,6 +145,29 @@ def test_greedy_branches_with_one_branch_or_zt_zero_are_point_masses(target):
     assert Q.shape == (20, 3, V) and torch.allclose(Q.sum(-1), torch.ones(20, 3, dtype=torch.float64))
 
 
+def test_conditionals_keep_float32_under_autocast_and_call_no_matrix_product():
+    """Q is what verification tests the drafts against, so it keeps float32's precision whatever the
+    settings: under bf16 autocast (float32 log q~, as generate's --dtype bfloat16 passes them) it
+    matches float64 within 1e-6, and it is a product and a sum over the branches, no matrix product,
+    which autocast would run in bf16 and CUDA's TF32 (--tf32) with 10-bit factors."""
+    torch.manual_seed(0)
+    B, K, n = 3, 4, 5
+    log_q = F.log_softmax(torch.randn(B, K, n, 64) * 3, -1)
+    log_prior, drafts = F.log_softmax(torch.randn(B, K), -1), torch.randint(64, (B, n))
+    ref = dblast.conditionals(log_prior.double(), log_q.double(), drafts)
+    seen = []
+
+    class Ops(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    with torch.autocast('cpu', dtype=torch.bfloat16), Ops():
+        Q = dblast.conditionals(log_prior, log_q, drafts)
+    assert Q.dtype == torch.float32 and (Q.double() - ref).abs().max() < 1e-6
+    products = {'mm', 'bmm', 'addmm', 'baddbmm', 'matmul', 'mv', 'dot', 'linear'}
+    assert seen and not products & set(seen), sorted(products & set(seen))
+
+
 def test_posterior_is_computed_in_log_space():
     """Over a long block the branches' draft probabilities underflow as products (float32 at
     e^-104), not as sums of logs: the posterior stays finite and exact."""

@@ -56,11 +56,26 @@ def misread(w, log_prior, log_q, drafts):
     return ''
 
 
+AUTOCAST = ("autocast runs a matmul of float32 tensors (einsum, @, bmm, a triangular matrix summing the logs) in "
+            "bfloat16, 3 significant digits, and Q (or the posterior inside it) is then not what the drafts were "
+            "drawn from: sum with cumsum and multiply elementwise, or switch autocast off around the matmul, on the "
+            "inputs' device (torch.autocast(log_q.device.type, enabled=False))")
+
+
+def under_autocast(call, *inputs):
+    """call(*inputs) with the inputs in float32, under bfloat16 autocast, as generate.py --dtype bfloat16
+    decodes (dblast.DBlastDrafter hands conditionals float32 log q~ there): the result, and it in float64."""
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = call(*(t.float() if t.is_floating_point() else t for t in inputs))
+    return out, out.double()
+
+
 def test_the_posterior_by_enumeration(impl):
     """The posterior by enumeration. log w (N, n, K) equals pi'_z prod_{l<i} q~_l(d_l | z),
-    normalised, computed directly; the inputs left as they were. Hint: position i's posterior
-    weighs each branch by the drafts before i only (position 0 sees none: its posterior is the
-    prior), normalised over the branches."""
+    normalised, computed directly; the inputs left as they were; under bfloat16 autocast (float32
+    inputs, as generate.py --dtype bfloat16 gives) to float32's precision. Hint: position i's
+    posterior weighs each branch by the drafts before i only (position 0 sees none: its posterior
+    is the prior), normalised over the branches."""
     log_prior, log_q, drafts = random_mixture()
     log_qd = drafted(log_q, drafts)
     log_w = harness.assert_inputs_unchanged(
@@ -73,16 +88,31 @@ def test_the_posterior_by_enumeration(impl):
     if not err < 1e-12:
         raise harness.Fail(f"the posterior differs from the definition by {err:.1e}, want below 1e-12",
                            misread(log_w.exp(), log_prior, log_q, drafts))
+    # against the definition of the float32-rounded inputs: right answers in float32 come within 4e-7 of it
+    # (sixteen written), a matmul left to autocast 4e-3 off
+    log_w, got = under_autocast(impl.posterior, log_prior, log_qd)
+    w, _ = brute_force(log_prior.float().double(), log_q.float().double(), drafts)
+    err = (got.exp() - w).abs().max().item()
+    if not err < 1e-5:
+        raise harness.Fail(f"under bfloat16 autocast (generate.py --dtype bfloat16), float32 inputs: the posterior "
+                           f"({str(log_w.dtype)[6:]}) differs from the definition by {err:.1e}, want below 1e-5, "
+                           f"float32's own", AUTOCAST)
+
+
+INPLACE = ("what fits: an in-place op on an input (exp_, masked_fill_ of its -inf, a slice assigned), or on a view "
+           "of one or .contiguous() of one that already is (the same tensor)")
 
 
 def test_the_conditionals_by_enumeration(impl):
     """The conditionals by enumeration. Q_i = sum_z w_{i,z} q~_i(. | z) for sampled branches, and
     for greedy ones (one-hot q~, log 0 = -inf; the drafts along another branch's path in each row):
-    a distribution at every position, no NaN, exactly 0 where no branch drafts; and for
-    a block of one draft (n = 1), with one row and with three.
+    a distribution at every position, no NaN, exactly 0 where no branch drafts; for a block of one
+    draft (n = 1), with one row and with three; the inputs left as they were; and under bfloat16
+    autocast (float32 inputs) to float32's precision.
     Hint: -inf in log q~ is fine in log space (logsumexp, log_softmax); it is 0 * inf that is not."""
     log_prior, log_q, drafts = random_mixture(seed=1)
-    Q = impl.conditionals(log_prior, log_q, drafts)
+    Q = harness.assert_inputs_unchanged('conditionals', lambda: impl.conditionals(log_prior, log_q, drafts), INPLACE,
+                                        log_prior=log_prior, log_q=log_q, drafts=drafts)
     assert Q.shape == (6, 4, 5), f"Q should be (N, n, V) = (6, 4, 5), got {tuple(Q.shape)}"
     _, want = brute_force(log_prior, log_q, drafts)
     err = (Q - want).abs().max().item()
@@ -97,7 +127,9 @@ def test_the_conditionals_by_enumeration(impl):
     paths = log_q.argmax(-1)                                                      # (N, K, n)
     one_hot = torch.full_like(log_q, -math.inf).scatter_(-1, paths.unsqueeze(-1), 0.0)
     along = paths[torch.arange(6), torch.arange(6) % 3]                           # (N, n)
-    Q = impl.conditionals(log_prior, one_hot, along)
+    Q = harness.assert_inputs_unchanged('greedy branches: conditionals',
+                                        lambda: impl.conditionals(log_prior, one_hot, along), INPLACE,
+                                        log_prior=log_prior, log_q=one_hot, drafts=along)
     bad = int((~torch.isfinite(Q)).sum())
     assert bad == 0, f"greedy branches: {bad} of Q's {Q.numel()} entries are NaN or inf, want none"
     total = Q.sum(-1)
@@ -118,29 +150,44 @@ def test_the_conditionals_by_enumeration(impl):
         log_prior, log_q, drafts = random_mixture(N=N, n=1, seed=4)
         Q = impl.conditionals(log_prior, log_q, drafts)
         if tuple(Q.shape) != (N, 1, 5):
-            raise harness.Fail(f"a block of one draft (n = 1), {N} row(s): Q has shape {tuple(Q.shape)}, want (N, n, V) "
-                               f"= ({N}, 1, 5)", "squeeze() without a dimension drops every dimension of size 1: with "
-                               "one draft (k = 2) the positions' too, with one row the rows'; name the dimension")
+            raise harness.Fail(f"a block of one draft (n = 1), {N} row(s): Q has shape {tuple(Q.shape)}, want "
+                               f"(N, n, V) = ({N}, 1, 5)", "squeeze() without a dimension drops every dimension of "
+                               "size 1: with one draft (k = 2) the positions' too, with one row the rows'; name the "
+                               "dimension")
         err = (Q - brute_force(log_prior, log_q, drafts)[1]).abs().max().item()
         assert err < 1e-12, f"a block of one draft (n = 1): Q differs from the prior's mixture by {err:.1e}, " \
                             f"want below 1e-12"
+    # under bfloat16 autocast an einsum of float32 tensors comes back in bfloat16 (rows summing to 1 +- 3e-3);
+    # the bound as for the posterior
+    log_prior, log_q, drafts = random_mixture(seed=1)
+    Q, got = under_autocast(impl.conditionals, log_prior, log_q, drafts)
+    err = (got - brute_force(log_prior.float().double(), log_q.float().double(), drafts)[1]).abs().max().item()
+    if not err < 1e-5:
+        raise harness.Fail(f"under bfloat16 autocast (generate.py --dtype bfloat16), float32 inputs: Q "
+                           f"({str(Q.dtype)[6:]}) differs from sum_z w_iz q_i(.|z) by {err:.1e}, want below 1e-5, "
+                           f"float32's own", AUTOCAST)
 
 
 def test_no_underflow_over_32_tokens(impl):
     """No underflow over 32 tokens. Drafts each about e^-40 likely (a product of e^-1280, below
-    float64's range): the posterior and the conditionals stay finite and exact; so does the
-    posterior with a branch the prior rules out (log pi' = -inf), and with two branches taking turns
-    being the likelier; a draft given e^-150 by one branch and e^-200 by the other weighs them e^-50
-    apart, and e^-1500 against e^-2500, e^-1000. Hint: sums of logs, never
-    products, and no floor under a log."""
+    float64's range), beside a row of likely drafts: the posterior and the conditionals stay finite
+    and exact; so does the posterior with a branch the prior rules out (log pi' = -inf), and with
+    two branches taking turns being the likelier; a draft given e^-150 by one branch and e^-200 by
+    the other weighs them e^-50 apart, and e^-1500 against e^-2500, e^-1000. Hint: sums of logs,
+    never products, and no floor under a log."""
     n = 32
     log_qd = torch.tensor([[-40.0], [-40.3], [-41.0]], dtype=torch.float64).expand(3, n)[None]   # (1, K=3, n)
     log_pi = torch.log(torch.tensor([[0.2, 0.3, 0.5]], dtype=torch.float64))
-    log_w = impl.posterior(log_pi, log_qd)
-    w = log_w.exp()
-    bad = ~torch.isfinite(w).all(-1)[0]
-    assert not bad.any(), \
-        f"the posterior underflowed: NaN or inf from position {int(bad.long().argmax())} on, want finite"
+    # beside a row of likely drafts (e^-1 under every branch), so that a shift shared by the rows (a
+    # max over the batch) leaves the first row's joint at e^-1200 and below
+    likely = torch.full((1, 3, n), -1.0, dtype=torch.float64)
+    w = impl.posterior(log_pi.expand(2, 3), torch.cat([log_qd, likely])).exp()
+    bad = ~torch.isfinite(w).all(-1).all(0)
+    if bad.any():
+        raise harness.Fail(f"the posterior underflowed: NaN or inf from position {int(bad.long().argmax())} on, "
+                           f"want finite", "what fits: a product of probabilities, or exp taken of log pi' + sum "
+                           "log q~ shifted by anything but its own row and position's largest (a max over the "
+                           "batch, or over the block): e^-1280 is 0, and 0 / 0 is NaN")
     i = torch.arange(n, dtype=torch.float64)
     want = torch.exp(-0.3 * i) * 0.3 / 0.2                                        # w_1 / w_0 before position i
     got = w[0, :, 1] / w[0, :, 0]
@@ -207,12 +254,17 @@ def test_no_host_sync(impl):
     make no tensor off their inputs' device (run on PyTorch's 'meta' device, which refuses a mix of
     devices as CUDA does)."""
     log_prior, log_q, drafts = random_mixture(seed=2)
-    with harness.HostSyncs() as syncs:
-        impl.conditionals(log_prior, log_q, drafts)
-    if syncs.seen:
-        raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
-                           "the ops listed make the host wait for the device: a value read back (.item(), a Python "
-                           "if on a tensor) or a shape that depends on the data (boolean indexing, nonzero)")
+    log_qd = drafted(log_q, drafts)
+    # each alone: a conditionals that does not call posterior leaves the posterior's syncs unseen
+    for what, call in (('posterior', lambda: impl.posterior(log_prior, log_qd)),
+                       ('conditionals', lambda: impl.conditionals(log_prior, log_q, drafts))):
+        with harness.HostSyncs() as syncs:
+            call()
+        if syncs.seen:
+            raise harness.Fail(f"{what}: host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
+                               "the ops listed make the host wait for the device: a value read back (.item(), a "
+                               "Python if on a tensor) or a shape that depends on the data (boolean indexing, "
+                               "nonzero)")
     sizes = [(f'N={N}, n={n}, K={K}, V={V}', random_mixture(N=N, n=n, K=K, V=V, seed=3))
              for N, n, K, V in ((4, 3, 3, 5), (8, 3, 3, 5), (4, 6, 3, 5), (4, 3, 5, 5), (4, 3, 3, 9), (200, 3, 3, 5),
                                 (4, 3, 3, 9000))]
