@@ -50,6 +50,20 @@ def surrogate(impl, a, nll, tau_threshold):
                   harness.ONE_ROW_HINT if len(nll) == 1 else "one loss per row: no mean over the rows")
 
 
+def directly(log_prior, log_qx, log_px):
+    """log prod_{i<=j} min(1, Q_i(x_i) / p_i(x_i)) (N, n), Q_i the mixture's conditional, computed in
+    probability space from sampled branches' q~ (none 0)."""
+    joint = (log_prior.exp()[..., None] * log_qx.exp().cumprod(-1)).sum(1)          # Q(x_1..x_i)
+    Q = joint / torch.cat([torch.ones_like(joint[:, :1]), joint[:, :-1]], 1)        # Q_i(x_i)
+    return torch.minimum(torch.ones_like(Q), Q / log_px.exp()).cumprod(-1).log()
+
+
+AUTOCAST = ("autocast runs a matmul of float32 tensors (einsum, @, bmm, a triangular matrix summing) in bfloat16, "
+            "3 significant digits, and the drafter then trains on a GPU on a loss and a gradient that far off: sum "
+            "with cumsum or sum and multiply elementwise (autocast switched off around the matmul leaves it to "
+            "TF32, which train.py's steps turn on for float32 matmuls on CUDA: 10 bits)")
+
+
 def random_block(N=8, K=3, n=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     log_prior = F.log_softmax(torch.randn(N, K, generator=g, dtype=torch.float64), -1)
@@ -61,18 +75,16 @@ def random_block(N=8, K=3, n=4, seed=0):
 def test_the_prefix_weights_by_enumeration(impl):
     """The prefix weights, directly. a_j = log prod_{i<=j} min(1, Q_i(x_i) / p_i(x_i)) with Q_i
     the mixture's conditional, computed in probability space, and its gradient in log q~ (K = 3:
-    a clamped term's q~ still reaches the later Q_i through the posterior, MATH.md §6); a draft
-    the drafter gives almost nothing (log q~ = -300); one branch and one draft, three rows. Hint: a_j takes the acceptance ratios
-    of drafts 1..j, each clamped at 1 (each term at 0 in log space), with Q_i the mixture's
-    conditional given the block's tokens before i."""
+    a clamped term's q~ still reaches the later Q_i through the posterior, MATH.md §6); both under
+    bfloat16 autocast (float32 inputs, as train.py trains on a GPU) to float32's precision; a draft
+    the drafter gives almost nothing (log q~ = -300); one branch and one draft, three rows. Hint:
+    a_j takes the acceptance ratios of drafts 1..j, each clamped at 1 (each term at 0 in log
+    space), with Q_i the mixture's conditional given the block's tokens before i."""
     prior_logits, log_qx, log_px = random_block()
     prior_logits.requires_grad_(), log_qx.requires_grad_()
     log_prior = F.log_softmax(prior_logits, -1)             # the drafter's prior, trained through a too
     a = prefix(impl, log_prior, log_qx, log_px)
-    pi, q = log_prior.exp(), log_qx.exp()
-    joint = (pi[..., None] * q.cumprod(-1)).sum(1)                                 # Q(x_1..x_i)
-    Q = joint / torch.cat([torch.ones_like(joint[:, :1]), joint[:, :-1]], 1)       # Q_i(x_i)
-    want = torch.minimum(torch.ones_like(Q), Q / log_px.exp()).cumprod(-1).log()
+    want = directly(log_prior, log_qx, log_px)
     err = (a - want).abs().max().item()
     assert err < 1e-12, f"a differs from log prod min(1, Q_i / p_i) by {err:.1e}, want below 1e-12"
     weights = torch.rand(a.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
@@ -97,6 +109,26 @@ def test_the_prefix_weights_by_enumeration(impl):
                            "a clamped term (Q_i above p_i) gives no gradient of its own, but its q~ still weighs the "
                            "branches of every later Q_i (the posterior): what fits is a .detach() of log q~ where a "
                            "term is clamped, in place of a clamp of the term alone")
+    # under bfloat16 autocast, float32 inputs (train.py --dtype bfloat16, its default on a GPU), against float64's
+    # of the same float32 numbers: right answers in float32 come within 3e-7 of exp(a) and of the gradient (ten
+    # formulations written), a matmul left to autocast (an einsum, @, a triangular matrix summing) 2e-3 off
+    logits32, log_qx32 = (t.detach().float().requires_grad_() for t in (prior_logits, log_qx))
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        a32 = prefix(impl, F.log_softmax(logits32, -1), log_qx32, log_px.float())
+    logits64, log_qx64 = (t.detach().double().requires_grad_() for t in (logits32, log_qx32))
+    want = directly(F.log_softmax(logits64, -1), log_qx64, log_px.float().double())
+    err = (a32.double().exp() - want.exp()).abs().max().item()
+    if not err < 1e-5:
+        raise harness.Fail(f"under bfloat16 autocast (train.py --dtype bfloat16), float32 inputs: exp(a) "
+                           f"({str(a32.dtype)[6:]}) differs from prod min(1, Q_i / p_i) by {err:.1e}, want below "
+                           f"1e-5, float32's own", AUTOCAST)
+    got = torch.autograd.grad((a32.double() * weights).sum(), (log_qx32, logits32))
+    expected = torch.autograd.grad((want * weights).sum(), (log_qx64, logits64))
+    err = max((g.double() - e).abs().max().item() for g, e in zip(got, expected))
+    if not err < 1e-5:
+        raise harness.Fail(f"under bfloat16 autocast (train.py --dtype bfloat16), float32 inputs: the gradient of a "
+                           f"in log q~ and the prior's logits differs from that of log prod min(1, Q_i / p_i) by "
+                           f"{err:.1e}, want below 1e-5, float32's own", AUTOCAST)
     deep = prefix(impl, torch.zeros(1, 1, dtype=torch.float64),
                   torch.tensor([[[-1.0, -300.0, -1.0, -1.0]]], dtype=torch.float64),
                   torch.full((1, 4), -1.0, dtype=torch.float64)).detach()
@@ -160,8 +192,10 @@ def test_a_block_off_every_branch(impl):
 def test_the_threshold_and_the_fallback(impl):
     """The threshold and the fallback. Every prefix kept at tau_threshold 0 (L = -mean_j λ_j); only
     a_j >= log tau_threshold kept in between, each row averaging over its own R (rows keeping 2 and
-    1); the row's NLL where nothing is kept, and its gradient. Hint: λ_j = logsumexp
-    over j' >= j: a flipped logcumsumexp; tau_threshold 0 keeps everything (log 0 = -inf)."""
+    1); the row's NLL where nothing is kept, and its gradient; the loss and its gradient under
+    bfloat16 autocast (float32 a, as train.py trains on a GPU) to float32's precision. Hint:
+    λ_j = logsumexp over j' >= j: a flipped logcumsumexp; tau_threshold 0 keeps everything
+    (log 0 = -inf)."""
     a = torch.tensor([[-0.1, -0.5, -2.0, -4.0], [-3.0, -3.5, -5.0, -6.0], [-0.5, -2.0, -3.0, -4.0]],
                      dtype=torch.float64)
     nll = torch.tensor([7.0, 9.0, 11.0], dtype=torch.float64)
@@ -184,25 +218,43 @@ def test_the_threshold_and_the_fallback(impl):
                            f"row 1 nothing, row 2 position 0)", hint)
     a_, nll_ = a.clone().requires_grad_(), nll.clone().requires_grad_()
     surrogate(impl, a_, nll_, math.exp(-1.0)).sum().backward()
+    if nll_.grad is None:
+        raise harness.Fail("tau_threshold e^-1, backward: nll gets no gradient, want (0, 1, 0) (row 1's loss is its "
+                           "NLL)",
+                           "what fits: the fallback's nll detached, where training needs its gradient (the rows that "
+                           "keep no prefix learn from it alone)")
     if not (torch.isfinite(a_.grad).all() and (a_.grad[1] == 0).all() and nll_.grad.tolist() == [0.0, 1.0, 0.0]):
         raise harness.Fail(f"tau_threshold e^-1, backward: a gets gradient {fmt(a_.grad)}, nll {fmt(nll_.grad)}; want "
                            f"row 1's loss, its NLL, to give a none and nll (0, 1, 0)",
                            "row 1 keeps no prefix: its loss is its NLL, and so is its gradient. What fits: a division "
-                           "by |R| = 0 in that row, which torch.where hides in the forward pass but not in the backward "
-                           "(0/0 there is NaN, and NaN times 0 is NaN)")
-    # the whole gradient in a, against autograd through the tails themselves
+                           "by |R| = 0 in that row, which torch.where hides in the forward pass but not in the "
+                           "backward (0/0 there is NaN, and NaN times 0 is NaN)")
+    # the whole gradient in a, against autograd through the tails themselves; then the loss and its gradient
+    # under bfloat16 autocast, float32 a and nll (train.py --dtype bfloat16, its default on a GPU), against
+    # float64's of the same float32 numbers: right answers within 3e-7 (twelve formulations written), an einsum or
+    # @ left to autocast (the mean over R, the tails as a product with a triangular matrix) 6e-4 off
     weights = torch.tensor([1.0, 0.5, 0.25], dtype=torch.float64)
     for tau_threshold, kept in ((0.0, [[0, 1, 2, 3]] * 3), (math.exp(-1.0), [[0, 1], [], [0]])):
-        a_ = a.clone().requires_grad_()
-        got, = torch.autograd.grad((surrogate(impl, a_, nll, tau_threshold) * weights).sum(), a_)
-        a_ = a.clone().requires_grad_()
-        want = torch.stack([-tails(a_)[r, js].mean() if js else nll[r] for r, js in enumerate(kept)])
-        want, = torch.autograd.grad((want * weights).sum(), a_, allow_unused=True)
-        if not (got - want).abs().max() < 1e-9:
-            raise harness.Fail(f"tau_threshold {tau_threshold:.3g}: the loss's gradient in a is {fmt(got[0])} (row 0), "
-                               f"want {fmt(want[0])}, that of -mean over R of λ_j",
-                               "the values are right and the gradient is not: what fits is a part of λ_j detached "
-                               "(the max a logsumexp is shifted by, say), which leaves the value as it was")
+        for dtype in (torch.float64, torch.float32):
+            a_ = a.to(dtype, copy=True).requires_grad_()
+            with torch.autocast('cpu', dtype=torch.bfloat16, enabled=dtype == torch.float32):
+                loss = surrogate(impl, a_, nll.to(dtype), tau_threshold)
+            got, = torch.autograd.grad((loss * weights).sum(), a_)
+            a64 = a_.detach().double().requires_grad_()
+            want = torch.stack([-tails(a64)[r, js].mean() if js else nll[r] for r, js in enumerate(kept)])
+            err = (loss.double() - want).abs().max().item()
+            want, = torch.autograd.grad((want * weights).sum(), a64, allow_unused=True)
+            grad_err = (got.double() - want).abs().max().item()
+            if dtype == torch.float32 and not max(err, grad_err) < 1e-5:
+                raise harness.Fail(f"under bfloat16 autocast (train.py --dtype bfloat16), float32 a, tau_threshold "
+                                   f"{tau_threshold:.3g}: the loss ({str(loss.dtype)[6:]}) differs from -mean over R "
+                                   f"of λ_j by {err:.1e}, its gradient in a by {grad_err:.1e}, want both below 1e-5, "
+                                   f"float32's own", AUTOCAST)
+            if dtype == torch.float64 and not grad_err < 1e-9:
+                raise harness.Fail(f"tau_threshold {tau_threshold:.3g}: the loss's gradient in a is {fmt(got[0])} "
+                                   f"(row 0), want {fmt(want[0])}, that of -mean over R of λ_j",
+                                   "the values are right and the gradient is not: what fits is a part of λ_j detached "
+                                   "(the max a logsumexp is shifted by, say), which leaves the value as it was")
 
 
 def test_the_threshold_at_its_edges(impl):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import dblast
-from dblast import log_conditionals
+from dblast import log_conditionals, posterior
 
 project_al_surrogate = dblast.al_surrogate   # taken before a check plugs anything in
 project_prefix_log_accept = dblast.prefix_log_accept
@@ -126,6 +126,52 @@ def prior_clamped(log_prior, log_qx, log_px, verify='mixture'):
     return project_prefix_log_accept(log_prior.clamp(min=-30.0), log_qx, log_px, verify)   # a ruled-out branch, e^-30
 
 
+def joint_by_an_einsum(log_prior, log_qx, log_px, verify='mixture'):
+    joint = torch.einsum('bk,bkn->bn', log_prior.exp(), log_qx.cumsum(-1).exp())     # bfloat16 under autocast
+    before = torch.cat([torch.ones_like(joint[:, :1]), joint[:, :-1]], 1)
+    log_q = torch.where(before > 0, joint.log() - before.log(), -math.inf)
+    return (log_q - log_px).clamp(max=0.0).cumsum(-1)
+
+
+def conditionals_by_an_einsum(log_prior, log_qx, log_px, verify='mixture'):
+    w = torch.nan_to_num(posterior(log_prior, log_qx).exp())        # (N, n, K), 0 where the block left every path
+    log_q = torch.einsum('bnk,bkn->bn', w, log_qx.exp()).log()      # Q_i(x_i) = sum_z w_iz q~_i, in bfloat16
+    return (log_q - log_px).clamp(max=0.0).cumsum(-1)
+
+
+def prefixes_summed_by_a_triangular_matmul(log_prior, log_qx, log_px, verify='mixture'):
+    terms = (log_conditionals(log_prior, log_qx) - log_px).clamp(max=0.0)
+    upper = torch.ones(terms.size(-1), terms.size(-1), dtype=terms.dtype, device=terms.device).triu()
+    a = torch.nan_to_num(terms, neginf=-1e30) @ upper                  # a_j = sum_{i<=j}: bfloat16 under autocast
+    return torch.where(a < -1e29, -math.inf, a)
+
+
+def mean_over_R_by_an_einsum(a, nll, tau_threshold):
+    log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_threshold
+    n_keep = keep.sum(-1)
+    tails = torch.logcumsumexp(a.flip(-1), -1).flip(-1)
+    share = keep.to(a.dtype) / n_keep.clamp(min=1)[:, None]                 # 1/|R| on R, 0 off it
+    al = -torch.einsum('bj,bj->b', share, torch.where(keep, tails, 0.0))    # bfloat16 under autocast
+    return torch.where(n_keep > 0, al, nll)
+
+
+def tails_by_an_einsum(a, nll, tau_threshold):
+    log_threshold = math.log(tau_threshold) if tau_threshold > 0 else -math.inf
+    keep = a.detach() >= log_threshold
+    n_keep = keep.sum(-1)
+    later = torch.ones(a.size(-1), a.size(-1), dtype=a.dtype, device=a.device).triu()      # later[j, j']: j' >= j
+    shift = a.detach().clamp(min=-1e30)                                       # each tail's own a_j
+    ratio = torch.exp(a[:, None, :] - shift[:, :, None]).nan_to_num(nan=0.0)  # exp(a_j' - a_j)
+    tails = shift + torch.einsum('bjk,jk->bj', ratio, later).log()           # bfloat16 under autocast
+    al = -torch.where(keep, tails, 0.0).sum(-1) / n_keep.clamp(min=1)
+    return torch.where(n_keep > 0, al, nll)
+
+
+def nll_detached(a, nll, tau_threshold):
+    return project_al_surrogate(a, nll.detach(), tau_threshold)              # a row with an empty R learns nothing
+
+
 CONTROLS = {
     'no clamp at 1': dict(prefix_log_accept=no_clamp),
     'NaN off every branch, where the answer is -inf': dict(prefix_log_accept=conditionals_without_their_guard),
@@ -145,4 +191,11 @@ CONTROLS = {
     "the tails shifted once per row by the row's max": dict(al_surrogate=tails_shifted_once_per_row),
     "each row averaged over the batch's largest R": dict(al_surrogate=averaged_over_the_batchs_largest_R),
     'the log prior clamped at -30 (a ruled-out branch kept at e^-30)': dict(prefix_log_accept=prior_clamped),
+    "the mixture's joint Q(x_1..x_i) by an einsum, left to autocast": dict(prefix_log_accept=joint_by_an_einsum),
+    'Q_i(x_i) as the posterior by an einsum, left to autocast': dict(prefix_log_accept=conditionals_by_an_einsum),
+    'a_j summed by a triangular matmul, left to autocast':
+        dict(prefix_log_accept=prefixes_summed_by_a_triangular_matmul),
+    'the mean over R by an einsum, left to autocast': dict(al_surrogate=mean_over_R_by_an_einsum),
+    'the tails by an einsum with a triangular matrix, left to autocast': dict(al_surrogate=tails_by_an_einsum),
+    "the fallback's nll detached": dict(al_surrogate=nll_detached),
 }
