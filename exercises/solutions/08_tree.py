@@ -54,13 +54,15 @@ def commit_branch(cache, branch, n, n_acc, active):
 @torch.no_grad()
 def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
                 nodes='prefix', move=True, clamp=True, on_device=True, squeeze=False, calls=1, h_at_bonus=True,
-                own_generator=True, seeds_its_own=False):
+                own_generator=True, seeds_its_own=False, seeds_from_os=False, by_sort=False):
     """tree_step, and (by its keywords) the wrong answers below: nodes 'prefix' shares a node
     between branches with the same prefix (right), 'none' gives every branch its own, 'token' shares
     it between branches with the same token at that depth, whatever came before, 'first' shares the
     first depth's nodes only, 'sum' shares it between prefixes whose tokens sum alike; own_generator
     False draws from the global RNG, seeds_its_own True from a generator seeded anew when none is
-    given."""
+    given, seeds_from_os True from one seeded by the system (Generator.seed()); by_sort True keeps
+    the branch a sort of the counts puts first (of equal counts, whichever the sort's order of ties
+    gives) and reads the bonus and h at that branch's own slots."""
     B, K, n = paths.shape
     dev = paths.device
     depth, attend = tree_layout(K, n, dev)
@@ -73,6 +75,9 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     elif on_device:
         if seeds_its_own and generator is None:                   # every step then draws the same numbers
             generator = torch.Generator(device=logits.device).manual_seed(0)
+        if seeds_from_os and generator is None:                   # torch.manual_seed does not fix its draws
+            generator = torch.Generator(device=logits.device)
+            generator.seed()
         x = sample(F.softmax(tempered(logits, temperature), -1), generator if own_generator else None)
     else:                                                         # by inverse CDF, its uniforms on the CPU
         cdf = F.softmax(tempered(logits, temperature), -1).cumsum(-1)
@@ -94,6 +99,9 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     match = x.gather(1, parent.flatten(1)).view(B, K, n) == paths                       # sample at parent = token
     n_acc_z = match.long().cumprod(-1).sum(-1)                                          # (B, K)
     n_acc, branch = n_acc_z.max(-1)
+    if by_sort:                                     # right only where the sort keeps the first of equal counts
+        n_acc, branch = (t[:, 0] for t in n_acc_z.sort(-1, descending=True))
+        node = (1 + torch.arange(K, device=dev)[:, None] * n + torch.arange(n, device=dev)).expand(B, K, n)
     last = torch.where(n_acc > 0, node.gather(1, branch.view(B, 1, 1).expand(B, 1, n)).squeeze(1)
                        .gather(1, (n_acc - 1).clamp(min=0)[:, None]).squeeze(1), torch.zeros_like(n_acc))
     next_bonus = x.gather(1, last[:, None]).squeeze(1)
@@ -132,4 +140,6 @@ CONTROLS = {
     'nodes shared by the sum of their prefix (a hash that collides)': wrong(nodes='sum'),
     'the node samples drawn from the global RNG, not the generator': wrong(own_generator=False),
     'a generator seeded inside when none is given': wrong(seeds_its_own=True),
+    'a generator seeded by the system when none is given': wrong(seeds_from_os=True),
+    'the branch a sort keeps, the bonus at its own copy of a shared node': wrong(by_sort=True),
 }
