@@ -104,7 +104,9 @@ def test_shapes_and_the_prefix(impl):
 def test_the_first_token_follows_p(impl):
     """The first emitted token follows p. One draft per row, 200,000 rows: the token after the
     bonus (the draft if accepted, else the bonus) has exactly the target's distribution at T,
-    for a proposal Q far from p (T = 0.7 and 1.3) and for a point-mass draft (Q None).
+    for a proposal Q far from p (T = 0.7 and 1.3) and for a point-mass draft (Q None); a ratio of
+    1e-4 accepted as rarely as it should, and under bfloat16 autocast (float32 inputs, as
+    generate.py --dtype bfloat16 gives) a ratio of 0.9985 refused as rarely as it should.
     Hint: P(emit x) = Q(x) min(1, P(x)/Q(x)) + P(reject) norm(max(0, P - Q))(x) = P(x): both
     halves, the test and the residual, at the same P."""
     g = torch.Generator().manual_seed(2)
@@ -136,6 +138,40 @@ def test_the_first_token_follows_p(impl):
                            "P(d) / Q(d)) exactly. What fits: a coin too coarse for a small ratio (drawn in float16 or "
                            "bfloat16: every u below its grid's first step accepts), or the ratio taken otherwise than "
                            "P(d) / Q(d)")
+    # under bfloat16 autocast (float32 logits and Q), a ratio P(d) / Q(d) = 1 - 0.0015: 300 refusals expected
+    # in 200,000 rows, 227 to 379 allowed. A P(d) or Q(d) that comes out of a matrix product lands on
+    # bfloat16's grid (0.3 is 0.3008 there, 0.2996 is 0.2988, 0.9985 is 1) and the ratio with it: none
+    # refused, or 2.6 to 5 times as many; so does a P normalised by a product (e @ ones)
+    eps = 0.0015
+    q = torch.tensor([0.3] + [0.14] * (V - 1), dtype=torch.float64)
+    p = torch.cat([q[:1] * (1 - eps), q[1:] + q[0] * eps / (V - 1)])     # P(d) / Q(d) = 1 - eps at d = 0
+    point = torch.tensor([1 - eps] + [eps / (V - 1)] * (V - 1), dtype=torch.float64)
+    lo, hi = binomial_range(N, eps)
+    for first, Q, what in ((p, q, 'sampled drafts, Q(d) = 0.3'), (point, None, 'a point-mass draft, Q(d) = 1')):
+        accepted, _, _ = under_autocast(impl, torch.stack([first, p]).log(), Q, seed=11)
+        count = N - int(accepted.sum())
+        if not lo <= count <= hi:
+            raise harness.Fail(f"under bfloat16 autocast (generate.py --dtype bfloat16), float32 logits, {what}: a "
+                               f"draft with P(d) / Q(d) = {1 - eps:g}, drafted in {N} rows, was refused {count} "
+                               f"times, want about {N * eps:.0f} ({lo} to {hi})", AUTOCAST)
+
+
+AUTOCAST = ("autocast runs a matrix product of float32 tensors (einsum, @, bmm, matmul, linalg.vecdot) in bfloat16, "
+            "3 significant digits: P(d) or Q(d) read through one (a product with a one-hot), or P normalised by one "
+            "(e @ ones), is up to 0.4% off, and so is the chance of accepting. What fits: such a product, or autocast "
+            "switched off on another device than the logits' (torch.autocast('cuda', ...) on a CPU); read with "
+            "gather (or multiply elementwise and sum), or switch autocast off on the logits' device "
+            "(torch.autocast(logits.device.type, enabled=False))")
+
+
+def under_autocast(impl, L, Q, seed):
+    """verify_sampled over N rows of one draft (token 0) under bfloat16 autocast, with float32 logits L
+    (2, V) and Q (V,) or None, at T = 1: as generate.py --dtype bfloat16 calls it (decode upcasts the
+    target's logits to float32, the drafters give Q in float32, and the whole step runs in autocast)."""
+    Q = None if Q is None else Q.float().expand(N, 1, V)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        return impl.verify_sampled(L.float().expand(N, 2, V), Q, torch.zeros(N, 1, dtype=torch.long), 1.0,
+                                   torch.Generator().manual_seed(seed))
 
 
 def binomial_range(n, r, alpha=harness.ALPHA):
@@ -152,9 +188,10 @@ def binomial_range(n, r, alpha=harness.ALPHA):
 
 def test_after_an_accepted_block_the_bonus_follows_p(impl):
     """The bonus after a full block follows p. When every draft is accepted, the bonus is a sample
-    of the target's distribution after the last position, at T. Hint: after a full block the
-    bonus follows another law than P_{k-1} at T: what fits is a draw at another temperature (1, or
-    T twice), from another position's logits, or from a residual rather than from P."""
+    of the target's distribution after the last position, at T; under bfloat16 autocast (float32
+    logits) too. Hint: after a full block the bonus follows another law than P_{k-1} at T: what
+    fits is a draw at another temperature (1, or T twice), from another position's logits, or from
+    a residual rather than from P."""
     g = torch.Generator().manual_seed(5)
     Q = F.softmax(torch.randn(V, generator=g, dtype=torch.float64), -1).expand(N, 1, V)
     drafts = sample(Q, g)
@@ -164,6 +201,20 @@ def test_after_an_accepted_block_the_bonus_follows_p(impl):
         raise harness.Fail(f"your code accepted {rate:.1%} of the drafts, want about "
                            f"{float(torch.minimum(p[0], Q[0, 0]).sum()):.0%}", ACCEPT_HINT)
     assert_follows(bonus[accepted], p[1], "after an accepted draft the bonus is not the target's sample")
+    # under bfloat16 autocast (float32 logits), Q = P at the draft (every draft accepted) and after it 0.0019
+    # of mass beside 0.56: a cumulative sum taken by a matrix product (w @ a triangular matrix of ones) lands
+    # on bfloat16's grid, 0.0039 apart there, and the small token is never drawn; weights normalised by a
+    # product (w @ ones: 0.996 here) leave an inverse CDF of u in [0, 1) 0.4% of mass short or over
+    last = torch.tensor([0.56, 0.0019, 0.1898, 0.1448, 0.0835, 0.02], dtype=torch.float64)
+    L = torch.stack([torch.randn(V, generator=g, dtype=torch.float64), last.log()])
+    accepted, _, bonus = under_autocast(impl, L, F.softmax(L[0].float(), -1), seed=13)
+    assert_follows(bonus[accepted[:, 0]], last, "under bfloat16 autocast (generate.py --dtype bfloat16), float32 "
+                   "logits: after an accepted draft the bonus is not the target's sample",
+                   "autocast runs a matrix product of float32 tensors (@, einsum, bmm, matmul) in bfloat16, 3 "
+                   "significant digits: a cumulative sum taken by one (a triangular matrix of ones) rounds a "
+                   "token of 0.0019 after 0.56 of mass away, and weights normalised by one (w @ ones) sum to "
+                   "1 +- 0.4%. What fits: an inverse CDF built so; model.sample, or cumsum and the row's own "
+                   "total, are exact (or switch autocast off on the logits' device)")
 
 
 def test_p_equal_to_q(impl):

@@ -128,6 +128,61 @@ def bonus_by_multinomial(logits, Q, drafts, temperature, generator=None):
     return accept_prefix(ok, bonus)
 
 
+def read_by(product):
+    """P(d) and Q(d) read as product(x, one_hot): a matrix product, which bfloat16 autocast runs in
+    bfloat16 (generate.py --dtype bfloat16), so both land on its grid, 3 significant digits."""
+    def verify_sampled(logits, Q, drafts, temperature, generator=None):
+        p = F.softmax(tempered(logits, temperature), -1)
+        one_hot = F.one_hot(drafts, p.size(-1)).to(p.dtype)
+        p_d = product(p[:, :-1], one_hot)
+        q_d = 1.0 if Q is None else product(Q, one_hot)
+        coin = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
+        weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+        return accept_prefix(coin * q_d < p_d, sample(weights, generator))
+    return verify_sampled
+
+
+def einsum(x, one_hot):
+    return torch.einsum('bkv,bkv->bk', x, one_hot)
+
+
+def einsum_with_cuda_autocast_off(x, one_hot):
+    with torch.autocast('cuda', enabled=False):                        # the CPU's autocast stays on
+        return einsum(x, one_hot)
+
+
+def softmax_normalised_by_a_matmul(logits, Q, drafts, temperature, generator=None):
+    e = tempered(logits, temperature).exp()
+    p = e / (e @ torch.ones(e.size(-1), 1, dtype=e.dtype, device=e.device))   # bfloat16 under autocast
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    return accept_prefix(ok, sample(weights, generator))
+
+
+def inverse_cdf(cdf_and_total):
+    """The bonus drawn by an inverse CDF of u * total, where cdf_and_total(w) gives the cumulative sums
+    of the weights w and their total, each by a matrix product (bfloat16 under autocast)."""
+    def verify_sampled(logits, Q, drafts, temperature, generator=None):
+        p = F.softmax(tempered(logits, temperature), -1)
+        ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+        w = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+        cdf, total = cdf_and_total(w)
+        u = torch.rand(w.shape[:-1] + (1,), generator=generator, device=p.device, dtype=p.dtype)
+        bonus = torch.searchsorted(cdf.to(u.dtype), u * total.to(u.dtype), right=True)
+        return accept_prefix(ok, bonus.clamp_(max=w.size(-1) - 1).squeeze(-1))
+    return verify_sampled
+
+
+def cdf_by_a_triangular_matmul(w):
+    cdf = w @ torch.ones(w.size(-1), w.size(-1), dtype=w.dtype, device=w.device).triu()
+    return cdf, cdf[..., -1:]
+
+
+def normalised_by_a_matmul(w):
+    w = w / (w @ torch.ones(w.size(-1), 1, dtype=w.dtype, device=w.device))   # 1 +- 0.4% under autocast
+    return w.cumsum(-1), torch.ones_like(w[..., :1])                           # its total taken as 1
+
+
 CONTROLS = {
     'residual without subtracting Q': dict(verify_sampled=residual_without_Q),
     'temperature on the acceptance test only': dict(verify_sampled=temperature_on_the_test_only),
@@ -148,4 +203,12 @@ CONTROLS = {
     "the residual's fallback decided for a row's whole block when any position's residual is 0":
         dict(verify_sampled=fallback_if_any_position_is_zero),
     'a generator of its own, never seeded, when none is given': dict(verify_sampled=own_generator_when_none),
+    'P(d) and Q(d) read by an einsum with a one-hot (bfloat16 under autocast)': dict(verify_sampled=read_by(einsum)),
+    "autocast switched off for 'cuda' around the einsum, not on the logits' device": dict(
+        verify_sampled=read_by(einsum_with_cuda_autocast_off)),
+    "P normalised by a matmul, e @ ones (bfloat16 under autocast)": dict(verify_sampled=softmax_normalised_by_a_matmul),
+    "the bonus's CDF by a triangular matmul (bfloat16 under autocast)": dict(
+        verify_sampled=inverse_cdf(cdf_by_a_triangular_matmul)),
+    "the bonus's weights normalised by a matmul, u not scaled by their total": dict(
+        verify_sampled=inverse_cdf(normalised_by_a_matmul)),
 }

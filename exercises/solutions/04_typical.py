@@ -122,6 +122,34 @@ def shifted_in_place_in_float32(logits, drafts, param):
     return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
 
 
+def judged_by(entropy, p_d):
+    """The rule in float32 with the entropy and p_d as given (entropy(p, log_p), p_d(p, drafts))."""
+    def typical(logits, drafts, param):
+        epsilon, delta = param
+        x = logits[:, :-1]
+        p = F.softmax(x, dim=-1)
+        threshold = (delta * torch.exp(-entropy(p, F.log_softmax(x, dim=-1)))).clamp(max=epsilon)
+        return p_d(p, drafts) > threshold
+    return typical
+
+
+def gathered(p, drafts):
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_by_an_einsum(p, log_p):
+    return -torch.einsum('bkv,bkv->bk', p, log_p)                  # bfloat16 under autocast
+
+
+def entropy_by_an_einsum_cuda_autocast_off(p, log_p):
+    with torch.autocast('cuda', enabled=False):                      # the CPU's autocast stays on
+        return entropy_by_an_einsum(p, log_p)
+
+
+def p_d_by_an_einsum(p, drafts):
+    return torch.einsum('bkv,bkv->bk', p, F.one_hot(drafts, p.size(-1)).to(p.dtype))   # bfloat16 under autocast
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
@@ -136,4 +164,10 @@ CONTROLS = {
         typical=a_guard_added_inside_the_log),
     "parse_typical reads with Python's literal_eval (True is a number there)": dict(parse_typical=read_by_literal_eval),
     'logits shifted in place through .float() (the same tensor in float32)': dict(typical=shifted_in_place_in_float32),
+    'the entropy by an einsum, p @ log p (bfloat16 under autocast)': dict(
+        typical=judged_by(entropy_by_an_einsum, gathered)),
+    "autocast switched off for 'cuda' around the entropy's einsum, not on the logits' device": dict(
+        typical=judged_by(entropy_by_an_einsum_cuda_autocast_off, gathered)),
+    'p_d read by an einsum with a one-hot (bfloat16 under autocast)': dict(
+        typical=judged_by(lambda p, log_p: -(p * log_p).sum(-1), p_d_by_an_einsum)),
 }
