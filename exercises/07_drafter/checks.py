@@ -34,13 +34,59 @@ def is_point_mass(Q, drafts, V):
     return Q is None or torch.equal(Q, F.one_hot(drafts, V).to(Q.dtype))
 
 
+class Draws(harness.EagerMode):
+    """The dtypes of the random numbers drawn inside the block (the ops torch tags as seeded draws:
+    rand, uniform_, exponential_, ...)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if torch.Tag.nondeterministic_seeded in func.tags and isinstance(out, torch.Tensor) and out.is_floating_point():
+            self.dtypes.add(out.dtype)
+        return out
+
+
+AUTOCAST = ("under autocast a matmul of float32 tensors (a Linear, lm_head, an einsum or @) comes back in bfloat16, "
+            "and on a CPU so does a softmax of it: upcast the logits (model.upcast) before the softmax and the draw, "
+            "and return the Q you drew from. What fits: logits not upcast, Q upcast after a bfloat16 softmax (rows "
+            "summing to 1 within about 2^-8), a mixture's Q summed by an einsum, or uniforms drawn in the logits' "
+            "dtype")
+
+
+def under_bf16_autocast(d, model, h, bonus):
+    """Sampled drafts (T = 1.2) under bfloat16 autocast, the drafter, the target and h in float32, as
+    generate.py --dtype bfloat16 decodes: Q float32 or wider, non-negative, its rows summing to 1
+    within 1e-5, every draft given mass, and every random number drawn in float32 or wider (MATH.md
+    §4: what the verifier decides with stays float32 while the networks run in bfloat16)."""
+    d32, model32 = harness.float32(d), harness.float32(model)
+    with torch.autocast('cpu', dtype=torch.bfloat16), Draws() as draws:
+        drafts, Q = d32.draft(h.float(), bonus, model32, 4, 1.2, torch.Generator().manual_seed(1))
+    what = "under bfloat16 autocast (generate.py --dtype bfloat16), the drafter and target in float32: "
+    wide = (torch.float32, torch.float64)
+    if Q is None or Q.dtype not in wide:
+        raise harness.Fail(f"{what}Q is {'None' if Q is None else str(Q.dtype)[6:]}, want float32 or wider", AUTOCAST)
+    off = (Q.sum(-1).double() - 1).abs().max().item()
+    if not ((Q >= 0).all() and off < 1e-5 and (Q.gather(-1, drafts.unsqueeze(-1)) > 0).all()):
+        raise harness.Fail(f"{what}Q's rows sum to 1 within {off:.1e} (smallest entry {Q.min().item():.3g}), want "
+                           f"distributions within 1e-5 (float32's own error is about 1e-7) giving every draft mass",
+                           AUTOCAST)
+    narrow = sorted(str(t)[6:] for t in draws.dtypes if t not in wide)
+    if narrow:
+        raise harness.Fail(f"{what}random numbers drawn in {', '.join(narrow)}, want float32 or wider (a bfloat16 "
+                           f"uniform takes 128 values in [0.5, 1): the drafts' law is then not Q)", AUTOCAST)
+
+
 def test_the_contract(impl):
     """The contract. drafts (N, k-1) long tokens for every k up to drafter.k, greedy ones the first
     k-1 of those at drafter.k; under sampling Q is (N, k-1, V), non-negative, sums to 1 and gives
-    the drafts mass; the generator decides the draws (the same seed, the same drafts, whatever the
-    global RNG; another seed, others); argmax drafting (sample_drafts False, and at T = 0 whatever
-    sample_drafts says) is deterministic, with Q None or one-hot. Hint: heads.BlockHeads.draft is a
-    complete example of the contract."""
+    the drafts mass, under bfloat16 autocast too (float32 or wider there, and drawn from with
+    float32 random numbers); the generator decides the draws (the same seed, the same drafts,
+    whatever the global RNG; another seed, others; none, the global RNG's, which moves on); argmax
+    drafting (sample_drafts False, and at T = 0 whatever sample_drafts says) is deterministic, with
+    Q None or one-hot. Hint: heads.BlockHeads.draft is a complete example of the contract."""
     model = harness.tiny_target()
     d = make(impl, model.config, 4, std=0.3)
     if not (isinstance(d, Drafter) and getattr(d, 'k', None) == 4):
@@ -118,10 +164,12 @@ def test_the_contract(impl):
                            "a draft was drawn where the Q returned gives 0. What fits: drafts drawn from another "
                            "distribution than Q (another temperature, another position's, a mask or a clamp "
                            "applied after the draw), or Q's rows in another order than the drafts'")
+    under_bf16_autocast(d, model, h, bonus)
     with torch.random.fork_rng(devices=[]):                              # the caller's global RNG untouched
         torch.manual_seed(5)
         again, _ = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1))
         other, _ = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(2))
+        alone = [d.draft(h, bonus, model, 4, 1.2, None)[0] for _ in range(2)]
     if not torch.equal(drafts, again):
         raise harness.Fail(f"the same generator seed, the global RNG seeded otherwise: "
                            f"{int((drafts != again).any(-1).sum())} of {N} rows of drafts differ, want 0",
@@ -132,6 +180,11 @@ def test_the_contract(impl):
         raise harness.Fail(f"generators seeded 1 and 2 gave identical drafts in all {N} rows, want other draws",
                            "two generators gave the same drafts. What fits: no draw at all under sampling (argmax "
                            "drafts though sample_drafts is True), or a generator of your own, seeded inside draft")
+    if torch.equal(*alone):
+        raise harness.Fail(f"generator None: two calls from the same state drew the same drafts in all {N} rows, want "
+                           f"the global RNG's draws, which move on from call to call", "what fits: a generator made "
+                           "(and seeded, or left at its default seed) inside draft when none is given: every call "
+                           "then draws the same numbers, and a step's drafts repeat the last step's")
     d.sample_drafts = False
     a1, Q1 = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1))
     a2, _ = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(2))
@@ -176,11 +229,11 @@ def test_the_contract(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync in draft, no loop over rows, no tensor on another device. Sampled (T = 1) and
-    greedy (T = 0): nothing makes the host wait for the device, draft dispatches as many ops for 9
-    rows as for 4 (a loop over the k-1 positions is allowed: k stays 4), and no tensor is made off
-    the device of h and the target (run on PyTorch's 'meta' device, which refuses a mix of devices
-    as CUDA does)."""
+    """No host sync in draft, no loop over rows, no tensor on another device. Sampled (T = 1, with a
+    generator and without) and greedy (T = 0): nothing makes the host wait for the device, draft
+    dispatches as many ops for 9 rows as for 4 (a loop over the k-1 positions is allowed: k stays
+    4), and no tensor is made off the device of h and the target (run on PyTorch's 'meta' device,
+    which refuses a mix of devices as CUDA does)."""
     model = harness.tiny_target()
     d = make(impl, model.config, 4, std=0.3)
     d.sample_drafts = True
@@ -191,6 +244,7 @@ def test_no_host_sync(impl):
     h, bonus = torch.randn(8, model.config.n_embd, dtype=torch.float64), torch.randint(32, (8,))
     with harness.HostSyncs() as syncs:
         d.draft(h, bonus, model, 4, 1.0, torch.Generator().manual_seed(0))
+        d.draft(h, bonus, model, 4, 1.0, None)
         d.draft(h, bonus, model, 4, 0.0, None)
     if syncs.seen:
         raise harness.Fail(f"host syncs: {', '.join(sorted(set(syncs.seen)))}, want none",
@@ -603,8 +657,9 @@ def test_it_proposes_what_its_loss_trains(impl):
                 f"trained on its own drafts at T = {T} by its loss at {T}, your drafter's Q at draft {i} "
                 f"went {'flatter' if s < 1 else 'sharper'}: log Q' = {s:.2f} log Q over its likely tokens, want a "
                 f"scale {'between 0.8 and 1.25' if T == T_TRAIN else 'below 1.25'} (1/T = {1 / T:.2f} or T = {T} "
-                f"when the temperature is applied once too often, or too rarely, on one side)", "its loss is not at its optimum where its "
-                "drafts come from: what it trains is not what draft proposes. What fits: " + (
+                f"when the temperature is applied once too often, or too rarely, on one side)",
+                "its loss is not at its optimum where its drafts come from: what it trains is not what draft "
+                "proposes. What fits: " + (
                     "the temperature applied twice in draft (logits already over T, tempered again: at every draft, "
                     "or only at some), the loss without it, a loss that trains other positions than draft proposes, "
                     "or one that pulls toward flatter distributions than its samples (heavy smoothing, a penalty)"

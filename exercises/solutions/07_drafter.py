@@ -400,6 +400,64 @@ class LossAtLeastOne(MyDrafter):
         return super().loss(h, bonus, target, x, max(temperature, 1.0))
 
 
+class NotUpcast(MyDrafter):
+    """The logits left as lm_head returns them: under bf16 autocast on a CPU (generate.py --dtype
+    bfloat16) the softmax, Q and the draw are then bfloat16: Q's rows sum to 1 within about 2^-8, and
+    the drafts' law is about 0.01 in total variation from Q. Right in float32 and float64."""
+
+    def heads_logits(self, u, heads, target):
+        return target.lm_head(self.ln(torch.stack([u + head(u) for head in heads], 1)))
+
+
+class UpcastAfterSoftmax(NotUpcast):
+    """Q upcast after a softmax of the bfloat16 logits: float32, but its rows sum to 1 within about
+    2^-8 only (the draw normalises by their total, the verifier takes Q as it is)."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        logits = self.logits(h, bonus, target, k - 1)
+        if temperature == 0.0 or not self.sample_drafts:
+            return logits.argmax(-1), None
+        q = upcast(F.softmax(tempered(logits, temperature), -1))
+        return sample(q, generator), q
+
+
+class BFloat16Noise(NotUpcast):
+    """Gumbel-max draws whose uniforms are made in the logits' dtype (bfloat16 under autocast), while
+    Q is the softmax of the upcast logits: the draws' law is not Q."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        logits = self.logits(h, bonus, target, k - 1)
+        if temperature == 0.0 or not self.sample_drafts:
+            return logits.argmax(-1), None
+        t = tempered(logits, temperature)
+        u = torch.rand(t.shape, generator=generator, device=t.device, dtype=t.dtype)
+        return (t - (-u.log()).log()).argmax(-1), F.softmax(tempered(upcast(logits), temperature), -1)
+
+
+class OwnGeneratorWhenNone(MyDrafter):
+    """A generator made inside draft when none is given, at its default seed: every call draws the
+    same numbers, so a step's drafts repeat the last step's random choices (lossy)."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        generator = torch.Generator(device=h.device) if generator is None else generator
+        return super().draft(h, bonus, target, k, temperature, generator)
+
+
+class SeedReadBack(MyDrafter):
+    """Under sampling without a generator, one of its own seeded from the global RNG by .item(): it
+    draws anew every call, and reads a number back from the device (a host sync) to do it."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        if generator is None and temperature > 0 and self.sample_drafts:
+            seed = torch.randint(2 ** 62, (1,), device=h.device).item()
+            generator = torch.Generator(device=h.device).manual_seed(seed)
+        return super().draft(h, bonus, target, k, temperature, generator)
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
@@ -427,4 +485,9 @@ CONTROLS = {
     'heads copied at the first draft and kept (stale after training)': dict(MyDrafter=StaleWeights),
     'the temperature clamped to [0.5, 2] in draft': dict(MyDrafter=TemperatureClamped),
     'the loss at max(T, 1)': dict(MyDrafter=LossAtLeastOne),
+    'logits not upcast: Q in bfloat16 under autocast': dict(MyDrafter=NotUpcast),
+    'Q upcast after a bfloat16 softmax': dict(MyDrafter=UpcastAfterSoftmax),
+    'Gumbel noise drawn in bfloat16 under autocast': dict(MyDrafter=BFloat16Noise),
+    'a generator of its own when none is given': dict(MyDrafter=OwnGeneratorWhenNone),
+    'a host sync without a generator (a seed read back)': dict(MyDrafter=SeedReadBack),
 }
