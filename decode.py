@@ -44,9 +44,9 @@ def merged_step(model, drafter, cache, text, block, Q_block, active, temperature
     (B, N(k-1), V): for each drafted token the proposal's conditional it was drawn from, given the
     earlier tokens of its path, as the drafter returned it; None for point-mass drafts. The step
     does not know which drafter it has: any proposal verified against its own conditionals is
-    lossless. accept: (rule, param) of ACCEPT, for greedy decoding. active (B,) bool: rows still
-    generating; the others do not advance. text (heads.Text): each row's committed tokens, where the
-    step writes what it commits (and what a drafter that reads the text reads).
+    lossless. accept: (rule, param) of verification.ACCEPT, for greedy decoding. active (B,) bool:
+    rows still generating; the others do not advance. text (heads.Text): each row's committed
+    tokens, where the step writes what it commits (and what a drafter that reads the text reads).
     Returns n_acc (B,), the next block and its Q_block.
     Static shapes, no Python loop over positions, no host sync.
     """
