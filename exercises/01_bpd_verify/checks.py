@@ -117,9 +117,10 @@ def test_ties_near_ties_long_blocks(impl):
     plain greedy decoding takes it) in the logits' own dtype: row 0 ties two or three tokens at
     every position (vocabularies of 40 and 4000), row 1 puts token 3 1e-12 above token 1 in float64
     (equal in float32), row 2 token 3 1e-17 above the rest, all near 0 (equal after a softmax or a
-    log-softmax); and a block of k = 40, every draft right in one row and the 35th refused in the
-    other, also with the ties of sort and topk broken in the other order (theirs is unspecified: a
-    GPU's may differ from a CPU's)."""
+    log-softmax); under bfloat16 autocast, float32 logits, tokens 0.03 apart at 10 (equal in
+    bfloat16) and above 256; and a block of k = 40, every draft right in one row and the 35th
+    refused in the other, also with the ties of sort and topk broken in the other order (theirs is
+    unspecified: a GPU's may differ from a CPU's)."""
     for V, tied in ((40, [7, 30]), (4000, [7, 1900, 3000])):
         logits = torch.zeros(3, 3, V, dtype=torch.float64)
         logits[0, :, tied] = 1.0
@@ -143,6 +144,7 @@ def test_ties_near_ties_long_blocks(impl):
                                f"want [2, 2, 2]", "what fits: the rule given something other than the logits "
                                "(probabilities from softmax or log_softmax round row 2's near-tie to a tie)"
                                if n_acc.tolist()[:2] == [2, 2] else '')
+    under_autocast(impl)
     k = 40
     greedy = torch.randint(11, (2, k), generator=torch.Generator().manual_seed(4))
     drafts = greedy[:, :-1].clone()
@@ -168,6 +170,33 @@ def test_ties_near_ties_long_blocks(impl):
                            f"{bonus.tolist()}, want [39, 34], {[int(greedy[0, 39]), int(greedy[1, 34])]}",
                            "the checks above use k <= 8: what fits is something that holds only for short blocks "
                            "(a table or a bit pattern of a fixed width)")
+
+
+def under_autocast(impl):
+    """Under bfloat16 autocast, as generate.py --dtype bfloat16 runs the step (the logits upcast to float32
+    first): a near-tie 0.03 apart at 10 (equal in bfloat16) and tokens above 256 (not whole numbers in
+    bfloat16) give the bonus argmax gives in float32."""
+    logits = torch.zeros(2, 3, 4000)
+    logits[:, :, 7], logits[:, :, 3001] = 10.0, 10.03                  # bfloat16 rounds both to 10
+    logits[1, 0, 3001], logits[1, 0, 5], logits[1, 0, 2999] = 0.0, 10.0, 10.03
+    drafts = torch.tensor([[3001, 3001], [7, 3001]])                     # row 0 all right, row 1's first wrong
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        _, n_acc, bonus = impl.verify_greedy(logits, drafts, EXACT)
+    if n_acc.tolist() != [2, 0] or bonus.long().tolist() != [3001, 2999]:
+        read = bonus.long().tolist() == [7, 5]
+        raise harness.Fail(
+            f"under bfloat16 autocast (generate.py --dtype bfloat16), float32 logits: n_acc {n_acc.tolist()}, bonus "
+            f"{bonus.tolist()}, want [2, 0], [3001, 2999]: token 3001 is 0.03 above token 7 (row 0), token 2999 above "
+            f"token 5 (row 1, first position), at 10: equal in bfloat16",
+            "autocast runs a matrix product of float32 tensors (einsum, @, bmm, matmul, linalg.vecdot) in bfloat16, "
+            "3 significant digits: " + (
+                "what fits is the last committed position's logits picked by one (a one-hot times the logits), "
+                "which rounds the near-tie to a tie" if read else "what fits is a product of that kind on the "
+                "way (above 256 bfloat16 holds only some whole numbers: a token id picked by a one-hot product comes "
+                "back rounded, 3001 as 3008)") + "; pick without a matrix product (autocast leaves elementwise "
+            "ops and sums in float32), or switch autocast off on the logits' device "
+            "(torch.autocast(logits.device.type, enabled=False)): autocast switched off on another device "
+            "(torch.autocast('cuda', ...) on a CPU) leaves it on")
 
 
 def test_the_rule_decides(impl):

@@ -24,7 +24,8 @@ def tokens(shape, seed):
 def test_a_prefill_matches_the_full_forward(impl):
     """A prefill matches the full forward. The prompt's keys and values written, then committed:
     the logits equal a full causal forward over it, and each row's length is the prompt's; then one
-    token a row, as plain decoding writes them; and the prefill again for a float32 target.
+    token a row, as plain decoding writes them; and the prefill again for a float32 target, into a
+    float32 cache and into a float64 one (the cache keeps its own dtype).
     Hint: write at cache.k[layer_idx] along the position dimension (dim 2 of (B, nh, max_len, hs))."""
     model = harness.tiny_target()
     prompt = tokens((2, 9), 0)
@@ -54,6 +55,18 @@ def test_a_prefill_matches_the_full_forward(impl):
                            "(cache.k.dtype), whatever the one they come in")
     err = (model.lm_head(h) - model(prompt)[0]).abs().max().item()
     assert err < 1e-5, f"a float32 target: cached logits differ from the full forward by {err:.2e}, want below 1e-5"
+    cache = model.new_cache(2, 32, dtype=torch.float64)     # a cache of its own dtype (attention reads it in q's)
+    try:
+        h = model.forward_cached(prompt, cache)
+    except RuntimeError as e:
+        raise harness.Fail(f"a float32 target, a float64 cache (new_cache(..., dtype=torch.float64)): "
+                           f"{harness.first_line(e)}{harness.where_in_student(e)}",
+                           "k and v come in the model's compute dtype, and the cache keeps its own (under autocast "
+                           "one may be bfloat16 and the other float32): write them in cache.k.dtype (k.to(...)); "
+                           "scatter_ and an indexed assignment refuse a source of another dtype")
+    err = (model.lm_head(h) - model(prompt)[0]).abs().max().item()
+    assert err < 1e-5, f"a float32 target, a float64 cache: cached logits differ from the full forward by " \
+        f"{err:.2e}, want below 1e-5"
 
 
 def test_rows_keep_their_own_lengths(impl):
@@ -177,7 +190,8 @@ def test_no_host_sync(impl):
     """No host sync, no tensor on another device. write and commit make the host wait for nothing
     (with two rows and with one), and make no tensor off the cache's device, commit given a tensor
     or an int (run on PyTorch's
-    'meta' device, where an op that mixes a CPU tensor with the cache's fails as on CUDA)."""
+    'meta' device, where an op that mixes a CPU tensor with the cache's fails as on CUDA), and send
+    no tensor of the CPU to it by a copy (.to(device)), of one element as of many."""
     model = harness.tiny_target()
     cache = model.new_cache(2, 32)
     k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
@@ -200,6 +214,38 @@ def test_no_host_sync(impl):
     harness.assert_on_the_inputs_device('write', lambda: impl.write(cache, 1, k, k, pos), strict=True)
     harness.assert_on_the_inputs_device('commit', lambda: impl.commit(cache, n), strict=True)
     harness.assert_on_the_inputs_device('commit of an int', lambda: impl.commit(cache, 3), strict=True)
+    with ScalarsSent() as sent, harness.autocast_off_on_meta():   # 0-dim ones, which the watch above lets pass
+        try:
+            impl.commit(cache, 3)
+            impl.commit(cache, n)
+            impl.write(cache, 1, k, k, pos)
+        except Exception:                           # an op 'meta' cannot run: the watch above judged the devices
+            pass
+    if sent.seen:
+        raise harness.Fail(f"{sent.seen[0]}, a tensor made on the CPU (a number made a tensor without device=, say "
+                           f"torch.tensor(n)) sent to the cache's device (meta here); want no copy from the host",
+                           "on CUDA a copy from the host to the GPU waits for the GPU (a host sync, at every drafted "
+                           "token of a draft model, which commits 1 a token), and a CUDA graph cannot hold one. What "
+                           "fits: torch.tensor(n).to(device) or torch.as_tensor(n).to(...); add the int itself "
+                           "(cache.lengths += n), or make it on the device (torch.full_like(cache.lengths, n))")
+
+
+class ScalarsSent(harness.EagerMode):
+    """Each copy of a CPU tensor to 'meta', the stand-in for the GPU (.to(device), copy_), 0-dim ones
+    included: on CUDA such a copy, of one number too, waits for the GPU (PyTorch syncs the stream after
+    a copy from pageable host memory), and a CUDA graph refuses it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if (func is aten._to_copy.default and args[0].device.type == 'cpu' and str(kwargs.get('device')) == 'meta'
+                or func is aten.copy_.default and args[0].device.type == 'meta' and args[1].device.type == 'cpu'):
+            self.seen.append(f"{func}{harness.student_line()}")
+        return func(*args, **kwargs)
 
 
 def test_decodes_exactly_greedy(impl):

@@ -379,7 +379,23 @@ def test_a_real_vocabulary(impl):
     """Prefixes on a real vocabulary. BPD's heads, whose q does not read the prefix, on GPT-2's
     V = 50304 tokens, n = 6 (k = 7), 6 nodes, 2 rows: each row's tree is its chain of likely tokens,
     and log_q was asked about each chosen node's parent's prefix, token for token (a q that reads no
-    prefix cannot show a wrong one: this check reads what log_q was asked)."""
+    prefix cannot show a wrong one: this check reads what log_q was asked); and again under bfloat16
+    autocast, as generate.py --dtype bfloat16 grows the tree, where the same chain is the tree."""
+    world = Heads(B=2, V=50304, n=6)
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        tokens, tree = grown(impl, world, 6)
+    for b in range(world.B):
+        found = paths(tokens, tree, b, world.n)
+        real = sorted(p for s, p in found.items() if s)
+        chain = tuple(world.chain[b].tolist())
+        if real != [chain[:j] for j in range(1, world.n + 1)]:
+            raise harness.Fail(f"under bfloat16 autocast (generate.py --dtype bfloat16): row {b}'s nodes "
+                               f"{[list(p) for p in real]}, want the chain {list(chain)} and its prefixes, as "
+                               f"without autocast", "autocast runs a matrix product of float32 tensors (einsum, @, "
+                               "bmm, matmul) in bfloat16, 3 significant digits: above 256 it holds only some whole "
+                               "numbers, so a token (or an id) picked by a product with a one-hot comes back "
+                               "rounded, and the tree drafts tokens no head proposed. Pick with gather, or switch "
+                               "autocast off on `device` (torch.autocast(torch.device(device).type, enabled=False))")
     world = Heads(B=2, V=50304, n=6)
     tokens, tree = grown(impl, world, 6)
     for b in range(world.B):

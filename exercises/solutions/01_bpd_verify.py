@@ -83,6 +83,24 @@ def writes_into_the_logits(logits, drafts, accept):
     return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
 
 
+def bonus_logits_picked_by_a_product(logits, drafts, accept):
+    rule, param = accept
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    pick = torch.nn.functional.one_hot(n_acc, logits.size(1)).to(logits.dtype)
+    row = torch.einsum('bk,bkv->bv', pick, logits)     # under bf16 autocast: the logits rounded to bfloat16
+    return accepted, n_acc, row.argmax(-1)
+
+
+def bonus_token_picked_by_a_product(logits, drafts, accept):
+    rule, param = accept
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    pick = torch.nn.functional.one_hot(n_acc, logits.size(1)).to(logits.dtype)
+    best = logits.argmax(-1).to(logits.dtype)
+    return accepted, n_acc, (pick.unsqueeze(1) @ best.unsqueeze(-1)).flatten().long()   # bf16: 3001 -> 3008
+
+
 CONTROLS = {
     'counts past the first rejection': dict(verify_greedy=counts_past_the_first_rejection),
     'bonus one position late': dict(verify_greedy=bonus_one_position_late),
@@ -95,4 +113,8 @@ CONTROLS = {
         verify_greedy=bonus_from_probabilities),
     'the first refusal by sort (ties in an unspecified order)': dict(verify_greedy=first_refusal_by_an_unstable_sort),
     'writes into its input (logits -= max in place)': dict(verify_greedy=writes_into_the_logits),
+    'the bonus position\'s logits picked by a one-hot einsum (bfloat16 under autocast)': dict(
+        verify_greedy=bonus_logits_picked_by_a_product),
+    'the bonus token picked by a one-hot matmul (bfloat16 under autocast: tokens above 256 rounded)': dict(
+        verify_greedy=bonus_token_picked_by_a_product),
 }

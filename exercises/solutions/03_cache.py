@@ -95,6 +95,17 @@ def commit_of_an_int_copied_to_the_device(cache, n):
     cache.lengths += torch.tensor(n, device=cache.lengths.device) if isinstance(n, int) else n   # a copy, a sync
 
 
+def write_without_a_cast(cache, layer_idx, k, v, pos):
+    at = (cache.layers[layer_idx], cache.rows, slice(None), pos)
+    cache.k[at] = k.transpose(1, 2)                  # in k's dtype: refused by a cache of another
+    cache.v[at] = v.transpose(1, 2)
+    return cache.k[layer_idx], cache.v[layer_idx]
+
+
+def commit_of_an_int_sent_to_the_device(cache, n):
+    cache.lengths += torch.tensor(n).to(cache.lengths.device) if isinstance(n, int) else n   # a copy, a sync
+
+
 CONTROLS = {
     'commits the same length for every row': dict(commit=same_length_for_every_row),
     'writes the block at the start of the buffer': dict(write=write_at_the_start),
@@ -111,4 +122,7 @@ CONTROLS = {
     'write clears the slots past the block (the rollback moved there)': dict(write=write_clears_past_the_block),
     'commit of an int copied to the device (torch.tensor(n, device=...))': dict(
         commit=commit_of_an_int_copied_to_the_device),
+    "write in k's own dtype, not the cache's (no cast)": dict(write=write_without_a_cast),
+    'commit of an int sent to the device by .to() (torch.tensor(n).to(device))': dict(
+        commit=commit_of_an_int_sent_to_the_device),
 }

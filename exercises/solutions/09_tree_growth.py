@@ -6,7 +6,8 @@ import torch
 
 
 def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='shallower', pad=True, rows=False,
-          pad_by='prefix', in_place=False, by_rank=False, every_prefix=False, counted=False, floor=None, coded=False):
+          pad_by='prefix', in_place=False, by_rank=False, every_prefix=False, counted=False, floor=None, coded=False,
+          by_product=False):
     """heads.grow_tree's way, with one of the mistakes switched on."""
     score = torch.zeros(B, 1, device=device)
     prefix = torch.zeros(B, 1, 0, dtype=torch.long, device=device)
@@ -85,6 +86,9 @@ def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='
         kept_parent = torch.where(judged.gather(1, keep) > (-math.inf if floor is None else floor), kept_parent, -1)
     root = torch.zeros(B, 1, dtype=torch.long, device=device)
     tree = torch.stack([torch.cat([root, kept_parent], 1), torch.cat([root, depth.gather(1, keep)], 1)], dim=1)
+    if by_product:             # the kept tokens picked by a one-hot matmul: bfloat16 under autocast, 50000 -> 49920
+        pick = torch.nn.functional.one_hot(keep, token.size(1)).float()
+        return (pick @ token.float()[:, :, None]).squeeze(-1).long(), tree
     return token.gather(1, keep), tree
 
 
@@ -116,4 +120,6 @@ CONTROLS = {
     '-inf replaced by -1e4 (a mask value), a node at or below it padding': dict(grow_tree=mistake(floor=-1e4)),
     'the prefix as one int64 code, parent * V + token (overflows on a real vocabulary)':
         dict(grow_tree=mistake(coded=True)),
+    'the kept tokens picked by a one-hot matmul (bfloat16 under autocast: tokens above 256 rounded)':
+        dict(grow_tree=mistake(by_product=True)),
 }
