@@ -575,14 +575,18 @@ class HostReads(TorchFunctionMode):
 
 
 class OpCount(EagerMode):
-    """Counts the ops dispatched inside the block."""
+    """The ops dispatched inside the block: `ops` their names, in order, and `n` how many."""
 
     def __init__(self):
         super().__init__()
-        self.n = 0
+        self.ops = []
+
+    @property
+    def n(self):
+        return len(self.ops)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
+        self.ops.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
 
