@@ -11,6 +11,7 @@ cosine decay, gradient clipping, DDP), written once for every stage.
 import gc
 import math
 import os
+import re
 import sys
 import time
 
@@ -110,17 +111,22 @@ class Runtime:
 FILE_BAR_SECONDS = 15
 
 
+CURSOR_MOVE = re.compile(r'\x1b\[[0-9;]*[A-Za-z]')   # a terminal's escape: cursor up, clear line
+
+
 class Lines:
     """A bar's stream away from a terminal. tqdm redraws with '\r' and ends the line only when the
     bar closes: in a log file a whole stage is one line, which `tail` and log viewers show only at
     its end (its first draw, 0%, until then). Here each redraw is a line of its own, and the blank
-    redraws tqdm makes to clear a bar before a message are left out."""
+    redraws tqdm makes to clear a bar before a message are left out, as are the cursor moves it
+    makes to draw a bar inside another (the target's samples made inside a DBlast stage): in a
+    file they are bytes a reader sees as '^[[A' lines."""
 
     def __init__(self, stream):
         self.stream = stream
 
     def write(self, text):
-        for line in text.replace('\r', '\n').split('\n'):
+        for line in CURSOR_MOVE.sub('', text).replace('\r', '\n').split('\n'):
             if line.strip():
                 self.stream.write(line.rstrip() + '\n')
 
@@ -130,10 +136,13 @@ class Lines:
 
 def progress(iterable, **kw):
     """tqdm, readable in a log file too: as it is on a terminal; elsewhere (stderr not a tty) a line
-    at most every FILE_BAR_SECONDS seconds (Lines), without resizing to a terminal's width."""
+    at most every FILE_BAR_SECONDS seconds (Lines), without resizing to a terminal's width, and every
+    bar's last state kept: a bar that a terminal erases when it ends (leave=False) would otherwise
+    leave its first line, 0%, as the last word in a log."""
     if sys.stderr.isatty():
         return tqdm(iterable, dynamic_ncols=True, **kw)
-    return tqdm(iterable, file=Lines(sys.stderr), mininterval=FILE_BAR_SECONDS, maxinterval=FILE_BAR_SECONDS, **kw)
+    return tqdm(iterable, file=Lines(sys.stderr), mininterval=FILE_BAR_SECONDS, maxinterval=FILE_BAR_SECONDS,
+                **{**kw, 'leave': True})
 
 
 # ----------------------------------------------------------------------------- the loop

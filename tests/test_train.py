@@ -375,6 +375,21 @@ def test_a_bar_in_a_file_shows_each_step_it_reached_on_a_line(monkeypatch, capsy
     assert len(steps) >= 4 and steps == sorted(steps) and steps[0] == 0 and steps[-1] == 12, err
 
 
+def test_a_bar_inside_a_bar_in_a_file_writes_no_escapes_and_ends_on_its_last_step(monkeypatch, capsys):
+    """The held-out samples a DBlast stage makes draw a bar inside the stage's (leave=False, as a
+    terminal erases it when done). In a log file: no terminal escape (tqdm moves the cursor up to
+    draw the inner bar: '^[[A' lines), and the inner bar's last line is its end, not its 0% start."""
+    monkeypatch.setattr(trainer, 'FILE_BAR_SECONDS', 60)
+    monkeypatch.setattr(sys.stderr, 'isatty', lambda: False)
+    for _ in trainer.progress(range(2), desc='dblast K=4', total=2):
+        for _ in trainer.progress(range(5), desc='held-out samples', leave=False):
+            pass
+    err = capsys.readouterr().err
+    inner = [line for line in err.splitlines() if line.startswith('held-out samples')]
+    assert '\x1b' not in err and all(line.strip() for line in err.splitlines()), repr(err)
+    assert inner and '5/5' in inner[-1] and '2/2' in err.splitlines()[-1], err
+
+
 # --------------------------------------------------------------------------- DDP
 
 def free_port():
