@@ -227,6 +227,12 @@ def raised_by_a_stub(exc):
                             and f'{os.sep}torch{os.sep}' not in last.filename)
 
 
+VIEW_HINT = (".view() reads the memory as it lies, so it fails on a tensor that is not laid out as the new shape "
+             "reads it; the project passes some inputs as it keeps them: the drafts as the block's slice "
+             "block[:, 1:], a cache write's keys and values as transposed thirds of one projection. What fits: "
+             ".reshape() or .flatten(), which copy only where they must")
+
+
 def run_check(checks, impl, name, fn):
     title, hint = docstring_parts(fn)
     t0 = time.perf_counter()
@@ -246,6 +252,8 @@ def run_check(checks, impl, name, fn):
         reason, hint = f"SystemExit: the code under test called sys.exit({e.code!r}){where_in_student(e)}", ''
     except Exception as e:   # the code under test crashed: say what and where
         reason = f"{type(e).__name__}: {first_line(e)}{where_in_student(e)}"
+        if 'view size is not compatible' in str(e):   # the docstring's hint is about the answer, not its layout
+            hint = VIEW_HINT
     return Result(name, title, not reason, reason, hint, time.perf_counter() - t0, not_written)
 
 

@@ -10,6 +10,7 @@ import os
 import types
 
 import pytest
+import torch
 
 import decode
 import verification
@@ -99,6 +100,19 @@ def test_a_failure_chooses_its_own_hint():
     for fn, hint in ((with_its_own, "the failure's own"), (plain, "the docstring's.")):
         r = harness.run_check(types.SimpleNamespace(), None, fn.__name__, fn)
         assert not r.passed and r.reason == "why it failed" and r.hint == hint, r
+
+
+def test_a_view_of_a_slice_says_why_it_failed():
+    """An answer that .view()s an input the project passes as a slice (the drafts, block[:, 1:])
+    crashes with torch's 'view size is not compatible'; the hint says what that means, not the
+    check's docstring's guess about a wrong answer."""
+    drafts = torch.zeros(3, 5, dtype=torch.long)[:, 1:]
+
+    def views_the_drafts(impl):
+        """Title. Hint: the docstring's."""
+        drafts.view(-1)
+    r = harness.run_check(types.SimpleNamespace(), None, 'views_the_drafts', views_the_drafts)
+    assert not r.passed and 'view size is not compatible' in r.reason and r.hint == harness.VIEW_HINT, r
 
 
 @pytest.mark.skipif(not HAVE_SOLUTIONS, reason="a handout: its decodes run on the students' cache (exercise 3)")

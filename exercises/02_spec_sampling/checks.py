@@ -20,12 +20,21 @@ MAY_USE = ('model.sample', 'model.tempered')
 V, N = 6, 200_000
 
 
+def as_the_step_gives(*tensors):
+    """The inputs laid out as decode.merged_step gives them: the logits made anew at every step and Q
+    the loop's own buffer (decode.Decoding.Q), each contiguous and neither read again after the call
+    (the drafts, which it does read again, are the block's slice). Built here by .expand (stride 0,
+    one element for a whole batch), they would refuse a right answer that views them (.view) or
+    writes into them, which the step never does. None stays None."""
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
 def one_position(impl, Q, drafts, temperature, seed=0):
     """N rows of one block with a single draft (k = 2), target logits L (2, V) for every row:
     (emitted token after the bonus, accepted (N,), bonus (N,)) and p = softmax(L / T) (2, V)."""
     g = torch.Generator().manual_seed(seed)
     L = torch.randn(2, V, generator=g, dtype=torch.float64) * 1.5
-    accepted, n_acc, bonus = impl.verify_sampled(L.expand(N, 2, V), Q, drafts, temperature, g)
+    accepted, n_acc, bonus = impl.verify_sampled(*as_the_step_gives(L.expand(N, 2, V), Q), drafts, temperature, g)
     emitted = torch.where(n_acc == 1, drafts[:, 0], bonus)
     return emitted, accepted[:, 0], bonus, F.softmax(L / temperature, -1)
 
@@ -129,7 +138,8 @@ def test_the_first_token_follows_p(impl):
     L[0, 0] = math.log(0.5 * ratio / (1 - 0.5 * ratio))                  # P(0) = ratio / 2 at T = 1
     P0 = float(F.softmax(L[0], -1)[0])
     Q = torch.tensor([P0 / ratio, 1 - P0 / ratio], dtype=torch.float64)  # Q(0) = 0.5
-    accepted, _, _ = impl.verify_sampled(L.expand(n, 2, 2), Q.expand(n, 1, 2), torch.zeros(n, 1, dtype=torch.long),
+    accepted, _, _ = impl.verify_sampled(*as_the_step_gives(L.expand(n, 2, 2), Q.expand(n, 1, 2)),
+                                         torch.zeros(n, 1, dtype=torch.long),
                                          1.0, torch.Generator().manual_seed(5))
     count, (lo, hi) = int(accepted.sum()), binomial_range(n, ratio)
     if not lo <= count <= hi:
@@ -168,10 +178,9 @@ def under_autocast(impl, L, Q, seed):
     """verify_sampled over N rows of one draft (token 0) under bfloat16 autocast, with float32 logits L
     (2, V) and Q (V,) or None, at T = 1: as generate.py --dtype bfloat16 calls it (decode upcasts the
     target's logits to float32, the drafters give Q in float32, and the whole step runs in autocast)."""
-    Q = None if Q is None else Q.float().expand(N, 1, V)
+    L, Q = as_the_step_gives(L.float().expand(N, 2, V), None if Q is None else Q.float().expand(N, 1, V))
     with torch.autocast('cpu', dtype=torch.bfloat16):
-        return impl.verify_sampled(L.float().expand(N, 2, V), Q, torch.zeros(N, 1, dtype=torch.long), 1.0,
-                                   torch.Generator().manual_seed(seed))
+        return impl.verify_sampled(L, Q, torch.zeros(N, 1, dtype=torch.long), 1.0, torch.Generator().manual_seed(seed))
 
 
 def binomial_range(n, r, alpha=harness.ALPHA):
@@ -256,7 +265,7 @@ def test_a_residual_rounded_to_zero_falls_back_to_p(impl):
     Q = torch.stack([first, far.expand(rows, V)], dim=1)                 # (rows, 2, V)
     drafts = torch.cat([torch.where(rounded[:, None], sample(p[:1].expand(rows, 1, V), g),
                                     sample(Q[:, :1], g)), sample(Q[:, 1:], g)], dim=1)
-    _, n_acc, bonus = impl.verify_sampled(L.expand(rows, 3, V), Q, drafts, T, g)
+    _, n_acc, bonus = impl.verify_sampled(*as_the_step_gives(L.expand(rows, 3, V), Q), drafts, T, g)
     refused = n_acc == 0
     if (refused & rounded).any():   # (an answer that renormalises Q refuses nothing there: nothing to fall back from)
         assert_follows(bonus[refused & rounded], p[0], f"in the rows where max(0, P - Q) is 0 everywhere at the first "
@@ -299,7 +308,7 @@ def the_residual_is_kept(impl, L, Q, drafts, T, g, to, size):
     """One draft a row, a residual max(0, P - Q) of `size`, all on token `to`: after every refusal
     the bonus is `to` (a residual small but not zero is no reason to fall back to P)."""
     n = len(drafts)
-    _, n_acc, bonus = impl.verify_sampled(L.expand(n, 2, V), Q, drafts, T, g)
+    _, n_acc, bonus = impl.verify_sampled(*as_the_step_gives(L.expand(n, 2, V), Q), drafts, T, g)
     got = bonus[n_acc == 0]
     if len(got) == 0 or not (got == to).all():
         raise harness.Fail(f"a residual of {size:g}, all on token {to}: after {len(got)} refusals the bonus was "
@@ -367,7 +376,8 @@ def test_the_same_seed_gives_the_same_output(impl):
         with torch.random.fork_rng(devices=[]):                           # the caller's global RNG untouched
             for global_seed, seed in ((1, 0), (2, 0), (1, 1)):
                 torch.manual_seed(global_seed)
-                runs.append(impl.verify_sampled(logits, qq, drafts, 1.0, torch.Generator().manual_seed(seed)))
+                runs.append(impl.verify_sampled(*as_the_step_gives(logits.clone(), None if qq is None else qq.clone()),
+                                                drafts, 1.0, torch.Generator().manual_seed(seed)))   # each its own
         if differ(runs[0], runs[1]):
             raise harness.Fail(f"{what}: the same generator seed, the global RNG seeded otherwise: "
                                f"{differ(runs[0], runs[1])} of {B} rows differ, want 0")
@@ -385,7 +395,7 @@ def test_the_same_seed_gives_the_same_output(impl):
         for global_seed in (1, 2):
             torch.manual_seed(global_seed)
             try:
-                runs.append(impl.verify_sampled(logits, Q, drafts, 1.0, None))
+                runs.append(impl.verify_sampled(logits.clone(), Q.clone(), drafts, 1.0, None))
             except NotImplementedError:
                 raise                                                     # not written yet, or an op torch lacks
             except Exception as e:

@@ -20,6 +20,16 @@ def tokens(shape, seed):
     return torch.randint(32, shape, generator=torch.Generator().manual_seed(seed))
 
 
+def block_keys(B=2, nh=2, L=3, hs=16, meta=False):
+    """Keys and values (B, nh, L, hs) laid out as CausalSelfAttention.forward passes them to write:
+    the k and v thirds of one (B, L, 3 nh hs) projection, each viewed (B, L, nh, hs) and transposed,
+    not contiguous. Contiguous ones (torch.randn(B, nh, L, hs)) would refuse a right answer that
+    views them as the model lays them out (k.transpose(1, 2).view(B * L, nh, hs)). meta: on 'meta'."""
+    qkv = torch.randn(B, L, 3 * nh * hs, generator=torch.Generator().manual_seed(B * L), dtype=torch.float64)
+    _, k, v = (harness.on_meta(qkv) if meta else qkv).split(nh * hs, dim=2)
+    return tuple(t.view(B, L, nh, hs).transpose(1, 2) for t in (k, v))
+
+
 @torch.no_grad()
 def test_a_prefill_matches_the_full_forward(impl):
     """A prefill matches the full forward. The prompt's keys and values written, then committed:
@@ -131,8 +141,8 @@ def test_the_buffers_stay_in_place(impl):
     cache = model.new_cache(2, 32)
     before = {name: (getattr(cache, name), getattr(cache, name).data_ptr()) for name in ('k', 'v', 'lengths')}
     indices = {name: (getattr(cache, name), getattr(cache, name).clone()) for name in ('rows', 'layers')}
-    k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
-    K, V = impl.write(cache, 1, k, k, torch.tensor([[0, 1, 2], [4, 5, 6]]))
+    k, v = block_keys()
+    K, V = impl.write(cache, 1, k, v, torch.tensor([[0, 1, 2], [4, 5, 6]]))
     for name, got in (('K', K), ('V', V)):
         buffer = getattr(cache, name.lower())[1]
         if not (isinstance(got, torch.Tensor) and got.shape == buffer.shape and got.data_ptr() == buffer.data_ptr()):
@@ -171,10 +181,10 @@ def test_nothing_the_size_of_a_layer_is_allocated(impl):
     model = harness.tiny_target()
     cache = model.new_cache(2, 256)
     layer = cache.k[0].numel()
-    k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
+    k, v = block_keys()
     pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
-    impl.write(cache, 1, k, k, pos)                                      # a first call may set things up
-    for what, call in (('write', lambda: impl.write(cache, 1, k, k, pos)),
+    impl.write(cache, 1, k, v, pos)                                      # a first call may set things up
+    for what, call in (('write', lambda: impl.write(cache, 1, k, v, pos)),
                        ('commit of a tensor', lambda: impl.commit(cache, torch.tensor([1, 2]))),
                        ('commit of an int', lambda: impl.commit(cache, 1))):
         with harness.Allocations() as allocations:
@@ -194,14 +204,14 @@ def test_no_host_sync(impl):
     no tensor of the CPU to it by a copy (.to(device)), of one element as of many."""
     model = harness.tiny_target()
     cache = model.new_cache(2, 32)
-    k = torch.randn(2, 2, 3, 16, dtype=torch.float64)
+    k, v = block_keys()
     pos = torch.tensor([[0, 1, 2], [4, 5, 6]])
     n = torch.tensor([1, 2])
     one = model.new_cache(1, 32)                               # one row, as generate.py decodes
     with harness.HostSyncs() as syncs:
-        impl.write(cache, 1, k, k, pos)
+        impl.write(cache, 1, k, v, pos)
         impl.commit(cache, n)
-        impl.write(one, 1, k[:1], k[:1], pos[:1])
+        impl.write(one, 1, *block_keys(B=1), pos[:1])
         impl.commit(one, n[:1])
         impl.commit(one, 1)
     if syncs.seen:
@@ -210,15 +220,15 @@ def test_no_host_sync(impl):
                            "a tensor, a Python loop over positions or rows read from one) or a shape that depends on "
                            "the data (boolean indexing, nonzero)")
     cache = KVCache(model.config, 2, 32, 'meta', torch.float64)
-    k, pos, n = (harness.on_meta(t) for t in (k, pos, n))
-    harness.assert_on_the_inputs_device('write', lambda: impl.write(cache, 1, k, k, pos), strict=True)
+    (k, v), pos, n = block_keys(meta=True), harness.on_meta(pos), harness.on_meta(n)
+    harness.assert_on_the_inputs_device('write', lambda: impl.write(cache, 1, k, v, pos), strict=True)
     harness.assert_on_the_inputs_device('commit', lambda: impl.commit(cache, n), strict=True)
     harness.assert_on_the_inputs_device('commit of an int', lambda: impl.commit(cache, 3), strict=True)
     with ScalarsSent() as sent, harness.autocast_off_on_meta():   # 0-dim ones, which the watch above lets pass
         try:
             impl.commit(cache, 3)
             impl.commit(cache, n)
-            impl.write(cache, 1, k, k, pos)
+            impl.write(cache, 1, k, v, pos)
         except Exception:                           # an op 'meta' cannot run: the watch above judged the devices
             pass
     if sent.seen:

@@ -150,6 +150,16 @@ def p_d_by_an_einsum(p, drafts):
     return torch.einsum('bkv,bkv->bk', p, F.one_hot(drafts, p.size(-1)).to(p.dtype))   # bfloat16 under autocast
 
 
+def drafts_flattened_by_view(logits, drafts, param):
+    epsilon, delta = param
+    p = F.softmax(logits[:, :-1].double(), dim=-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    threshold = (delta * torch.exp(-entropy)).clamp(max=epsilon)
+    B, n, V = p.shape
+    p_d = p.view(-1, V).gather(-1, drafts.view(-1, 1)).view(B, n)   # decode's drafts, block[:, 1:]: no view of them
+    return p_d > threshold
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
@@ -170,4 +180,6 @@ CONTROLS = {
         typical=judged_by(entropy_by_an_einsum_cuda_autocast_off, gathered)),
     'p_d read by an einsum with a one-hot (bfloat16 under autocast)': dict(
         typical=judged_by(lambda p, log_p: -(p * log_p).sum(-1), p_d_by_an_einsum)),
+    "the drafts flattened by .view() (decode's drafts are the block's slice: an error with more than one row)": dict(
+        typical=drafts_flattened_by_view),
 }
