@@ -67,7 +67,9 @@ class Drafter(nn.Module):
     proposed after the bonus, and Q (B, k-1, V): the proposal's conditional at each drafted
     position given the drafts before it, at `temperature` (row i of Q is what draft i was drawn
     from), or None when the drafts are a point mass (argmax drafting, or greedy decoding, where
-    verification only compares argmaxes). The draws come from `generator`. No host sync and no
+    verification only compares argmaxes). The draws come from `generator`. h and bonus are left as
+    they were: the step reads the bonus again (the next block starts with it), and several drafters
+    in one call (drafters.MixedPaths) are each handed the same h. No host sync and no
     Python loop over rows: the step that calls it runs as one CUDA graph. A loop over the k-1
     drafted positions has a fixed length (k is fixed per graph), so a compiled step unrolls it: a
     drafter whose draft i needs the sampled draft i-1 loops so (a recurrent one, or a draft model),

@@ -37,15 +37,24 @@ def shaped(what, got, want, named, hint):
     return got
 
 
+def handed(t):
+    """t as training hands it over: a tensor a check made (a leaf) as a copy of its own, a function's output (the
+    prior's log_softmax, your a, which autograd may need) as it is. DBlastDrafter.loss hands over none that requires
+    grad as a leaf, and reads none of them again: an in-place op on an input is right there, except on one that
+    autograd needs."""
+    return t.clone() if t.is_leaf else t
+
+
 def prefix(impl, log_prior, log_qx, log_px):
     """impl.prefix_log_accept, its shape checked: a (N, n)."""
-    return shaped('prefix_log_accept', impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture'),
+    return shaped('prefix_log_accept', impl.prefix_log_accept(handed(log_prior), handed(log_qx), handed(log_px),
+                                                              'mixture'),
                   tuple(log_px.shape), 'a of (N, n)', harness.ONE_ROW_HINT if len(log_px) == 1 else '')
 
 
 def surrogate(impl, a, nll, tau_threshold):
     """impl.al_surrogate, its shape checked: L per row (N,)."""
-    return shaped('al_surrogate', impl.al_surrogate(a, nll, tau_threshold), tuple(nll.shape),
+    return shaped('al_surrogate', impl.al_surrogate(handed(a), handed(nll), tau_threshold), tuple(nll.shape),
                   'the loss of each row, (N,)',
                   harness.ONE_ROW_HINT if len(nll) == 1 else "one loss per row: no mean over the rows")
 
@@ -364,9 +373,9 @@ def test_the_loss_prefers_longer_acceptance(impl):
     losses, accepts = [], []
     for noise in (0.2, 1.5):
         log_qx = (log_px + noise * torch.randn(500, 6, generator=g, dtype=torch.float64)).clamp(max=0)[:, None]
-        a = impl.prefix_log_accept(log_prior, log_qx, log_px, 'mixture')
+        a = prefix(impl, log_prior, log_qx, log_px)
         accepts.append(float(a.exp().sum(-1).mean()))
-        losses.append(float(impl.al_surrogate(a, -log_qx.sum((1, 2)), 0.01).mean()))
+        losses.append(float(surrogate(impl, a, -log_qx.sum((1, 2)), 0.01).mean()))
     assert accepts[0] > accepts[1], f"expected accepted drafts {accepts[0]:.3f} for the closer proposal, " \
                                     f"{accepts[1]:.3f} for the farther, want the closer one's larger (see a_j)"
     assert losses[0] < losses[1], f"AL loss {losses[0]:.3f} for the closer proposal, {losses[1]:.3f} for the " \
@@ -406,7 +415,8 @@ def test_the_acceptance_length_identity(impl):
     h = model.hidden(full)
     logp = F.log_softmax(model.lm_head(h) / T, -1)
     lp = logp[:, T0 - 1:-1].gather(-1, seqs.unsqueeze(-1)).squeeze(-1)             # (N, n+1)
-    per_block = expected_accepted(d, h[:, T0 - 1], seqs[:, 0], model, seqs[:, 1:], lp[:, 1:], T, True, 'mixture')
+    per_block = expected_accepted(d, h[:, T0 - 1], seqs[:, 0], model, seqs[:, 1:], lp[:, 1:].clone(), T, True,
+                                  'mixture')                     # log p a copy of its own, as contexts gives it
     expected = float((lp.sum(-1).exp() * per_block).sum())
     rows = 20000
     _, stats = harness.generate(harness.float32(model), harness.PROMPT8.expand(rows, -1), 4,

@@ -79,6 +79,11 @@ def under_bf16_autocast(d, model, h, bonus):
                            f"uniform takes 128 values in [0.5, 1): the drafts' law is then not Q)", AUTOCAST)
 
 
+INPUTS_HINT = ("the step reads the bonus again (the next block starts with it), and several drafters in one call "
+               "(drafters.MixedPaths) are each handed the same h. What fits: an in-place op (h += ..., add_, "
+               "unsqueeze_, a slice assigned) on h or bonus, or on .double() of a float64 h, which is the same tensor")
+
+
 def test_the_contract(impl):
     """The contract. drafts (N, k-1) long tokens for every k up to drafter.k, greedy ones the first
     k-1 of those at drafter.k; under sampling Q is (N, k-1, V), non-negative, sums to 1 and gives
@@ -104,7 +109,8 @@ def test_the_contract(impl):
     bonus = torch.randint(V, (N,), generator=g)
     full = None                          # the drafts at k = 4, the first k of the loop
     for k in (4, 3, 2):
-        drafts, _ = d.draft(h, bonus, model, k, 0.0, g)
+        drafts, _ = harness.assert_inputs_unchanged('draft', lambda: d.draft(h, bonus, model, k, 0.0, g),
+                                                    INPUTS_HINT, h=h, bonus=bonus)
         assert drafts.shape == (N, k - 1) and drafts.dtype == torch.long, \
             f"k={k}: drafts should be (N, k-1) = {(N, k - 1)} long, got {tuple(drafts.shape)} {drafts.dtype}"
         assert ((drafts >= 0) & (drafts < V)).all(), \
@@ -117,7 +123,9 @@ def test_the_contract(impl):
                                "the last k-1 heads (or positions) taken where the first k-1 are meant, or a draw "
                                "at T = 0 (of a branch, say: the generator moves on between the calls)")
     d.sample_drafts = True
-    drafts, Q = d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1))
+    drafts, Q = harness.assert_inputs_unchanged(
+        'draft, sampled', lambda: d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1)), INPUTS_HINT,
+        h=h, bonus=bonus)
     assert drafts.shape == (N, 3) and drafts.dtype == torch.long, \
         f"sampled, k=4: drafts should be (N, k-1) = {(N, 3)} long, got {tuple(drafts.shape)} {drafts.dtype}"
     if Q is None or Q.shape != (N, 3, V):

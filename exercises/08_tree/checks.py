@@ -337,7 +337,7 @@ def step_follows_p(impl, world, T, paths, tested, last):
     model = harness.float32(world)
     T0 = harness.PROMPT8.size(1)
     prefix = harness.PROMPT8.expand(STEPS, -1)
-    paths = torch.tensor(paths).expand(STEPS, -1, -1)
+    paths = torch.tensor(paths).repeat(STEPS, 1, 1)           # rows of their own, as the drafter's argmax gives them
     cache = model.new_cache(STEPS, 32)
     model.forward_cached(prefix, cache)
     cache.commit(T0)

@@ -458,6 +458,15 @@ class SeedReadBack(MyDrafter):
         return super().draft(h, bonus, target, k, temperature, generator)
 
 
+class AddsIntoH(MyDrafter):
+    """The bonus's embedding added into h in place (h += ...): the caller's h changes, and with
+    several drafters in one call (drafters.MixedPaths) the next one drafts from the wrong state."""
+
+    def logits(self, h, bonus, target, n):
+        h += target.transformer.wte(bonus).to(h.dtype)
+        return self.heads_logits(self.w_in(torch.cat([h, h], -1)), self.heads[:n], target)
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
@@ -490,4 +499,5 @@ CONTROLS = {
     'Gumbel noise drawn in bfloat16 under autocast': dict(MyDrafter=BFloat16Noise),
     'a generator of its own when none is given': dict(MyDrafter=OwnGeneratorWhenNone),
     'a host sync without a generator (a seed read back)': dict(MyDrafter=SeedReadBack),
+    "the bonus's embedding added into h in place": dict(MyDrafter=AddsIntoH),
 }
