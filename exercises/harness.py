@@ -13,6 +13,7 @@ once, run against whichever implementation `impl` holds. exercises/solutions/NN_
 CONTROLS: plausible wrong answers ({what is wrong: {name: function}}) that the checks must catch.
 """
 import copy
+import gc
 import importlib
 import importlib.util
 import itertools
@@ -686,6 +687,58 @@ class Allocations(EagerMode):
         if func in TEMPORARY_OF_ITS_SIZE and TEMPORARY_OF_ITS_SIZE[func] in (None, args[4] if len(args) > 4 else None):
             self.seen.append((f"{func} (a temporary inside it)", args[0].numel()))
         return out
+
+
+class Largest(EagerMode):
+    """The most elements of any tensor an op inside the block returns (its storage's: a view or an
+    expand counts as what it views), and that op. Run on PyTorch's 'meta' device, where a tensor
+    costs nothing to make, it sizes a call at the project's real sizes (a GPT-2 vocabulary, k = 64);
+    Allocations cannot, since every 'meta' storage has the address 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = (0, '')
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() // t.element_size() > self.most[0]:
+                self.most = (t.untyped_storage().nbytes() // t.element_size(), str(func))
+        return out
+
+
+def live_tensors():
+    """How many tensors Python holds, after a collection, and the bytes of their storages (each
+    counted once: a view is its base's): a tensor concatenated onto at every call grows in bytes,
+    a list appended to in tensors."""
+    gc.collect()
+    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+    storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}
+    return len(tensors), sum(storages.values())
+
+
+KEPT_HINT = ("what fits: a list that every call adds to (or a tensor concatenated onto), on a module, the cache, the "
+             "drafter or at module level, such as every result kept \"for statistics\": memory that grows with the "
+             "tokens decoded (a loss or an a kept with its graph keeps the step's whole graph alive). A table made "
+             "once and kept, keyed on everything it depends on (size, device, dtype), is fine: a second like call "
+             "makes nothing new")
+
+
+def assert_keeps_nothing(what, call, hint=KEPT_HINT, warmup=2, calls=5):
+    """call(i) for i in range(warmup + calls), each with inputs of its own, shaped alike (the steps
+    of one decode, where a table keyed on the shapes is made once): Fail if Python holds more
+    tensors, or more bytes of them, after the last `calls` than before them (what a first call sets
+    up once, a cache keyed right, is made in the warm-up). A step runs at every token decoded, a
+    loss at every training step: what grows by a tensor a call grows until the memory runs out."""
+    for i in range(warmup):
+        call(i)
+    (n, size) = live_tensors()
+    for i in range(warmup, warmup + calls):
+        call(i)
+    (n_after, size_after) = live_tensors()
+    if n_after > n or size_after > size:
+        raise Fail(f"{what}: after {calls} more calls Python holds {n_after - n} more tensor(s) than before them, "
+                   f"{size_after - size} more bytes, want none more: something keeps a tensor from every call", hint)
 
 
 # ----------------------------------------------------------------------------- devices

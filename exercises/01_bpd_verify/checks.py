@@ -222,10 +222,11 @@ def test_the_rule_decides(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no Python loop, no tensor on another device. No .item(), no boolean indexing,
-    nothing that makes a GPU wait for the host; as many ops for 6 rows or 8 positions as for 3 rows
-    of 5; no tensor made off the logits' device (run on PyTorch's 'meta' device, which refuses a mix
-    of devices as CUDA does)."""
+    """No host sync, no Python loop, no tensor on another device, nothing kept. No .item(), no
+    boolean indexing, nothing that makes a GPU wait for the host; as many ops for 6 rows or 8
+    positions as for 3 rows of 5; no tensor made off the logits' device (run on PyTorch's 'meta'
+    device, which refuses a mix of devices as CUDA does); five more calls after two leave Python
+    holding no more tensors than before them (the step runs at every token decoded)."""
     greedy, drafts, _ = planted()
     logits = scripted(greedy, 11)
     with harness.HostSyncs() as syncs:
@@ -238,6 +239,7 @@ def test_no_host_sync(impl):
                            "device")
     harness.assert_no_python_loop('verify_greedy', [(f'B={B}, k={k}', lambda B=B, k=k: impl.verify_greedy(
         *sized(B, k), EXACT)) for B, k in ((3, 5), (6, 5), (3, 8))])
+    harness.assert_keeps_nothing('verify_greedy', lambda i: impl.verify_greedy(*sized(3, 5), EXACT))   # one decode's k
     logits, drafts = harness.on_meta(logits), harness.on_meta(drafts)
     harness.assert_on_the_inputs_device('verify_greedy', lambda: impl.verify_greedy(logits, drafts, EXACT))
 

@@ -340,6 +340,34 @@ def test_no_host_sync(impl):
         harness.assert_on_the_inputs_device(what, lambda: impl.verify_sampled(meta[0], qq, meta[2], 1.0, None))
 
 
+def test_real_sizes_and_nothing_kept(impl):
+    """A GPT-2 vocabulary, and nothing kept between calls. At the project's sizes (V = 50,304, 16
+    rows, k = 64; run on PyTorch's 'meta' device, which allocates nothing) no tensor holds more than
+    a few times the logits' elements; and five more calls after two leave Python holding no more
+    tensors than before them (a list appended to at every call grows with the tokens decoded)."""
+    B, k, big = 16, 64, 50304
+    logits = torch.empty(B, k, big, device='meta')
+    Q, drafts = torch.empty(B, k - 1, big, device='meta'), torch.zeros(B, k - 1, dtype=torch.long, device='meta')
+    for qq, what in ((Q, 'sampled drafts (Q given)'), (None, 'point-mass drafts (Q None)')):
+        with harness.Largest() as seen, harness.autocast_off_on_meta():
+            try:
+                impl.verify_sampled(logits, qq, drafts, 1.0, None)
+            except Exception as e:   # an op 'meta' cannot run says nothing about sizes (the device check judges it)
+                if isinstance(e, NotImplementedError) and harness.raised_by_a_stub(e):
+                    raise
+        most, op = seen.most
+        if most > 4 * logits.numel():
+            raise harness.Fail(
+                f"{what}, V = {big}, B = {B}, k = {k}: {op} made a tensor of {most:,} elements, want none above 4 "
+                f"times the logits' {logits.numel():,} (the reference's largest is the logits' size)",
+                "a tensor of V x V elements (a triangular matrix of ones for a cumulative sum by a matrix product, "
+                "an outer comparison of the vocabulary with itself) is 2.5e9 elements at a GPT-2 vocabulary, 10 GB "
+                "in float32, and a product with it B k V^2 operations a step: cumsum (or model.sample) costs B k V")
+    for Q_given, what in ((True, 'sampled drafts (Q given)'), (False, 'point-mass drafts (Q None)')):
+        harness.assert_keeps_nothing(what, lambda i: impl.verify_sampled(*sized(3, 5, Q_given), 1.0,
+                                                                         torch.Generator().manual_seed(i)))
+
+
 def sized(B, k, Q_given):
     """Logits (B, k, V), Q (B, k-1, V) or None, and drafts (B, k-1) drawn from Q."""
     g = torch.Generator().manual_seed(B * 100 + k)

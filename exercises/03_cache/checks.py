@@ -4,9 +4,10 @@ import copy
 import torch
 
 import decode
+from drafters import DraftModel
 from exercises import harness
 from heads import BlockHeads
-from model import KVCache
+from model import GPT, GPTConfig, KVCache
 
 NAMES = ('write', 'commit')
 SEAMS = {'model.KVCache.write': 'write', 'model.KVCache.commit': 'commit'}
@@ -174,10 +175,12 @@ def test_nothing_the_size_of_a_layer_is_allocated(impl):
     """Nothing the size of a layer is allocated per write or commit. A 3-token block written into a
     cache of 256 slots, and a commit (of a tensor, of an int), allocates no tensor of even a quarter
     of a layer's elements (B, n_head, max_len, head_dim), of any dtype (a mask of bools too): the
-    block's own few at most. Hint: write into the buffer itself (index assignment, or scatter_ on
-    cache.k[layer_idx]); building the layer anew (scatter without the underscore, torch.where, a
-    clone) and copying it back keeps the address and the values, and still allocates a whole layer
-    at every step; a commit moves the lengths, nothing else."""
+    block's own few at most; and five more writes (at two layers) and commits after two leave
+    Python holding no more tensors than before them (the n each was given included). Hint: write
+    into the buffer itself (index assignment, or scatter_ on cache.k[layer_idx]); building the
+    layer anew (scatter without the underscore, torch.where, a clone) and copying it back keeps the
+    address and the values, and still allocates a whole layer at every step; a commit moves the
+    lengths, nothing else; keep nothing of a call past it (a list, a tensor concatenated onto)."""
     model = harness.tiny_target()
     cache = model.new_cache(2, 256)
     layer = cache.k[0].numel()
@@ -194,6 +197,9 @@ def test_nothing_the_size_of_a_layer_is_allocated(impl):
             raise harness.Fail(f"{what} allocated {len(big)} tensor(s) of {max(s for _, s in big)} elements "
                                f"({big[0][0]}), a layer's buffer holding {layer}: want nothing of a quarter of "
                                f"that or more")
+    harness.assert_keeps_nothing('write', lambda i: [impl.write(cache, at, *block_keys(), pos.clone())
+                                                     for at in (0, 1)])
+    harness.assert_keeps_nothing('commit', lambda i: impl.commit(cache, torch.tensor([1, 2])))
 
 
 def test_no_host_sync(impl):
@@ -276,6 +282,18 @@ def test_decodes_exactly_greedy(impl):
     out, _ = decode.generate(model, prompts, m, drafter=harness.peaky(BlockHeads(model.config, 4), 0.5, 4), k=4)
     assert torch.equal(out, ref), \
         f"random heads: the output differs from plain greedy decoding at {harness.first_difference(out, ref, 8)}"
+    # a draft model (drafters.DraftModel) keeps a cache of its own, of other heads and head size, written and
+    # committed between the target's: what one cache's write keeps must not serve the other's
+    small = harness.peaky(GPT(GPTConfig(block_size=96, vocab_size=32, n_layer=1, n_head=4, n_embd=16)), 0.3, 5)
+    out, _ = decode.generate(model, prompts, m, drafter=DraftModel(small, k=4), k=4)
+    if not torch.equal(out, ref):
+        raise harness.Fail(f"a draft model beside the target (two caches, 4 heads of 4 beside 2 of 16): the output "
+                           f"differs from plain greedy decoding at {harness.first_difference(out, ref, 8)}",
+                           "the draft model's cache and the target's are written in turn, with blocks of the same "
+                           "rows and lengths: something made once and kept across calls (a module-level index "
+                           "keyed on pos's shape, the first cache's buffers) served the other cache. Key what you "
+                           "keep on everything it depends on (the heads and head size, the device), or keep it on "
+                           "the cache itself")
 
 
 def try_it(impl, tryout):

@@ -303,10 +303,11 @@ def test_the_parameter_is_read_and_checked(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no Python loop, no tensor on another device. Nothing makes the host wait for the
-    device, as many ops for 6 rows, 8 positions or a vocabulary of 200 as for 3 rows of 5 over 50,
-    and no tensor is made off the logits' device (run on PyTorch's 'meta' device, which refuses a mix
-    of devices as CUDA does)."""
+    """No host sync, no Python loop, no tensor on another device, nothing kept. Nothing makes the host
+    wait for the device, as many ops for 6 rows, 8 positions or a vocabulary of 200 as for 3 rows of 5
+    over 50, no tensor is made off the logits' device (run on PyTorch's 'meta' device, which refuses
+    a mix of devices as CUDA does), and five more calls after two leave Python holding no more
+    tensors than before them (the rule runs at every step decoded)."""
     logits, drafts = random_block(B=8, seed=3)
     with harness.HostSyncs() as syncs:
         impl.typical(logits, drafts, (0.09, 0.3))
@@ -317,6 +318,7 @@ def test_no_host_sync(impl):
                            "the data (boolean indexing, nonzero)")
     harness.assert_no_python_loop('typical', [(f'B={B}, k={k}, V={V}', lambda B=B, k=k, V=V: impl.typical(
         *random_block(B, k, V, seed=4), (0.09, 0.3))) for B, k, V in ((3, 5, 50), (6, 5, 50), (3, 8, 50), (3, 5, 200))])
+    harness.assert_keeps_nothing('typical', lambda i: impl.typical(*random_block(B=4, seed=10 + i), (0.09, 0.3)))
     logits, drafts = harness.on_meta(logits), harness.on_meta(drafts)
     harness.assert_on_the_inputs_device('typical', lambda: impl.typical(logits, drafts, (0.09, 0.3)))
 

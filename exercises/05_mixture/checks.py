@@ -248,11 +248,12 @@ def test_no_underflow_over_32_tokens(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no Python loop, no tensor on another device. posterior and conditionals make the
-    host wait for nothing, dispatch as many ops for 8 or 200 rows, 6 positions, 5 branches or 9 or
-    9,000 tokens as for 4 rows of 3 positions, 3 branches and 5 tokens, and
-    make no tensor off their inputs' device (run on PyTorch's 'meta' device, which refuses a mix of
-    devices as CUDA does)."""
+    """No host sync, no Python loop, no tensor on another device, nothing kept. posterior and
+    conditionals make the host wait for nothing, dispatch as many ops for 8 or 200 rows, 6 positions,
+    5 branches or 9 or 9,000 tokens as for 4 rows of 3 positions, 3 branches and 5 tokens, make no
+    tensor off their inputs' device (run on PyTorch's 'meta' device, which refuses a mix of devices
+    as CUDA does), and five more calls of each after two leave Python holding no more tensors than
+    before them (they run at every step decoded)."""
     log_prior, log_q, drafts = random_mixture(seed=2)
     log_qd = drafted(log_q, drafts)
     # each alone: a conditionals that does not call posterior leaves the posterior's syncs unseen
@@ -271,6 +272,11 @@ def test_no_host_sync(impl):
     harness.assert_no_python_loop('conditionals', [(size, lambda m=m: impl.conditionals(*m)) for size, m in sizes])
     harness.assert_no_python_loop('posterior', [(size, lambda m=m: impl.posterior(m[0], drafted(*m[1:])))
                                                 for size, m in sizes])
+    def posterior_of(i):
+        log_prior, log_q, drafts = random_mixture(seed=20 + i)
+        return impl.posterior(log_prior, drafted(log_q, drafts))
+    harness.assert_keeps_nothing('posterior', posterior_of)
+    harness.assert_keeps_nothing('conditionals', lambda i: impl.conditionals(*random_mixture(seed=30 + i)))
     log_prior, log_q, drafts = (harness.on_meta(t) for t in (log_prior, log_q, drafts))
     log_qd = drafted(log_q, drafts)
     harness.assert_on_the_inputs_device('posterior', lambda: impl.posterior(log_prior, log_qd))

@@ -428,6 +428,22 @@ def test_the_acceptance_length_identity(impl):
         f"within 4.5 standard errors ({4.5 * se:.3f})"
 
 
+def test_nothing_kept_from_step_to_step(impl):
+    """Nothing kept from step to step. Five more training steps (a, the loss and its backward, new
+    values each) after two leave Python holding no more tensors than before them: train.py calls
+    both functions at every step, and a list of every a (or every loss) kept for a running
+    statistic keeps each step's whole graph alive, the drafter's logits with it, until the GPU runs
+    out of memory."""
+    g = torch.Generator().manual_seed(7)
+
+    def step(i):
+        log_prior, log_qx, log_px = random_block(seed=int(torch.randint(1000, (1,), generator=g)))
+        logits, q = (t.detach().clone().requires_grad_() for t in (log_prior, log_qx))
+        a = prefix(impl, F.log_softmax(logits, -1), q * 1.0, log_px)        # log q~, a function's output
+        surrogate(impl, a, -log_qx.sum((1, 2)), 0.01).sum().backward()
+    harness.assert_keeps_nothing('a, the loss and its backward', step)
+
+
 @torch.no_grad()
 def try_it(impl, tryout):
     """train.py's DBlast drafters on the held-out target samples its dblast stage made and cached in

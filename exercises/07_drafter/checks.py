@@ -676,6 +676,50 @@ def test_it_proposes_what_its_loss_trains(impl):
                     "applying it twice, or a loss that trains other positions than draft proposes"))
 
 
+def test_real_sizes_and_nothing_kept(impl):
+    """Real sizes, and nothing kept from call to call. On GPT-2's vocabulary (V = 50304, k = 64, on
+    PyTorch's 'meta' device, where a size costs nothing) draft makes no tensor of V x V elements or
+    more, greedy or sampled (a point mass as a row of torch.eye(V) is 10 GB); and five more drafts
+    and losses (with their backward) after two leave Python holding no more tensors than before:
+    nothing your drafter keeps grows with the steps decoded or trained (a list of every Q, or of
+    every loss with its graph, is memory that grows until the GPU runs out)."""
+    big = GPTConfig(block_size=64, vocab_size=50304, n_layer=1, n_head=2, n_embd=64)
+    with torch.device('meta'):
+        torch.manual_seed(0)
+        target, d = GPT(big), impl.MyDrafter(big, 64)
+    h, bonus = torch.empty(2, 64, device='meta'), torch.zeros(2, dtype=torch.long, device='meta')
+    V = big.vocab_size
+    for sample_drafts, T in ((False, 0.0), (True, 0.0), (True, 1.0)):
+        d.sample_drafts = sample_drafts
+        with harness.Largest() as largest, harness.autocast_off_on_meta():
+            try:
+                d.draft(h, bonus, target, 64, T, None)
+            except NotImplementedError as e:
+                if 'meta' not in str(e).lower():
+                    raise
+            except Exception:     # an op 'meta' cannot run says nothing about sizes
+                pass
+        if largest.most[0] >= V * V:
+            raise harness.Fail(f"V = {V}, k = 64, 2 rows, T = {T}{'' if sample_drafts else ', argmax drafts'}: draft "
+                               f"made a tensor of {largest.most[0]:.3g} elements ({largest.most[1]}), want none of "
+                               f"V x V = {V * V:.3g} or more (the logits of 2 rows are {2 * 63 * V:.3g})",
+                               "what fits: a table of the vocabulary against itself, such as torch.eye(V) indexed by "
+                               "the drafts for their one-hot (F.one_hot(drafts, V) is the size of Q; None is allowed)")
+    model = harness.tiny_target()
+    d = make(impl, model.config, 4, std=0.3)
+    d.sample_drafts = True
+    g = torch.Generator().manual_seed(6)
+    N, V = 8, model.config.vocab_size
+
+    def step(T):
+        h = torch.randn(N, model.config.n_embd, generator=g, dtype=torch.float64)
+        bonus, x = torch.randint(V, (N,), generator=g), torch.randint(V, (N, 3), generator=g)
+        d.draft(h, bonus, model, 4, T, g)
+        with torch.enable_grad():
+            d.loss(h, bonus, model, x, 1.5).backward()
+    harness.assert_keeps_nothing('draft, then the loss and its backward', lambda i: step((1.0, 0.0)[i % 2]))
+
+
 def try_it(impl, tryout):
     """Your drafter trained for 1,000 steps on the target samples train.py's dblast stage made and
     cached in out/data, then decoded at their temperature and greedily, next to the independent

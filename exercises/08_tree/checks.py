@@ -423,14 +423,15 @@ def test_sampling_is_lossless(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no Python loop, no tensor on another device. tree_step, greedy and sampled, for
+    """No host sync, no Python loop, no tensor on another device, nothing kept. tree_step, greedy and sampled, for
     three rows and for one, and sampled without a generator (the global RNG's draws), makes the host
     wait for nothing (tree_generate around it reads how far the rows are, as decode.generate does),
     draws from the generator it is given (the same seed, the same step, whatever the global RNG;
     without one, from the global RNG, two steps drawing anew and the same global seed drawing the
-    same), dispatches as many ops for 6 rows or 5 drafts a branch as for 3 rows of 3, and makes no
+    same), dispatches as many ops for 6 rows or 5 drafts a branch as for 3 rows of 3, makes no
     tensor off the device of its inputs (run on PyTorch's 'meta' device, which refuses a mix of
-    devices as CUDA does)."""
+    devices as CUDA does), and five more steps of one decode after two leave Python holding no more
+    tensors than before them."""
     model = harness.tiny_target()
     for T, B, g in ((0.0, 3, 8), (1.0, 3, 8), (0.0, 1, 8), (1.0, 1, 8), (1.0, 3, None)):   # one row; no generator
         step_args = sized_step(model, B, 3)
@@ -476,6 +477,16 @@ def test_no_host_sync(impl):
     for T in (0.0, 1.0):
         harness.assert_no_python_loop(f"T={T}", [(f'B={B}, {n} drafts a branch', lambda B=B, n=n: impl.tree_step(
             *sized_step(model, B, n), T, torch.Generator().manual_seed(8))) for B, n in ((3, 3), (6, 3), (3, 5))])
+    # nothing kept: steps of one decode (no autograd graph, as decode runs them: a graph through the
+    # cache's buffers would keep every cache alive)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        prefix, cache = torch.randint(32, (3, 6), generator=g), model.new_cache(3, 64)
+        model.forward_cached(prefix, cache)
+        cache.commit(6)
+        harness.assert_keeps_nothing('tree_step', lambda i: impl.tree_step(
+            model, cache, prefix[:, -1].clone(), torch.randint(32, (3, 4, 3), generator=g),
+            torch.ones(3, dtype=torch.bool), (0.0, 1.0)[i % 2], g))
     target = harness.on_meta(model)
     prefix = torch.randint(32, (3, 6), generator=torch.Generator().manual_seed(6))
     paths = torch.randint(32, (3, 4, 3), generator=torch.Generator().manual_seed(7))

@@ -418,3 +418,15 @@ def test_a_real_vocabulary(impl):
                                    "form that loses tokens, such as one integer, parent * V + token, which passes "
                                    "int64's 9.2e18 at 5 tokens of GPT-2's 50304 (or 8 of 256 bytes); carry the "
                                    "(B, M, d) tokens themselves, gathered by parent and extended by one a depth")
+
+
+def test_nothing_kept_from_call_to_call(impl):
+    """Nothing kept from call to call. Five more trees after two leave Python holding no more
+    tensors than before them: decode grows a tree at every step, and a list that every call adds
+    to is memory that grows with the tokens decoded."""
+    def call(seed):
+        world = World(B=2, V=5, n=3, seed=seed)
+        impl.grow_tree(world.log_q, 2, 3, 6, 'cpu')
+        world.given.clear()
+        world.asked.clear()
+    harness.assert_keeps_nothing('grow_tree', call)

@@ -101,6 +101,17 @@ def bonus_token_picked_by_a_product(logits, drafts, accept):
     return accepted, n_acc, (pick.unsqueeze(1) @ best.unsqueeze(-1)).flatten().long()   # bf16: 3001 -> 3008
 
 
+n_acc_seen = []
+
+
+def keeps_every_n_acc(logits, drafts, accept):
+    rule, param = accept
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    n_acc_seen.append(n_acc)                    # "for statistics": grows with the tokens decoded
+    return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+
+
 CONTROLS = {
     'counts past the first rejection': dict(verify_greedy=counts_past_the_first_rejection),
     'bonus one position late': dict(verify_greedy=bonus_one_position_late),
@@ -117,4 +128,5 @@ CONTROLS = {
         verify_greedy=bonus_logits_picked_by_a_product),
     'the bonus token picked by a one-hot matmul (bfloat16 under autocast: tokens above 256 rounded)': dict(
         verify_greedy=bonus_token_picked_by_a_product),
+    "keeps every step's n_acc in a list (memory grows with the tokens decoded)": dict(verify_greedy=keeps_every_n_acc),
 }

@@ -183,6 +183,29 @@ def normalised_by_a_matmul(w):
     return w.cumsum(-1), torch.ones_like(w[..., :1])                           # its total taken as 1
 
 
+def cdf_by_a_vocabulary_square_matmul(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    w = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    V = w.size(-1)
+    upper = torch.ones(V, V, device=w.device, dtype=w.dtype).triu()      # (V, V): 2.5e9 elements at V = 50,304
+    with torch.autocast(w.device.type, enabled=False):                   # exact, in float32 or wider
+        cdf = w @ upper
+    u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=w.device, dtype=w.dtype) * cdf[..., -1:]
+    return accept_prefix(ok, torch.searchsorted(cdf, u, right=True).clamp(max=V - 1).squeeze(-1))
+
+
+verdicts_seen = []
+
+
+def keeps_every_calls_verdicts(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    verdicts_seen.append(ok)                       # "for the acceptance rate": grows with the tokens decoded
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    return accept_prefix(ok, sample(weights, generator))
+
+
 CONTROLS = {
     'residual without subtracting Q': dict(verify_sampled=residual_without_Q),
     'temperature on the acceptance test only': dict(verify_sampled=temperature_on_the_test_only),
@@ -211,4 +234,8 @@ CONTROLS = {
         verify_sampled=inverse_cdf(cdf_by_a_triangular_matmul)),
     "the bonus's weights normalised by a matmul, u not scaled by their total": dict(
         verify_sampled=inverse_cdf(normalised_by_a_matmul)),
+    'the bonus by an inverse CDF from a (V, V) triangular matmul, autocast off (10 GB at V = 50,304)': dict(
+        verify_sampled=cdf_by_a_vocabulary_square_matmul),
+    "keeps every call's verdicts in a list (memory grows with the tokens decoded)": dict(
+        verify_sampled=keeps_every_calls_verdicts),
 }

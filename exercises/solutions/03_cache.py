@@ -106,6 +106,31 @@ def commit_of_an_int_sent_to_the_device(cache, n):
     cache.lengths += torch.tensor(n).to(cache.lengths.device) if isinstance(n, int) else n   # a copy, a sync
 
 
+block_index = {}
+
+
+def write_index_keyed_on_the_blocks_shape(cache, layer_idx, k, v, pos):
+    key = (tuple(pos.shape), cache.k.device)     # rows and length: not the heads or the head size
+    if key not in block_index:
+        block_index[key] = torch.empty(k.shape, dtype=torch.long, device=cache.k.device)
+    idx = block_index[key]                      # another model's cache (a draft model's) gets this one's
+    idx.copy_(pos[:, None, :, None].expand_as(idx))
+    for buf, new in ((cache.k, k), (cache.v, v)):
+        buf[layer_idx].scatter_(2, idx, new.to(buf.dtype))
+    return cache.k[layer_idx], cache.v[layer_idx]
+
+
+def write_keeps_every_blocks_positions(cache, layer_idx, k, v, pos):
+    if layer_idx == 0:                          # "to debug": a tensor that grows with the tokens decoded
+        cache.written = torch.cat([getattr(cache, 'written', pos[:, :0]), pos], 1)
+    return project_write(cache, layer_idx, k, v, pos)
+
+
+def commit_keeps_every_n(cache, n):
+    cache.__dict__.setdefault('history', []).append(n)      # every step's n, kept: grows with the tokens decoded
+    cache.lengths += n
+
+
 CONTROLS = {
     'commits the same length for every row': dict(commit=same_length_for_every_row),
     'writes the block at the start of the buffer': dict(write=write_at_the_start),
@@ -125,4 +150,9 @@ CONTROLS = {
     "write in k's own dtype, not the cache's (no cast)": dict(write=write_without_a_cast),
     'commit of an int sent to the device by .to() (torch.tensor(n).to(device))': dict(
         commit=commit_of_an_int_sent_to_the_device),
+    "write's index kept by the block's shape alone (a draft model's cache gets the target's)": dict(
+        write=write_index_keyed_on_the_blocks_shape),
+    "write keeps every block's positions (torch.cat onto the cache: grows with the tokens decoded)": dict(
+        write=write_keeps_every_blocks_positions),
+    "commit keeps every n in a list on the cache (grows with the tokens decoded)": dict(commit=commit_keeps_every_n),
 }

@@ -160,6 +160,18 @@ def drafts_flattened_by_view(logits, drafts, param):
     return p_d > threshold
 
 
+entropies_seen = []
+
+
+def keeps_every_entropy(logits, drafts, param):
+    epsilon, delta = param
+    p = F.softmax(logits[:, :-1].double(), dim=-1)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    entropies_seen.append(entropy)              # "for statistics": grows with the tokens decoded
+    threshold = (delta * torch.exp(-entropy)).clamp(max=epsilon)
+    return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
@@ -182,4 +194,5 @@ CONTROLS = {
         typical=judged_by(lambda p, log_p: -(p * log_p).sum(-1), p_d_by_an_einsum)),
     "the drafts flattened by .view() (decode's drafts are the block's slice: an error with more than one row)": dict(
         typical=drafts_flattened_by_view),
+    "keeps every step's entropies in a list (memory grows with the tokens decoded)": dict(typical=keeps_every_entropy),
 }

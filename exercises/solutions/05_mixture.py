@@ -95,6 +95,15 @@ def a_loop_over_the_branches(log_prior, log_q, drafts):
     return sum(w[:, :, z, None] * log_q[:, z].exp() for z in range(K))               # K times the ops
 
 
+posteriors_seen = []
+
+
+def keeps_every_posterior(log_prior, log_qd):
+    w = project_posterior(log_prior, log_qd)
+    posteriors_seen.append(w)                   # "for statistics": grows with the tokens decoded
+    return w
+
+
 CONTROLS = {name: dict(posterior=fn, conditionals=with_posterior(fn)) for name, fn in [
     ('the prior at every position', prior_at_every_position),
     ('conditioned on the draft itself', conditioned_on_the_draft_itself),
@@ -114,4 +123,6 @@ CONTROLS.update({
     'a host sync in the posterior alone (a conditionals that does not call it)': dict(
         posterior=a_host_sync_in_the_posterior, conditionals=with_posterior(project_posterior)),
     'Q checked by assert torch.allclose (a host sync)': dict(conditionals=checked_by_allclose),
+    "keeps every step's posterior in a list (memory grows with the tokens decoded)": dict(
+        posterior=keeps_every_posterior, conditionals=with_posterior(keeps_every_posterior)),
 })

@@ -172,6 +172,15 @@ def nll_detached(a, nll, tau_threshold):
     return project_al_surrogate(a, nll.detach(), tau_threshold)              # a row with an empty R learns nothing
 
 
+HISTORY = []
+
+
+def keeps_every_a(log_prior, log_qx, log_px, verify='mixture'):
+    a = project_prefix_log_accept(log_prior, log_qx, log_px, verify)
+    HISTORY.append(a)                        # for a running statistic: each step's graph kept alive
+    return a
+
+
 CONTROLS = {
     'no clamp at 1': dict(prefix_log_accept=no_clamp),
     'NaN off every branch, where the answer is -inf': dict(prefix_log_accept=conditionals_without_their_guard),
@@ -198,4 +207,5 @@ CONTROLS = {
     'the mean over R by an einsum, left to autocast': dict(al_surrogate=mean_over_R_by_an_einsum),
     'the tails by an einsum with a triangular matrix, left to autocast': dict(al_surrogate=tails_by_an_einsum),
     "the fallback's nll detached": dict(al_surrogate=nll_detached),
+    'every a kept in a list (each step\'s graph kept alive)': dict(prefix_log_accept=keeps_every_a),
 }

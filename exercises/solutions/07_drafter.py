@@ -467,6 +467,29 @@ class AddsIntoH(MyDrafter):
         return self.heads_logits(self.w_in(torch.cat([h, h], -1)), self.heads[:n], target)
 
 
+class EyeForPointMasses(MyDrafter):
+    """Argmax drafts returned with their one-hot as rows of torch.eye(V): right values, and a V x V
+    table a call (10 GB in float32 on GPT-2's vocabulary)."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        drafts, q = super().draft(h, bonus, target, k, temperature, generator)
+        if q is None:
+            q = torch.eye(target.lm_head.out_features, dtype=h.dtype, device=h.device)[drafts]
+        return drafts, q
+
+
+class KeepsEveryQ(MyDrafter):
+    """Keeps every Q it proposed (for statistics, say) in a list: memory that grows with every step
+    decoded, by (rows, k-1, V) a step on a real vocabulary."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        drafts, q = super().draft(h, bonus, target, k, temperature, generator)
+        self.__dict__.setdefault('proposed', []).append(drafts if q is None else q)
+        return drafts, q
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
@@ -500,4 +523,6 @@ CONTROLS = {
     'a generator of its own when none is given': dict(MyDrafter=OwnGeneratorWhenNone),
     'a host sync without a generator (a seed read back)': dict(MyDrafter=SeedReadBack),
     "the bonus's embedding added into h in place": dict(MyDrafter=AddsIntoH),
+    'point masses as rows of torch.eye(V) (V x V on a real vocabulary)': dict(MyDrafter=EyeForPointMasses),
+    'every Q kept in a list (memory that grows with the steps)': dict(MyDrafter=KeepsEveryQ),
 }

@@ -126,6 +126,15 @@ def wrong(**how):
     return dict(tree_step=lambda *a, **kw: verify_tree(*a, **kw, **how))
 
 
+steps_seen = []
+
+
+def keeps_every_step(model, cache, bonus, paths, active, temperature=0.0, generator=None):
+    out = verify_tree(model, cache, bonus, paths, active, temperature, generator)
+    steps_seen.append(out)                      # "for statistics": grows with the tokens decoded
+    return out
+
+
 CONTROLS = {
     'a fresh sample for the bonus': wrong(fresh_bonus=True),
     'each branch samples shared nodes anew': wrong(nodes='none'),
@@ -142,4 +151,5 @@ CONTROLS = {
     'a generator seeded inside when none is given': wrong(seeds_its_own=True),
     'a generator seeded by the system when none is given': wrong(seeds_from_os=True),
     'the branch a sort keeps, the bonus at its own copy of a shared node': wrong(by_sort=True),
+    "keeps every step's outputs in a list (memory grows with the tokens decoded)": dict(tree_step=keeps_every_step),
 }

@@ -92,6 +92,15 @@ def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='
     return token.gather(1, keep), tree
 
 
+TREES = []
+
+
+def keeps_every_tree(log_q, B, n, nodes, device):
+    tree = grown(log_q, B, n, nodes, device)
+    TREES.append(tree)                       # every tree grown: memory that grows with the tokens decoded
+    return tree
+
+
 def mistake(**kw):
     def grow_tree(log_q, B, n, nodes, device):
         return grown(log_q, B, n, nodes, device, **kw)
@@ -122,4 +131,5 @@ CONTROLS = {
         dict(grow_tree=mistake(coded=True)),
     'the kept tokens picked by a one-hot matmul (bfloat16 under autocast: tokens above 256 rounded)':
         dict(grow_tree=mistake(by_product=True)),
+    'every tree kept in a list (memory that grows with the steps)': dict(grow_tree=keeps_every_tree),
 }
