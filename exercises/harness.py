@@ -713,7 +713,13 @@ def live_tensors():
     a list appended to in tensors."""
     gc.collect()
     tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
-    storages = {(t.device, t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}
+    storages = {}
+    for t in tensors:
+        try:
+            if t.device.type != 'meta':     # no memory, and every storage at address 0
+                storages[t.device, t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        except RuntimeError:                # a compiler's tensor (FakeTensor) an earlier compile left: no storage
+            pass
     return len(tensors), sum(storages.values())
 
 
