@@ -707,20 +707,47 @@ class Largest(EagerMode):
         return out
 
 
-def live_tensors():
-    """How many tensors Python holds, after a collection, and the bytes of their storages (each
-    counted once: a view is its base's): a tensor concatenated onto at every call grows in bytes,
-    a list appended to in tensors."""
-    gc.collect()
-    tensors = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
-    storages = {}
-    for t in tensors:
-        try:
-            if t.device.type != 'meta':     # no memory, and every storage at address 0
-                storages[t.device, t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        except RuntimeError:                # a compiler's tensor (FakeTensor) an earlier compile left: no storage
-            pass
-    return len(tensors), sum(storages.values())
+class Made(EagerMode):
+    """Every tensor an op inside the block returns, by weak reference (the op's name beside each),
+    and the storages the block allocated (as Allocations sees them: a view, or an op that writes
+    into an input, allocates nothing): to see which of those the code keeps alive after it,
+    through the tensor an op made or any view of it (a .detach(), a slice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs, self.new = [], set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]   # noqa: E731
+        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
+        for t in tensors(out):
+            self.refs.append((str(func), weakref.ref(t)))
+            if t.untyped_storage().data_ptr() not in inputs:
+                self.new.add(t.untyped_storage().data_ptr())
+        return out
+
+    def alive(self):
+        """(storages the block allocated that a live tensor still holds, their bytes, the op that
+        made the first of those tensors)."""
+        held = {}
+        for op, ref in self.refs:
+            t = ref()
+            if t is not None and t.untyped_storage().data_ptr() in self.new:
+                held.setdefault(t.untyped_storage().data_ptr(), (t.untyped_storage().nbytes(), op))
+        return len(held), sum(n for n, _ in held.values()), next(iter(held.values()))[1] if held else ''
+
+
+def kept_after(call, calls):
+    """Made.alive() of the tensors call(i) for i in `calls` made. A reference cycle outlives its
+    last use until the garbage collector runs, which costs a walk over every object of the process:
+    run only where something is still alive."""
+    with Made() as made:
+        for i in calls:
+            call(i)
+    if made.alive()[0]:
+        gc.collect()
+    return made.alive()
 
 
 KEPT_HINT = ("what fits: a list that every call adds to (or a tensor concatenated onto), on a module, the cache, the "
@@ -731,20 +758,21 @@ KEPT_HINT = ("what fits: a list that every call adds to (or a tensor concatenate
 
 
 def assert_keeps_nothing(what, call, hint=KEPT_HINT, warmup=2, calls=5):
-    """call(i) for i in range(warmup + calls), each with inputs of its own, shaped alike (the steps
-    of one decode, where a table keyed on the shapes is made once): Fail if Python holds more
-    tensors, or more bytes of them, after the last `calls` than before them (what a first call sets
-    up once, a cache keyed right, is made in the warm-up). A step runs at every token decoded, a
-    loss at every training step: what grows by a tensor a call grows until the memory runs out."""
+    """call(i) for i in range(warmup), then once more, then `calls` more, each with inputs of its
+    own, shaped alike (the steps of one decode, where a table keyed on the shapes is made once):
+    Fail if the tensors the `calls` calls made and left alive are more, or hold more bytes, than
+    those one call made and left (the last result kept is one call's worth whatever the calls; a
+    list of every result, or a tensor concatenated onto, grows with them). What a first call sets
+    up once, a cache keyed right, is made in the warm-up. A step runs at every token decoded, a
+    loss at every training step: what grows with the calls grows until the memory runs out."""
     for i in range(warmup):
         call(i)
-    (n, size) = live_tensors()
-    for i in range(warmup, warmup + calls):
-        call(i)
-    (n_after, size_after) = live_tensors()
-    if n_after > n or size_after > size:
-        raise Fail(f"{what}: after {calls} more calls Python holds {n_after - n} more tensor(s) than before them, "
-                   f"{size_after - size} more bytes, want none more: something keeps a tensor from every call", hint)
+    one = kept_after(call, [warmup])
+    many = kept_after(call, range(warmup + 1, warmup + 1 + calls))
+    if many[0] > one[0] or many[1] > one[1]:
+        raise Fail(f"{what}: {calls} more calls left {many[0]} tensor(s) they made alive, {many[1]} bytes ({many[2]} "
+                   f"made one), where one call left {one[0]}, {one[1]} bytes: want no more, whatever the number of "
+                   f"calls", hint)
 
 
 # ----------------------------------------------------------------------------- devices

@@ -115,6 +115,33 @@ def test_a_view_of_a_slice_says_why_it_failed():
     assert not r.passed and 'view size is not compatible' in r.reason and r.hint == harness.VIEW_HINT, r
 
 
+def test_what_grows_with_the_calls_is_refused_and_the_last_result_kept_is_not():
+    """harness.assert_keeps_nothing: a list of every call's tensor, a tensor concatenated onto at
+    every call, and a list of detached views of what each call made fail; a table made once, and
+    the last result kept (one call's worth whatever the number of calls), pass."""
+    kept = {'all': [], 'cat': torch.zeros(0), 'table': {}}
+
+    def appends(i):
+        kept['all'].append(torch.arange(4) * i)
+
+    def concatenates(i):
+        kept['cat'] = torch.cat([kept['cat'], torch.arange(4.0)])
+
+    def detaches(i):
+        kept['all'].append((torch.arange(4.0) * i).detach()[1:])
+
+    def table_once(i):
+        return kept['table'].setdefault('mask', torch.ones(4, 4).tril()) * i
+
+    def keeps_the_last(i):
+        kept['last'] = torch.arange(4) * i
+    for grows in (appends, concatenates, detaches):
+        with pytest.raises(harness.Fail, match='want no more'):
+            harness.assert_keeps_nothing(grows.__name__, grows)
+    for right in (table_once, keeps_the_last):
+        harness.assert_keeps_nothing(right.__name__, right)
+
+
 @pytest.mark.skipif(not HAVE_SOLUTIONS, reason="a handout: its decodes run on the students' cache (exercise 3)")
 def test_exercise_1_takes_int32_as_well_as_long():
     """The statement allows n_acc and bonus in int32 as well as long: int32 ones pass every check

@@ -225,8 +225,8 @@ def test_no_host_sync(impl):
     """No host sync, no Python loop, no tensor on another device, nothing kept. No .item(), no
     boolean indexing, nothing that makes a GPU wait for the host; as many ops for 6 rows or 8
     positions as for 3 rows of 5; no tensor made off the logits' device (run on PyTorch's 'meta'
-    device, which refuses a mix of devices as CUDA does); five more calls after two leave Python
-    holding no more tensors than before them (the step runs at every token decoded)."""
+    device, which refuses a mix of devices as CUDA does); five calls keep no more of the
+    tensors they make, nor more bytes, than one call (the step runs at every token decoded)."""
     greedy, drafts, _ = planted()
     logits = scripted(greedy, 11)
     with harness.HostSyncs() as syncs:

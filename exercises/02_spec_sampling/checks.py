@@ -343,8 +343,8 @@ def test_no_host_sync(impl):
 def test_real_sizes_and_nothing_kept(impl):
     """A GPT-2 vocabulary, and nothing kept between calls. At the project's sizes (V = 50,304, 16
     rows, k = 64; run on PyTorch's 'meta' device, which allocates nothing) no tensor holds more than
-    a few times the logits' elements; and five more calls after two leave Python holding no more
-    tensors than before them (a list appended to at every call grows with the tokens decoded)."""
+    a few times the logits' elements; and five calls keep no more of the tensors they make, nor
+    more bytes, than one call (a list appended to at every call grows with the tokens decoded)."""
     B, k, big = 16, 64, 50304
     logits = torch.empty(B, k, big, device='meta')
     Q, drafts = torch.empty(B, k - 1, big, device='meta'), torch.zeros(B, k - 1, dtype=torch.long, device='meta')

@@ -175,8 +175,8 @@ def test_nothing_the_size_of_a_layer_is_allocated(impl):
     """Nothing the size of a layer is allocated per write or commit. A 3-token block written into a
     cache of 256 slots, and a commit (of a tensor, of an int), allocates no tensor of even a quarter
     of a layer's elements (B, n_head, max_len, head_dim), of any dtype (a mask of bools too): the
-    block's own few at most; and five more writes (at two layers) and commits after two leave
-    Python holding no more tensors than before them (the n each was given included). Hint: write
+    block's own few at most; and five writes (at two layers) and commits keep no more of the
+    tensors they make, nor more bytes, than one of each (the n each was given included). Hint: write
     into the buffer itself (index assignment, or scatter_ on cache.k[layer_idx]); building the
     layer anew (scatter without the underscore, torch.where, a clone) and copying it back keeps the
     address and the values, and still allocates a whole layer at every step; a commit moves the
@@ -199,7 +199,7 @@ def test_nothing_the_size_of_a_layer_is_allocated(impl):
                                f"that or more")
     harness.assert_keeps_nothing('write', lambda i: [impl.write(cache, at, *block_keys(), pos.clone())
                                                      for at in (0, 1)])
-    harness.assert_keeps_nothing('commit', lambda i: impl.commit(cache, torch.tensor([1, 2])))
+    harness.assert_keeps_nothing('commit', lambda i: impl.commit(cache, torch.arange(1, 3)))   # n = [1, 2], made anew
 
 
 def test_no_host_sync(impl):

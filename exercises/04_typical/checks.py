@@ -306,8 +306,8 @@ def test_no_host_sync(impl):
     """No host sync, no Python loop, no tensor on another device, nothing kept. Nothing makes the host
     wait for the device, as many ops for 6 rows, 8 positions or a vocabulary of 200 as for 3 rows of 5
     over 50, no tensor is made off the logits' device (run on PyTorch's 'meta' device, which refuses
-    a mix of devices as CUDA does), and five more calls after two leave Python holding no more
-    tensors than before them (the rule runs at every step decoded)."""
+    a mix of devices as CUDA does), and five calls keep no more of the tensors they make, nor
+    more bytes, than one call (the rule runs at every step decoded)."""
     logits, drafts = random_block(B=8, seed=3)
     with harness.HostSyncs() as syncs:
         impl.typical(logits, drafts, (0.09, 0.3))

@@ -252,8 +252,8 @@ def test_no_host_sync(impl):
     conditionals make the host wait for nothing, dispatch as many ops for 8 or 200 rows, 6 positions,
     5 branches or 9 or 9,000 tokens as for 4 rows of 3 positions, 3 branches and 5 tokens, make no
     tensor off their inputs' device (run on PyTorch's 'meta' device, which refuses a mix of devices
-    as CUDA does), and five more calls of each after two leave Python holding no more tensors than
-    before them (they run at every step decoded)."""
+    as CUDA does), and five calls of each keep no more of the tensors they make, nor more bytes,
+    than one call (they run at every step decoded)."""
     log_prior, log_q, drafts = random_mixture(seed=2)
     log_qd = drafted(log_q, drafts)
     # each alone: a conditionals that does not call posterior leaves the posterior's syncs unseen

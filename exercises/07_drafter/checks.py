@@ -679,8 +679,8 @@ def test_it_proposes_what_its_loss_trains(impl):
 def test_real_sizes_and_nothing_kept(impl):
     """Real sizes, and nothing kept from call to call. On GPT-2's vocabulary (V = 50304, k = 64, on
     PyTorch's 'meta' device, where a size costs nothing) draft makes no tensor of V x V elements or
-    more, greedy or sampled (a point mass as a row of torch.eye(V) is 10 GB); and five more drafts
-    and losses (with their backward) after two leave Python holding no more tensors than before:
+    more, greedy or sampled (a point mass as a row of torch.eye(V) is 10 GB); and five drafts and
+    losses (with their backward) keep no more of the tensors they make, nor more bytes, than one:
     nothing your drafter keeps grows with the steps decoded or trained (a list of every Q, or of
     every loss with its graph, is memory that grows until the GPU runs out)."""
     big = GPTConfig(block_size=64, vocab_size=50304, n_layer=1, n_head=2, n_embd=64)

@@ -421,8 +421,8 @@ def test_a_real_vocabulary(impl):
 
 
 def test_nothing_kept_from_call_to_call(impl):
-    """Nothing kept from call to call. Five more trees after two leave Python holding no more
-    tensors than before them: decode grows a tree at every step, and a list that every call adds
+    """Nothing kept from call to call. Five trees keep no more of the tensors they make, nor
+    more bytes, than one call: decode grows a tree at every step, and a list that every call adds
     to is memory that grows with the tokens decoded."""
     def call(seed):
         world = World(B=2, V=5, n=3, seed=seed)
