@@ -272,6 +272,7 @@ def test_no_host_sync(impl):
     harness.assert_no_python_loop('conditionals', [(size, lambda m=m: impl.conditionals(*m)) for size, m in sizes])
     harness.assert_no_python_loop('posterior', [(size, lambda m=m: impl.posterior(m[0], drafted(*m[1:])))
                                                 for size, m in sizes])
+
     def posterior_of(i):
         log_prior, log_q, drafts = random_mixture(seed=20 + i)
         return impl.posterior(log_prior, drafted(log_q, drafts))

@@ -429,7 +429,7 @@ def test_the_acceptance_length_identity(impl):
 
 
 def test_nothing_kept_from_step_to_step(impl):
-    """Nothing kept from step to step. Five more training steps (a, the loss and its backward, new
+    """Nothing kept from step to step. Five training steps (a, the loss and its backward, new
     values each) keep no more of the tensors they make, nor more bytes, than one: train.py calls
     both functions at every step, and a list of every a (or every loss) kept for a running
     statistic keeps each step's whole graph alive, the drafter's logits with it, until the GPU runs

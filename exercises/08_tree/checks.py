@@ -423,15 +423,15 @@ def test_sampling_is_lossless(impl):
 
 
 def test_no_host_sync(impl):
-    """No host sync, no Python loop, no tensor on another device, nothing kept. tree_step, greedy and sampled, for
-    three rows and for one, and sampled without a generator (the global RNG's draws), makes the host
-    wait for nothing (tree_generate around it reads how far the rows are, as decode.generate does),
-    draws from the generator it is given (the same seed, the same step, whatever the global RNG;
-    without one, from the global RNG, two steps drawing anew and the same global seed drawing the
-    same), dispatches as many ops for 6 rows or 5 drafts a branch as for 3 rows of 3, makes no
-    tensor off the device of its inputs (run on PyTorch's 'meta' device, which refuses a mix of
-    devices as CUDA does), and five steps of one decode keep no more of the tensors they make, nor
-    more bytes, than one call."""
+    """No host sync, no Python loop, no tensor on another device, nothing kept. tree_step, greedy
+    and sampled, for three rows and for one, and sampled without a generator (the global RNG's
+    draws), makes the host wait for nothing (tree_generate around it reads how far the rows are, as
+    decode.generate does), draws from the generator it is given (the same seed, the same step,
+    whatever the global RNG; without one, from the global RNG, two steps drawing anew and the same
+    global seed drawing the same), dispatches as many ops for 6 rows or 5 drafts a branch as for 3
+    rows of 3, makes no tensor off the device of its inputs (run on PyTorch's 'meta' device, which
+    refuses a mix of devices as CUDA does), and five steps of one decode keep no more of the tensors
+    they make, nor more bytes, than one call."""
     model = harness.tiny_target()
     for T, B, g in ((0.0, 3, 8), (1.0, 3, 8), (0.0, 1, 8), (1.0, 1, 8), (1.0, 3, None)):   # one row; no generator
         step_args = sized_step(model, B, 3)
