@@ -88,7 +88,8 @@ def test_greedy_accepts_the_longest_branch(impl):
     """Greedy: the longest matching branch. For K = 4 branches (some sharing a first token, one the
     target's greedy path), n_acc is the longest accepted prefix among them, the bonus the target's
     argmax after it, and the cache afterwards equals a fresh prefill of what was committed; with one
-    row (a single prompt), the same answer in shapes of one row."""
+    row (a single prompt), the same answer in shapes of one row; and branches of 14 drafts that
+    differ in their first token only."""
     model = harness.tiny_target()
     B, n = 3, 3
     prefix = torch.randint(32, (B, 6), generator=torch.Generator().manual_seed(0))
@@ -149,6 +150,20 @@ def test_greedy_accepts_the_longest_branch(impl):
     greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best=1,
                          case="with branches 0 and 2 holding, at their first two drafts, tokens of the same sum as "
                               "the right branch 1's: ")
+    # branches of 14 drafts that differ in their first token only (the right one second): a prefix
+    # coded as one int64, code * V + token, loses its first token from the 14th on (32^13 = 2^65),
+    # as GPT-2's 50304 = 2^7 x 393 loses it from the 11th, and shares the two branches' deep nodes
+    n = 14
+    greedy = harness.plain_greedy(model, prefix, 1 + n + 1)[:, 6:]
+    bonus, g = greedy[:, 0], greedy[:, 1:1 + n]
+    paths = torch.stack([g, g, (g + 1) % 32, (g + 2) % 32], 1)
+    paths[:, 0, 0] = (g[:, 0] + 3) % 32
+    cache = model.new_cache(B, 64)
+    model.forward_cached(prefix, cache)
+    cache.commit(6)
+    got = impl.tree_step(model, cache, bonus, paths, torch.ones(B, dtype=torch.bool), 0.0)
+    greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best=1,
+                         case="branches of 14 drafts, branch 0 unlike the right branch 1 in its first token only: ")
 
 
 class LayerCalls:

@@ -89,6 +89,15 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     if nodes == 'sum':                                          # prefixes told apart by the sum of their tokens
         total = paths.cumsum(-1)
         same = total[:, :, None, :] == total[:, None, :, :]
+    if nodes == 'code':                                         # a prefix coded as one int64: code * V + token
+        V = logits.size(-1)
+        code = torch.zeros_like(paths[..., 0])
+        codes = []
+        for i in range(n):
+            code = code * V + paths[..., i]                       # wraps past 2^63: early tokens fall out
+            codes.append(code)
+        code = torch.stack(codes, -1)
+        same = code[:, :, None, :] == code[:, None, :, :]
     if nodes == 'prefix':
         same = same.long().cumprod(-1).bool()                                           # the whole prefix
     canon = torch.arange(K, device=dev)[None, :, None].expand(B, K, n) if nodes == 'none' else same.long().argmax(2)
@@ -151,5 +160,7 @@ CONTROLS = {
     'a generator seeded inside when none is given': wrong(seeds_its_own=True),
     'a generator seeded by the system when none is given': wrong(seeds_from_os=True),
     'the branch a sort keeps, the bonus at its own copy of a shared node': wrong(by_sort=True),
+    'nodes shared by a prefix coded as one int64 (code * V + token: its first tokens fall out past 2^64)': wrong(
+        nodes='code'),
     "keeps every step's outputs in a list (memory grows with the tokens decoded)": dict(tree_step=keeps_every_step),
 }
