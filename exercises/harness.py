@@ -667,6 +667,18 @@ TEMPORARY_OF_ITS_SIZE = {aten.scatter_reduce_.two: 'mean', aten.scatter_reduce.t
                          aten.masked_scatter_.default: None, aten.masked_scatter.default: None}
 
 
+def tensors_in(tree):
+    """The tensors among an op's arguments or outputs."""
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def allocated(args, kwargs, out):
+    """The outputs of an op whose storage is none of its inputs' (a view, or an op that writes into
+    an input, allocates nothing)."""
+    inputs = {t.untyped_storage().data_ptr() for t in tensors_in((args, kwargs))}
+    return [t for t in tensors_in(out) if t.untyped_storage().data_ptr() not in inputs]
+
+
 class Allocations(EagerMode):
     """Records every tensor an op inside the block allocates: (op, elements) of each output whose
     storage is none of its inputs' (a view, or an op that writes into an input, allocates nothing),
@@ -680,10 +692,8 @@ class Allocations(EagerMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]   # noqa: E731
-        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
-        self.seen += [(str(func), t.untyped_storage().nbytes() // t.element_size()) for t in tensors(out)
-                      if t.untyped_storage().data_ptr() not in inputs]
+        self.seen += [(str(func), t.untyped_storage().nbytes() // t.element_size())
+                      for t in allocated(args, kwargs, out)]
         if func in TEMPORARY_OF_ITS_SIZE and TEMPORARY_OF_ITS_SIZE[func] in (None, args[4] if len(args) > 4 else None):
             self.seen.append((f"{func} (a temporary inside it)", args[0].numel()))
         return out
@@ -701,10 +711,24 @@ class Largest(EagerMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() // t.element_size() > self.most[0]:
+        for t in tensors_in(out):
+            if t.untyped_storage().nbytes() // t.element_size() > self.most[0]:
                 self.most = (t.untyped_storage().nbytes() // t.element_size(), str(func))
         return out
+
+
+def largest_on_meta(call):
+    """Largest.most of call(), its inputs on 'meta'. An op 'meta' cannot run says nothing about
+    sizes (the device check judges it): the watch stops there. Not written yet passes through."""
+    with Largest() as seen, autocast_off_on_meta():
+        try:
+            call()
+        except NotImplementedError as e:
+            if 'meta' not in str(e).lower():
+                raise                                   # not written yet (torch's own say 'Meta')
+        except Exception:
+            pass
+    return seen.most
 
 
 class Made(EagerMode):
@@ -719,12 +743,8 @@ class Made(EagerMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tensors = lambda tree: [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]   # noqa: E731
-        inputs = {t.untyped_storage().data_ptr() for t in tensors((args, kwargs))}
-        for t in tensors(out):
-            self.refs.append((str(func), weakref.ref(t)))
-            if t.untyped_storage().data_ptr() not in inputs:
-                self.new.add(t.untyped_storage().data_ptr())
+        self.refs += [(str(func), weakref.ref(t)) for t in tensors_in(out)]
+        self.new.update(t.untyped_storage().data_ptr() for t in allocated(args, kwargs, out))
         return out
 
     def alive(self):
