@@ -29,12 +29,6 @@ def random_block(B=400, k=5, V=50, seed=0, sliced=False):
     return logits, F.pad(drafts, (1, 0))[:, 1:] if sliced else drafts      # a slice of the block, as the step's
 
 
-LAYOUT_HINT = ("decode.merged_step passes the drafts as block[:, 1:], a slice of the block [bonus, drafts] (B, k): "
-               "with more than one row it is not contiguous, and .view() of it (drafts.view(-1), a flatten by view) "
-               "fails there. What fits: reshape, flatten, or indexing that keeps its shape (drafts.unsqueeze(-1) "
-               "for gather)")
-
-
 def test_the_greedy_token_always_passes(impl):
     """The greedy token always passes. For flat and peaked distributions and several (epsilon, delta),
     the target's own argmax is accepted, as the exact rule would (exp(-H(p)) <= max p, so with
@@ -103,17 +97,10 @@ def test_the_threshold(impl):
         logits, drafts = random_block(k=k, seed=1, sliced=True)
         for eps, delta in SETTINGS:
             want = rule(logits, drafts, eps, delta)
-            try:
-                got = harness.assert_inputs_unchanged(
-                    'typical', lambda: impl.typical(logits, drafts, (eps, delta)),
-                    "what fits: an in-place op (softmax_, log_, unsqueeze_, masked_fill_) on an input, or on .double() "
-                    "of float64 logits, which is the same tensor", logits=logits, drafts=drafts)
-            except RuntimeError as e:
-                if 'view' not in str(e):
-                    raise
-                raise harness.Fail(f"k = {k}, B = 400, the drafts a slice of the block (strides {drafts.stride()}, "
-                                   f"as decode passes them): {harness.first_line(e).rstrip('.')}{harness.where_in_student(e)}; "
-                                   f"want the verdicts whatever the drafts' layout", LAYOUT_HINT)
+            got = harness.assert_inputs_unchanged(   # a .view() of the slice fails here: harness.VIEW_HINT says why
+                'typical', lambda: impl.typical(logits, drafts, (eps, delta)),
+                "what fits: an in-place op (softmax_, log_, unsqueeze_, masked_fill_) on an input, or on .double() "
+                "of float64 logits, which is the same tensor", logits=logits, drafts=drafts)
             if not (isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == torch.bool):
                 shown = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else type(got).__name__
                 raise harness.Fail(f"k = {k}, B = 400: ok is {shown}, want {tuple(want.shape)} torch.bool",
