@@ -1,13 +1,15 @@
 """
 The loop every training stage of train.py runs, and what it runs on: the Runtime (device, the
 DDP process group torchrun starts, precision, seeds), AdamW with warm-up and cosine decay,
-progress readable on a terminal and in a log file, periodic atomic checkpoints, and --resume
-(each stage's checkpoint checked against this run's flags before any step).
+progress readable on a terminal and in a log file, periodic atomic checkpoints, --resume (each
+stage's checkpoint checked against this run's flags before any step), and train.py's command line
+(every flag once, in FLAGS; the presets' values stay in train.py).
 
 A reader of the training objectives needs none of it: train.py says what each stage learns, and
 from what data; this file, how any stage is stepped. The loop is nanoGPT's (AdamW, warm-up then
 cosine decay, gradient clipping, DDP), written once for every stage.
 """
+import argparse
 import gc
 import math
 import os
@@ -20,8 +22,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from cli import BadInput, CoreWatch, Precision, first_line, free_cores, pick_device
+from cli import (DTYPES, ArgumentParser, BadInput, CoreWatch, Precision, check_number, first_line, free_cores,
+                 pick_device, pick_dtype)
 from data import check_finite, is_whole, load_checkpoint
+from dblast import LOSSES
 
 
 # ----------------------------------------------------------------------------- the runtime
@@ -340,3 +344,176 @@ def load_weights(module, weights, path):
                        f"{held.get(odd[0], 'missing')}, want {want.get(odd[0], 'none')}); use the same flags or "
                        f"another --out-dir")
     module.load_state_dict(weights)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+POS, GE0, GT0 = dict(lo=1), dict(lo=0.0), dict(lo=0.0, open_lo=True)
+# Every flag of train.py, once: (name, the stage it belongs to (None: any run), type, default, the
+# bounds check_number holds it to, help). A default of None is the preset's for a key of train.PRESETS,
+# and its help says what it is for the others (--d-hidden: n_embd).
+# type: int, float, str, a tuple of choices, bool (--x / --no-x), 'switch' (--x) or 'frozen|joint'.
+# A stage's flag given when that stage does not run is refused.
+FLAGS = [
+    ('data', None, str, None, None, 'text file or folder of text files (default: the stdlib .py files), '
+                                    'or a nanoGPT dataset folder (train.bin, val.bin, meta.pkl)'),
+    ('meta', None, str, None, None, "nanoGPT meta.pkl of the target (default: the dataset's, or where "
+                                    "nanoGPT's sample.py looks)"),
+    ('out_dir', None, str, 'out', None, 'checkpoints, and the cached corpus and target samples'),
+    ('stages', None, str, 'base,heads,dblast', None, 'comma list of base, heads, dblast, draft'),
+    ('preset', None, ('auto', 'cpu', 'quick', 'gpu'), 'auto', None, 'defaults by device (quick: a small target '
+                                                                 'in minutes on a CPU, for `python -m exercises try`)'),
+    ('device', None, str, None, None, 'cpu | cuda | mps (default: best available)'),
+    ('compile', None, 'switch', False, None, 'torch.compile the training step'),
+    ('dtype', None, DTYPES, 'auto', None, 'training precision (auto: bfloat16 autocast on a CUDA device that '
+                                          'supports it, else float32; bfloat16 runs on a CPU too; on CUDA the '
+                                          'training steps let float32 matmuls use TF32). The data the target makes '
+                                          'for the drafters, their evaluation and the demos run in float32 without '
+                                          'TF32, as decoding does'),
+    ('resume', None, 'switch', False, None, 'continue interrupted stages, skip finished ones'),
+    ('seed', None, int, 1337, dict(lo=0, hi=2 ** 63 - 1), None),
+    ('threads', None, int, None, dict(lo=1, hi=1024), "CPU threads (default: the cores not already busy, from "
+                                                      "/proc/stat over 0.2 s, and read again every 10 s as a "
+                                                      "stage trains)"),
+    ('tag', None, str, '', None, 'suffix of the drafter checkpoint names (heads{tag}.pt, dblast_K4{tag}.pt)'),
+    ('batch_size', None, int, None, POS, None),
+    ('warmup_iters', None, int, None, dict(lo=0), None),
+    ('eval_interval', None, int, None, POS, None),
+    ('weight_decay', None, float, 0.1, GE0, None),
+    ('grad_clip', None, float, 1.0, GE0, '0 = no clipping'),
+    ('ckpt_interval', None, int, 250, POS, None),
+    ('d_hidden', None, int, None, POS, "the drafters' hidden width per head (default: n_embd)"),
+    ('no_demo', None, 'switch', False, None, 'skip the closing demos'),
+    ('n_layer', 'base', int, None, POS, None),
+    ('n_head', 'base', int, None, POS, None),
+    ('n_embd', 'base', int, None, POS, None),
+    ('block_size', 'base', int, None, dict(lo=2), 'the context, in tokens'),
+    ('dropout', 'base', float, 0.0, dict(lo=0.0, hi=1.0, open_hi=True), None),
+    ('bias', 'base', bool, True, None, None),
+    ('max_iters', 'base', int, None, POS, None),
+    ('lr', 'base', float, None, GT0, None),
+    ('eval_iters', 'base', int, None, POS, None),
+    ('k', 'heads', int, 8, dict(lo=2, hi=64), 'block size: 1 bonus + k-1 drafted tokens'),
+    ('joint', 'heads', 'frozen|joint', False, None, None),
+    ('loss', 'heads', ('random-offset', 'full'), 'random-offset', None, None),
+    ('distill', ('heads', 'draft'), bool, True, None, "train on the target's own greedy continuations (default "
+                                                      "on)"),
+    ('heads_iters', 'heads', int, None, POS, None),
+    ('heads_lr', 'heads', float, None, GT0, None),
+    ('distill_samples', ('heads', 'draft'), int, None, POS, None),
+    ('draft_layers', 'draft', int, 1, POS, "the draft model's layers"),
+    ('draft_embd', 'draft', int, None, POS, "the draft model's width (default: half the target's)"),
+    ('draft_iters', 'draft', int, None, POS, None),
+    ('draft_lr', 'draft', float, None, GT0, None),
+    ('branches', 'dblast', int, 4, dict(lo=1, hi=256), 'K, the latent branches of the DBlast mixture (the K=1 '
+                                                         'baseline is trained too)'),
+    ('dblast_k', 'dblast', int, 4, dict(lo=2, hi=64), 'block size of the DBlast drafters'),
+    ('dblast_loss', 'dblast', LOSSES, 'al', None, "al: acceptance-length surrogate on the mixture's "
+                                                  "conditionals (default); al-branch: on branch-conditional "
+                                                  "acceptance (ablation); nll: mixture NLL"),
+    ('baseline_loss', 'dblast', LOSSES + ('none',), 'nll', None, 'loss of the K=1 baseline (default nll: the '
+                                                                  'independent drafter DBlast compares with; '
+                                                                  'none: no baseline)'),
+    ('tau_threshold', 'dblast', float, 0.01, dict(lo=0.0, hi=1.0), 'AL surrogate threshold eta: keep prefixes with '
+                                                                   'a_j >= log eta'),
+    ('nll_weight', 'dblast', float, 0.2, GE0, 'weight of the mixture NLL added to the AL loss (keeps every '
+                                              'branch learning)'),
+    ('temperature', 'dblast', float, 1.5, GT0, 'sampling temperature of the training blocks'),
+    ('dblast_iters', 'dblast', int, None, POS, None),
+    ('dblast_lr', 'dblast', float, 3e-3, GT0, None),
+    ('dblast_samples', 'dblast', int, None, POS, 'target samples to train on'),
+    ('dblast_eval_samples', 'dblast', int, None, POS, 'held-out target samples for the expected-tau evaluation'),
+]
+STAGES = ('base', 'heads', 'dblast', 'draft')
+
+
+class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """--help as written, each flag's default added where its help does not give it (a switch's
+    False, None and '' are no defaults to show)."""
+    def _get_help_string(self, action):
+        d = action.default
+        shown = d is not None and d is not False and d != '' and d is not argparse.SUPPRESS
+        return action.help + (' (default: %(default)s)' if shown and 'default' not in action.help else '')
+
+
+def build_parser(presets, description):
+    """train.py's parser: FLAGS in a group per stage, each default shown, by preset where presets
+    (train.PRESETS) hold it."""
+    ap = ArgumentParser(description=description, formatter_class=HelpWithDefaults)
+    groups = {None: ap, 'base': ap.add_argument_group('base stage (the target)'),
+              'heads': ap.add_argument_group('heads stage (BPD heads)'),
+              'dblast': ap.add_argument_group('dblast stage (DBlast drafters)'),
+              'draft': ap.add_argument_group('draft stage (a small draft model; --distill applies too)')}
+    for name, stage, typ, default, _, text in FLAGS:
+        g, flag = groups[stage if stage is None or isinstance(stage, str) else stage[0]], '--' + name.replace('_', '-')
+        if default is None and name in presets['cpu']:   # each preset's value, as --preset picks them
+            by_preset = ', '.join(f"{preset} {values[name]:g}" for preset, values in presets.items())
+            text = f"{text + ' ' if text else ''}(default by --preset: {by_preset})"
+        elif not text and default is not None and default is not False:
+            text = '(default: %(default)s)'          # argparse shows no help, nor a default, for a flag without help
+        if typ == 'frozen|joint':
+            mode = g.add_mutually_exclusive_group()
+            mode.add_argument('--frozen', dest='joint', action='store_false', help='train only the heads (default)')
+            mode.add_argument('--joint', dest='joint', action='store_true', help='fine-tune the target too')
+            g.set_defaults(joint=False)
+        elif typ == 'switch':
+            g.add_argument(flag, action='store_true', help=text)
+        elif typ is bool:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        elif isinstance(typ, tuple):
+            g.add_argument(flag, choices=typ, default=default, help=text)
+        else:
+            g.add_argument(flag, type=typ, default=default, help=text)
+    return ap
+
+
+def parse_flags(argv, presets, description):
+    """The flags, with the preset's defaults (presets[--preset]) filled in, every one checked before
+    any work."""
+    ap = build_parser(presets, description)
+    for a in (sys.argv[1:] if argv is None else argv):   # renamed: --K and --k were one key apart
+        if a == '--K' or a.startswith('--K='):
+            raise BadInput("--K is now --branches (K, the DBlast mixture's branches; --k is the heads' block size)")
+    # argparse fills in a default only where the namespace has no value yet: so every flag still
+    # holding this marker afterwards was not given
+    unset = object()
+    dests = {a.dest for a in ap._actions} - {'help'}
+    args = ap.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(dests, unset)))
+    given = {dest for dest in dests if getattr(args, dest) is not unset}
+    for dest in dests - given:
+        setattr(args, dest, ap.get_default(dest))
+    args.stages = [s.strip() for s in args.stages.split(',') if s.strip()]
+    if set(args.stages) - set(STAGES) or not args.stages:
+        raise BadInput(f"--stages {','.join(args.stages) or repr('')}: allowed: {', '.join(STAGES)} (comma list)")
+    for name, stage, *_ in FLAGS:
+        stages = (stage,) if isinstance(stage, str) else stage or ()
+        if name in given and stages and not set(stages) & set(args.stages):
+            raise BadInput(f"--{name.replace('_', '-')} means nothing here: it applies to the {' and '.join(stages)} "
+                           f"stage{'s' * (len(stages) > 1)}, which --stages {','.join(args.stages)} does not run")
+    device = pick_device(args.device)
+    args.dtype = pick_dtype(args.dtype, device, training=True)
+    preset = args.preset
+    if preset == 'auto':
+        preset = 'gpu' if torch.device(device).type == 'cuda' else 'cpu'
+    for key, v in presets[preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, v)
+    args.preset = preset
+    for name, _, _, _, bounds, _ in FLAGS:
+        if bounds is not None and getattr(args, name) is not None:   # --d-hidden may stay None (n_embd)
+            check_number('--' + name.replace('_', '-'), getattr(args, name), **bounds)
+    if args.n_embd % args.n_head:
+        raise BadInput(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
+    if not args.tag.replace('_', '').replace('-', '').replace('.', '').isalnum() and args.tag:
+        raise BadInput(f"--tag {args.tag!r}: use letters, digits, '.', '_' and '-' (it names files)")
+    for name, flag in (('tag', '--tag'), ('d_hidden', '--d-hidden')):   # what only drafters have
+        if name in given and args.stages == ['base']:
+            raise BadInput(f"{flag} means nothing here: it applies to the drafters (--stages heads or dblast), "
+                           f"which --stages base does not train")
+    if args.meta and 'base' in args.stages:
+        raise BadInput("--meta means nothing with the base stage: the target's vocabulary is its data's (bytes for "
+                       "text, a nanoGPT folder's own meta.pkl); it applies to --stages heads,dblast on a target "
+                       "that records none")
+    if args.meta and not os.path.isfile(args.meta):
+        raise BadInput(f"--meta {args.meta}: no such file")
+    return args

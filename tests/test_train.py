@@ -502,7 +502,7 @@ def test_a_stage_follows_the_cores_other_processes_take(monkeypatch):
 
 def test_gpu_preset_for_any_cuda_device_name(monkeypatch):
     """--device cuda:0 is a CUDA device like --device cuda: the GPU preset and bf16 training."""
-    monkeypatch.setattr(train, 'pick_device', lambda name=None: name)
+    monkeypatch.setattr(trainer, 'pick_device', lambda name=None: name)
     monkeypatch.setattr(torch.cuda, 'is_bf16_supported', lambda: True)
     for device in ('cuda', 'cuda:0', 'cuda:1'):
         args = train.parse_args(['--device', device])
@@ -562,7 +562,7 @@ def test_warm_up_is_at_most_a_tenth_of_a_stage(tmp_path, corpus_file, monkeypatc
 def test_help_gives_every_flags_default():
     """train.py --help, as the README promises: each flag with a default shows it (those without
     help text too, and 0.0), a preset's says so, and a switch shows none."""
-    text = ' '.join(train.build_parser().format_help().split('options:')[1].split())
+    text = ' '.join(trainer.build_parser(train.PRESETS, train.__doc__).format_help().split('options:')[1].split())
     for shown in ('--seed SEED (default: 1337)', '--dropout DROPOUT (default: 0.0)', '--k K block size',
                   '--branches BRANCHES K, the latent branches', '--max-iters MAX_ITERS (default by --preset: cpu 800, quick 400, gpu 3000)',
                   '--lr LR (default by --preset: cpu 0.004, quick 0.003, gpu 0.001)',
@@ -570,7 +570,7 @@ def test_help_gives_every_flags_default():
         assert shown in text, shown
     assert '(default: 8)' in text.split('--k K')[1].split('--')[0]
     assert '--compile torch.compile the training step --dtype' in text      # a switch: no default shown
-    for flag, _, typ, default, _, _ in train.FLAGS:
+    for flag, _, typ, default, _, _ in trainer.FLAGS:
         if default is not None and default is not False and default != '' and typ != 'frozen|joint':
             entry = re.search(r'--' + flag.replace('_', '-') + r'(, --no-\S+)? (.*?)( --|$)', text)   # to the next flag
             assert 'default' in entry.group(2), flag
