@@ -816,13 +816,16 @@ class MadeOnCpu(EagerMode):
     so does a copy between the host and the device, each of which waits for the GPU on CUDA (a
     host sync) and is refused by a CUDA graph's capture: a CPU tensor that an op of ACROSS_DEVICES
     sends to the device (indices, .to()), Python data (a number too) made into a tensor
-    on the device (torch.tensor(list, device=...), HostData), and a tensor copied to the CPU."""
+    on the device (torch.tensor(list, device=...), HostData), and a tensor copied to the CPU.
+    `drew`: where a draw on the device took a generator of the CPU (torch.default_generator, a
+    torch.Generator() made without device=), which a draw on CUDA refuses."""
 
     def __init__(self, strict=False, copies=True):
         super().__init__()
         self.made = {}          # id(tensor) -> (a weak reference to it, where it was made)
         self.blamed = None
         self.copied = None      # a copy between the host and the device that dispatches no CPU tensor to blame
+        self.drew = None
         self.strict, self.copies = strict, copies
         self.data = HostData(self)
 
@@ -843,6 +846,9 @@ class MadeOnCpu(EagerMode):
         leaves = pytree.tree_leaves((args, kwargs))
         on_cpu = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == 'cpu' and t.dim() > 0]
         meets = any(isinstance(t, torch.Tensor) and t.device.type == 'meta' for t in leaves)
+        cpu_generator = any(isinstance(g, torch.Generator) and g.device.type == 'cpu' for g in leaves)
+        if cpu_generator and (meets or str(kwargs.get('device')) == 'meta'):   # 'meta' draws with any generator
+            self.drew = self.drew or f"{func}{student_line()} drew from a generator of the CPU"
         if self.copies and on_cpu and func in ACROSS_DEVICES and (meets or str(kwargs.get('device')) == 'meta'):
             self.blamed = self.blamed or self.where(on_cpu[0])
             raise RuntimeError(f"{func}: a tensor on the cpu sent to the device (meta here): on CUDA a copy from the "
@@ -947,7 +953,9 @@ def assert_on_the_inputs_device(what, call, strict=False, copies=True):
     strict: also where 'meta' lets an op mix the devices that CUDA does not; copies: also a copy
     between the host and the device (MadeOnCpu), which a step must not make (training code may).
     Copies are judged on a second call: a table copied once and kept (functools.lru_cache) is
-    made before any step is captured, and costs nothing after."""
+    made before any step is captured, and costs nothing after. A call that draws is given
+    generator=None (decode.generate's default, and every compiled step's): its draws must come
+    from the global RNG of the inputs' device."""
     if copies:
         assert_on_the_inputs_device(what, call, strict, copies=False)
     with MadeOnCpu(strict, copies) as made, autocast_off_on_meta():
@@ -957,6 +965,7 @@ def assert_on_the_inputs_device(what, call, strict=False, copies=True):
             message = str(e)
             if isinstance(e, NotImplementedError) and 'meta' not in message.lower():
                 raise                                   # not written yet (torch's own say 'Meta')
+            assert_draws_on_the_device(what, made)
             if not ('meta' in message and 'cpu' in message):
                 return
             if made.copied:
@@ -966,12 +975,26 @@ def assert_on_the_inputs_device(what, call, strict=False, copies=True):
             raise Fail(f"{what}: {where} made a tensor on the CPU, which met the inputs on another device "
                        f"({first_line(e)}); want every tensor on the inputs' device (run here on PyTorch's 'meta' "
                        f"device, which refuses a mix of devices as CUDA does)", DEVICE_HINT)
+    assert_draws_on_the_device(what, made)
     off = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type != 'meta']
     if off:
         raise Fail(f"{what}: with its inputs on another device, it returned a tensor on the {off[0].device.type} "
                    f"({made.where(off[0])}); want its outputs on the inputs' device (run here on PyTorch's 'meta' "
                    f"device)", DEVICE_HINT)
 
+
+def assert_draws_on_the_device(what, made):
+    """Fail where the call, given generator=None and inputs on 'meta', drew from the CPU's generator."""
+    if made.drew:
+        raise Fail(f"{what}, given generator=None: {made.drew}; want every draw from the global RNG of the "
+                   f"inputs' device (run here on PyTorch's 'meta' device)", GENERATOR_HINT)
+
+
+GENERATOR_HINT = ("generator=None means the global RNG of the inputs' device: torch.rand(..., generator=None, "
+                  "device=x.device), torch.rand_like(x) and model.sample(w, None) draw from it. "
+                  "torch.default_generator is the CPU's, as is a torch.Generator() made without device=: a draw on "
+                  "a GPU refuses it ('Expected a cuda device type for generator'), and decode.generate passes "
+                  "generator=None to every compiled step (generate.py --compile). Pass None on as it is")
 
 ONE_ROW_HINT = "with one row, squeeze() without a dimension drops the rows' one too: name the dimension to squeeze"
 

@@ -322,7 +322,8 @@ def test_no_host_sync(impl):
     """No host sync, no Python loop, no tensor on another device. For sampled drafts (Q given) and
     for point masses (Q None): nothing makes the host wait for the device, as many ops for 6 rows or
     8 positions as for 3 rows of 5, and no tensor is made off the logits' device (run on PyTorch's
-    'meta' device, which refuses a mix of devices as CUDA does)."""
+    'meta' device, which refuses a mix of devices as CUDA does), nor, given generator=None, drawn
+    from a generator of another device (torch.default_generator is the CPU's)."""
     g = torch.Generator().manual_seed(8)
     logits, Q, drafts = sized(8, 4, Q_given=True)
     point_mass = ("only the point-mass path syncs: something there reads a value on the host (F.one_hot without "

@@ -76,6 +76,10 @@ def misread(got, logits, drafts, eps, delta):
     if exact:
         return exact
     want = rule(logits, drafts, eps, delta)
+    if torch.equal(got, want.long().cumprod(-1).bool()):
+        return ("your verdicts are exactly the rule's accepted prefix (a cumprod, as Medusa's evaluate_posterior "
+                "takes it): a rule judges each draft on its own, ok[:, j] whatever the drafts before it got, and "
+                "the project takes the prefix itself (verification.accept_prefix)")
     more, fewer = int((got & ~want).sum()), int((~got & want).sum())
     seen = f"it accepted {more} drafts the rule refuses and refused {fewer} it accepts"
     if more and not fewer:

@@ -72,14 +72,14 @@ def random_drafter(config, k=4, K=4, seed=2, sharp=True):
 @torch.no_grad()
 def single_branch_n_acc(model, prefix, bonus, paths):
     """Each branch verified alone, exactly, on a full forward: (B, K) accepted drafts, counted one
-    position at a time."""
+    position at a time. prefix: (B, T), or a list of B rows of their own lengths."""
     B, K, n = paths.shape
     res = torch.zeros(B, K, dtype=torch.long)
-    for z in range(K):
-        seq = torch.cat([prefix, bonus[:, None], paths[:, z]], 1)
-        greedy = model(seq)[0][:, prefix.size(1):-1].argmax(-1)                    # after bonus, d_1, ..
-        for b in range(B):
-            while res[b, z] < n and paths[b, z, res[b, z]] == greedy[b, res[b, z]]:
+    for b in range(B):
+        for z in range(K):
+            seq = torch.cat([prefix[b], bonus[b:b + 1], paths[b, z]])
+            greedy = model(seq[None])[0][0, len(prefix[b]):-1].argmax(-1)          # after bonus, d_1, ..
+            while res[b, z] < n and paths[b, z, res[b, z]] == greedy[res[b, z]]:
                 res[b, z] += 1
     return res
 
@@ -88,8 +88,9 @@ def test_greedy_accepts_the_longest_branch(impl):
     """Greedy: the longest matching branch. For K = 4 branches (some sharing a first token, one the
     target's greedy path), n_acc is the longest accepted prefix among them, the bonus the target's
     argmax after it, and the cache afterwards equals a fresh prefill of what was committed; with one
-    row (a single prompt), the same answer in shapes of one row; and branches of 14 drafts that
-    differ in their first token only."""
+    row (a single prompt), the same answer in shapes of one row; branches of 14 drafts that
+    differ in their first token only; and rows at lengths of their own (6, 9, 4), whose branches
+    share a node in row 0 alone."""
     model = harness.tiny_target()
     B, n = 3, 3
     prefix = torch.randint(32, (B, 6), generator=torch.Generator().manual_seed(0))
@@ -164,6 +165,28 @@ def test_greedy_accepts_the_longest_branch(impl):
     got = impl.tree_step(model, cache, bonus, paths, torch.ones(B, dtype=torch.bool), 0.0)
     greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best=1,
                          case="branches of 14 drafts, branch 0 unlike the right branch 1 in its first token only: ")
+    # rows of other lengths (6, 9 and 4 tokens committed, old keys past them), as a decode leaves them
+    # after steps that accepted more in one row than in another, and branches that share a node in
+    # row 0 alone: the right branch 2 shares its first token with branch 1 in row 0, not in rows 1
+    # and 2 (a tree, or a cache offset, made for batch 1, as Medusa's and EAGLE's are, takes row 0's
+    # for every row)
+    n, lengths = 3, [6, 9, 4]
+    long = torch.randint(32, (B, 9), generator=torch.Generator().manual_seed(10))
+    rows = [long[b, :lengths[b]] for b in range(B)]
+    greedy = [harness.plain_greedy(model, r[None], 1 + n + 1)[0, len(r):] for r in rows]
+    bonus = torch.stack([g[0] for g in greedy])
+    g = torch.stack([gr[1:1 + n] for gr in greedy])                                # (B, n) the right drafts
+    paths = (g[:, None, :] + 1 + torch.arange(4)[None, :, None]) % 32             # every draft wrong
+    paths[:, 2] = g                                                               # branch 2 right
+    paths[1, 2, 2] = (g[1, 2] + 5) % 32                                           # row 1: two right
+    paths[0, 1, 0] = g[0, 0]                                                      # row 0: branch 1 shares the first
+    cache = model.new_cache(B, 32)
+    model.forward_cached(long, cache)
+    cache.commit(torch.tensor(lengths))
+    got = impl.tree_step(model, cache, bonus, paths, torch.ones(B, dtype=torch.bool), 0.0)
+    greedy_step_is_right(impl, model, rows, bonus, paths, cache, got, best=2,
+                         case="rows at other lengths (6, 9, 4), branch 1 sharing the right branch 2's first token "
+                              "in row 0 alone: ")
 
 
 class LayerCalls:
@@ -185,10 +208,12 @@ class LayerCalls:
 
 def greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best, case=''):
     """tree_step's answer `got` (n_acc, branch, the next bonus, h) for a greedy step from `prefix`
-    against each branch verified alone, a full forward of what it committed, and a fresh prefill
-    (the cache after it). best: the branch that accepts the most, in every row that accepts any."""
+    ((B, T), or a list of B rows of their own lengths) against each branch verified alone, a full
+    forward of what it committed, and a fresh prefill (the cache after it). best: the branch that
+    accepts the most, in every row that accepts any (or a list, one a row)."""
     n_acc, branch, nxt, h = got
-    B = prefix.size(0)
+    B = len(prefix)
+    bests = best if isinstance(best, list) else [best] * B
     alone = single_branch_n_acc(model, prefix, bonus, paths)                      # (B, K)
     want = alone.max(-1).values
     if n_acc.tolist() != want.tolist():
@@ -202,13 +227,16 @@ def greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best, ca
         else:
             hint = ("fewer accepted than the longest branch accepts alone. What fits: a token judged by another "
                     "slot's logits than its parent's (the bonus's for the first token), positions other than the "
-                    "prefix length + 1 + depth, or a mask that hides the branch's own earlier tokens")
+                    "prefix length + 1 + depth, a mask that hides the branch's own earlier tokens, or nodes "
+                    "shared as another row's branches share them (row 0's, as a tree built for batch 1 is): each "
+                    "row's branches make its own tree")
         raise harness.Fail(f"{case}n_acc {n_acc.tolist()}, want the longest single branch's {want.tolist()} (each "
                            f"branch alone: {alone.tolist()})", hint)
     for b in range(B):
-        assert n_acc[b] == 0 or branch[b] == best, \
-            f"{case}branch {branch.tolist()}, want {best} where a draft is accepted: branch {best} is the longest"
-    committed = [torch.cat([prefix[b], bonus[b:b + 1], paths[b, best, :int(n_acc[b])]]) for b in range(B)]
+        assert n_acc[b] == 0 or branch[b] == bests[b], \
+            f"{case}branch {branch.tolist()}, want {best} where a draft is accepted: branch {bests[b]} is the " \
+            f"longest in row {b}"
+    committed = [torch.cat([prefix[b], bonus[b:b + 1], paths[b, bests[b], :int(n_acc[b])]]) for b in range(B)]
     for b in range(B):
         logits = model(committed[b][None])[0][0]
         if int(nxt[b]) != int(logits[-1].argmax()):
@@ -221,7 +249,7 @@ def greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best, ca
             raise harness.Fail(f"{case}row {b}: h differs from the state at the last committed token by {err:.2e}, "
                                f"want below 1e-10", "h is the target's final hidden state (after ln_f) at the last "
                                "accepted token. What fits: another slot's state, or one before ln_f")
-    want = [6 + 1 + int(a) for a in n_acc]
+    want = [len(prefix[b]) + 1 + int(n_acc[b]) for b in range(B)]
     assert cache.lengths.tolist() == want, \
         f"{case}cache lengths {cache.lengths.tolist()}, want {want} (the prefix, the bonus, n_acc)"
     probe = torch.randint(32, (B, 2), generator=torch.Generator().manual_seed(2))
@@ -233,7 +261,9 @@ def greedy_step_is_right(impl, model, prefix, bonus, paths, cache, got, best, ca
                                f"by {(got[b] - want).abs().max().item():.2e}, want below 1e-10",
                                "the committed tokens' keys and values must sit right after the bonus. What fits: "
                                "the kept branch's left at the slots it was written to (another branch's sit right "
-                               "after the bonus), moved from another branch's slots, or written at other positions")
+                               "after the bonus), moved from another branch's slots, written at other positions, or "
+                               "moved at another row's offset (row 0's length, as code written for batch 1 takes "
+                               "it): each row's slots start at its own cache.lengths")
 
 
 def test_inactive_rows_stay(impl):

@@ -172,12 +172,22 @@ def test_the_best_nodes(impl):
     """The m best nodes. In a world of V = 3 tokens and n = 3 depths (39 prefixes a row, each
     enumerated with its score), 7 nodes: the chosen nodes' scores are the 7 best scores of each row;
     with V = 2, n = 2 and 10 nodes, m is the 6 prefixes there are; where the 3 best are all at
-    depth 1 (flat_world); and the first world again with its log q in float32, as every drafter's is.
+    depth 1 (flat_world); 12 nodes of V = 16 that hold the child of the 11th best first token, or 11
+    children of one node (wide_world); and the first world again with its log q in float32, as
+    every drafter's is.
     Hint: a node's score is the sum of log_q along its whole prefix (the log of the product of its
     tokens' probabilities); at each depth the `nodes` best children of the last depth's best are the
     candidates, and of all depths' candidates the `nodes` best are taken."""
     for world, nodes in ((World(B=2, V=3, n=3, seed=0), 7), (World(B=1, V=2, n=2, seed=5), 10), (flat_world(), 3)):
         best_nodes(impl, world, nodes)
+    try:
+        best_nodes(impl, wide_world(), 12, what='12 nodes, V = 16 (wide_world): ')
+    except harness.Fail as e:
+        raise harness.Fail(str(e), "here row 0's 12 best nodes are its 11 likely first tokens and the one child of "
+                           "the 11th, and row 1's its likely first token and 11 of its children. What fits: fewer "
+                           "than `nodes` kept at a depth, or fewer than `nodes` children taken of a node (EAGLE-2's "
+                           "top_k, 10, a constant apart from its total_tokens): the candidates at depth j are the "
+                           "`nodes` best children of depth j-1's `nodes` best") from None
     # a drafter's log q is float32 (heads.scores_from, prompt lookup's counts): the checks' other
     # worlds are float64, where a constant beyond float32's range still fits
     single = World(B=2, V=3, n=3, table=[t.float() for t in World(B=2, V=3, n=3, seed=0).table])
@@ -199,6 +209,21 @@ def flat_world():
     first = torch.full((1, 1, 4), math.log(0.25), dtype=torch.float64)
     then = torch.tensor([0.5, 0.3, 0.1, 0.1], dtype=torch.float64).log().expand(1, 4, 4).clone()
     return World(B=1, V=4, n=2, table=[first, then])
+
+
+def wide_world():
+    """V = 16, n = 2, 12 nodes, two rows. Row 0: 11 likely first tokens (0 to 10, about 1/11 each,
+    the 11th the least), whose children are uniform but for token 10's, which is token 0 for sure:
+    its 12 best nodes are the 11 first tokens and [10, 0]. Row 1: one likely first token (0), and 16
+    children of it about 1/16 each: its 12 best are [0] and 11 of them. A frontier of fewer than
+    12 nodes a depth misses [10, 0], fewer than 12 children a node misses row 1's last."""
+    first = torch.full((2, 1, 16), -20.0, dtype=torch.float64)
+    first[0, 0, :11] = torch.log(1 - 0.01 * torch.arange(11, dtype=torch.float64))
+    first[1, 0, 0] = 0.0
+    then = torch.zeros(2, 16, 16, dtype=torch.float64)
+    then[0, 10, 1:] = -30.0                                             # after 10: token 0 for sure
+    then[1, 0] = -0.01 * torch.arange(16, dtype=torch.float64)         # after 0: 16 close children
+    return World(B=2, V=16, n=2, table=[torch.log_softmax(first, -1), torch.log_softmax(then, -1)])
 
 
 def test_every_row_is_a_tree(impl):

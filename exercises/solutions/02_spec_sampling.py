@@ -102,6 +102,15 @@ def own_generator_when_none(logits, Q, drafts, temperature, generator=None):
     return accept_prefix(ok, sample(weights, generator))
 
 
+def cpu_generator_when_none(logits, Q, drafts, temperature, generator=None):
+    if generator is None:
+        generator = torch.default_generator                            # the CPU's: a draw on a GPU refuses it
+    p = F.softmax(tempered(logits, temperature), -1)
+    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    return accept_prefix(ok, sample(weights, generator))
+
+
 def every_dimension_squeezed(logits, Q, drafts, temperature, generator=None):
     p = F.softmax(tempered(logits, temperature), -1)
     ok = accept_sampled(p[:, :-1], Q, drafts, generator)
@@ -226,6 +235,7 @@ CONTROLS = {
     "the residual's fallback decided for a row's whole block when any position's residual is 0":
         dict(verify_sampled=fallback_if_any_position_is_zero),
     'a generator of its own, never seeded, when none is given': dict(verify_sampled=own_generator_when_none),
+    "torch.default_generator (the CPU's) when none is given": dict(verify_sampled=cpu_generator_when_none),
     'P(d) and Q(d) read by an einsum with a one-hot (bfloat16 under autocast)': dict(verify_sampled=read_by(einsum)),
     "autocast switched off for 'cuda' around the einsum, not on the logits' device": dict(
         verify_sampled=read_by(einsum_with_cuda_autocast_off)),

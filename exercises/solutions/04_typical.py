@@ -160,6 +160,11 @@ def drafts_flattened_by_view(logits, drafts, param):
     return p_d > threshold
 
 
+def the_accepted_prefix(logits, drafts, param):
+    ok = typical(logits, drafts, param)
+    return ok.long().cumprod(-1).bool()         # Medusa's cumprod: the prefix, not each draft's verdict (ok[:, j])
+
+
 entropies_seen = []
 
 
@@ -195,4 +200,5 @@ CONTROLS = {
     "the drafts flattened by .view() (decode's drafts are the block's slice: an error with more than one row)": dict(
         typical=drafts_flattened_by_view),
     "keeps every step's entropies in a list (memory grows with the tokens decoded)": dict(typical=keeps_every_entropy),
+    "the accepted prefix returned (Medusa's cumprod), not each draft's own verdict": dict(typical=the_accepted_prefix),
 }

@@ -446,6 +446,16 @@ class OwnGeneratorWhenNone(MyDrafter):
         return super().draft(h, bonus, target, k, temperature, generator)
 
 
+class CpuGeneratorWhenNone(MyDrafter):
+    """torch.default_generator in place of generator=None: the CPU's, which a draw on a GPU refuses
+    (and generator=None is what every compiled step is given)."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        generator = torch.default_generator if generator is None else generator
+        return super().draft(h, bonus, target, k, temperature, generator)
+
+
 class SeedReadBack(MyDrafter):
     """Under sampling without a generator, one of its own seeded from the global RNG by .item(): it
     draws anew every call, and reads a number back from the device (a host sync) to do it."""
@@ -521,6 +531,7 @@ CONTROLS = {
     'Q upcast after a bfloat16 softmax': dict(MyDrafter=UpcastAfterSoftmax),
     'Gumbel noise drawn in bfloat16 under autocast': dict(MyDrafter=BFloat16Noise),
     'a generator of its own when none is given': dict(MyDrafter=OwnGeneratorWhenNone),
+    "torch.default_generator (the CPU's) when none is given": dict(MyDrafter=CpuGeneratorWhenNone),
     'a host sync without a generator (a seed read back)': dict(MyDrafter=SeedReadBack),
     "the bonus's embedding added into h in place": dict(MyDrafter=AddsIntoH),
     'point masses as rows of torch.eye(V) (V x V on a real vocabulary)': dict(MyDrafter=EyeForPointMasses),

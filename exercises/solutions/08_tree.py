@@ -38,10 +38,11 @@ def tree_layout(K, n, device):
     return depth, attend
 
 
-def commit_branch(cache, branch, n, n_acc, active):
-    """Move the accepted branch's keys and values next to the bonus, then commit."""
+def commit_branch(cache, branch, n, n_acc, active, row0_offset=False):
+    """Move the accepted branch's keys and values next to the bonus, then commit. row0_offset: the
+    wrong answer that moves every row at row 0's offset (code written for one row)."""
     B = branch.size(0)
-    start = cache.lengths[:, None] + 1
+    start = (cache.lengths[:1].expand(B) if row0_offset else cache.lengths)[:, None] + 1
     src = start + branch[:, None] * n + torch.arange(n, device=branch.device)           # (B, n)
     dst = start + torch.arange(n, device=branch.device)
     for buf in (cache.k, cache.v):                                                       # (layers, B, nh, max_len, hs)
@@ -54,7 +55,7 @@ def commit_branch(cache, branch, n, n_acc, active):
 @torch.no_grad()
 def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=None, fresh_bonus=False,
                 nodes='prefix', move=True, clamp=True, on_device=True, squeeze=False, calls=1, h_at_bonus=True,
-                own_generator=True, seeds_its_own=False, seeds_from_os=False, by_sort=False):
+                own_generator=True, seeds_its_own=False, seeds_from_os=False, by_sort=False, row0_offset=False):
     """tree_step, and (by its keywords) the wrong answers below: nodes 'prefix' shares a node
     between branches with the same prefix (right), 'none' gives every branch its own, 'token' shares
     it between branches with the same token at that depth, whatever came before, 'first' shares the
@@ -62,7 +63,9 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     False draws from the global RNG, seeds_its_own True from a generator seeded anew when none is
     given, seeds_from_os True from one seeded by the system (Generator.seed()); by_sort True keeps
     the branch a sort of the counts puts first (of equal counts, whichever the sort's order of ties
-    gives) and reads the bonus and h at that branch's own slots."""
+    gives) and reads the bonus and h at that branch's own slots; nodes 'row0' shares them in every row
+    as row 0's branches share them, row0_offset moves every row's kept branch at row 0's offset in
+    the cache (a tree and an offset made for batch 1, as Medusa's and EAGLE's are)."""
     B, K, n = paths.shape
     dev = paths.device
     depth, attend = tree_layout(K, n, dev)
@@ -86,6 +89,8 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     # node slots: the node after path_z[:i+1] is slot 1 + z n + i; branches with the same prefix share
     # the node, and use the first such branch's slot (and its one sample)
     same = paths[:, :, None, :] == paths[:, None, :, :]                                 # (B, z, z', i)
+    if nodes == 'row0':                                         # row 0's tree for every row
+        same = (paths[:1, :, None, :] == paths[:1, None, :, :]).expand(B, K, K, n)
     if nodes == 'sum':                                          # prefixes told apart by the sum of their tokens
         total = paths.cumsum(-1)
         same = total[:, :, None, :] == total[:, None, :, :]
@@ -98,7 +103,7 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
             codes.append(code)
         code = torch.stack(codes, -1)
         same = code[:, :, None, :] == code[:, None, :, :]
-    if nodes == 'prefix':
+    if nodes in ('prefix', 'row0'):
         same = same.long().cumprod(-1).bool()                                           # the whole prefix
     canon = torch.arange(K, device=dev)[None, :, None].expand(B, K, n) if nodes == 'none' else same.long().argmax(2)
     if nodes == 'first':                                        # below the first depth each branch its own
@@ -123,7 +128,7 @@ def verify_tree(model, cache, bonus, paths, active, temperature=0.0, generator=N
     h = H.gather(1, last.view(B, 1, 1).expand(B, 1, H.size(-1))).squeeze(1)
     if squeeze:                                                 # one row: shapes () and (C,), not (1,) and (1, C)
         next_bonus, h = next_bonus.squeeze(), h.squeeze()
-    commit_branch(cache, branch if move else torch.zeros_like(branch), n, n_acc, active)
+    commit_branch(cache, branch if move else torch.zeros_like(branch), n, n_acc, active, row0_offset)
     return n_acc, branch, next_bonus, h
 
 
@@ -133,6 +138,12 @@ def tree_step(model, cache, bonus, paths, active, temperature=0.0, generator=Non
 
 def wrong(**how):
     return dict(tree_step=lambda *a, **kw: verify_tree(*a, **kw, **how))
+
+
+def cpu_generator_when_none(model, cache, bonus, paths, active, temperature=0.0, generator=None):
+    """torch.default_generator in place of generator=None: the CPU's, which a draw on a GPU refuses."""
+    return verify_tree(model, cache, bonus, paths, active, temperature,
+                       torch.default_generator if generator is None else generator)
 
 
 steps_seen = []
@@ -159,8 +170,13 @@ CONTROLS = {
     'the node samples drawn from the global RNG, not the generator': wrong(own_generator=False),
     'a generator seeded inside when none is given': wrong(seeds_its_own=True),
     'a generator seeded by the system when none is given': wrong(seeds_from_os=True),
+    "torch.default_generator (the CPU's) when none is given": dict(tree_step=cpu_generator_when_none),
     'the branch a sort keeps, the bonus at its own copy of a shared node': wrong(by_sort=True),
     'nodes shared by a prefix coded as one int64 (code * V + token: its first tokens fall out past 2^64)': wrong(
         nodes='code'),
     "keeps every step's outputs in a list (memory grows with the tokens decoded)": dict(tree_step=keeps_every_step),
+    "every row's kept branch moved at row 0's offset in the cache (prev_input_len of code for one row)": wrong(
+        row0_offset=True),
+    "nodes shared as row 0's branches share them, in every row (a tree built once, for one row)": wrong(
+        nodes='row0'),
 }

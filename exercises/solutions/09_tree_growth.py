@@ -7,8 +7,9 @@ import torch
 
 def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='shallower', pad=True, rows=False,
           pad_by='prefix', in_place=False, by_rank=False, every_prefix=False, counted=False, floor=None, coded=False,
-          by_product=False):
+          by_product=False, top_k=None):
     """heads.grow_tree's way, with one of the mistakes switched on."""
+    width = nodes if top_k is None else min(top_k, nodes)      # each depth's candidates: `nodes`, or EAGLE-2's top_k
     score = torch.zeros(B, 1, device=device)
     prefix = torch.zeros(B, 1, 0, dtype=torch.long, device=device)
     code = torch.zeros(B, 1, dtype=torch.long, device=device)
@@ -33,7 +34,7 @@ def grown(log_q, B, n, nodes, device, score_of='prefix', per_depth=False, ties='
             top, pick = child.gather(-1, ranked).flatten(1).topk(min(nodes, child.size(1) * r), dim=-1)
             flat = pick.div(r, rounding_mode='floor') * V + ranked.flatten(1).gather(1, pick)
         else:                  # every_prefix: all children kept, so log_q is asked about every prefix next
-            top, flat = child.flatten(1).topk(child.size(1) * V if every_prefix else min(nodes, child.size(1) * V),
+            top, flat = child.flatten(1).topk(child.size(1) * V if every_prefix else min(width, child.size(1) * V),
                                               dim=-1)
         up, token = flat.div(V, rounding_mode='floor'), flat % V
         # the prefix's score rides along, whatever ranks the candidates
@@ -132,4 +133,6 @@ CONTROLS = {
     'the kept tokens picked by a one-hot matmul (bfloat16 under autocast: tokens above 256 rounded)':
         dict(grow_tree=mistake(by_product=True)),
     'every tree kept in a list (memory that grows with the steps)': dict(grow_tree=keeps_every_tree),
+    "each depth's candidates EAGLE-2's top_k = 10 best, not the `nodes` best (fewer where nodes > 10)":
+        dict(grow_tree=mistake(top_k=10)),
 }
