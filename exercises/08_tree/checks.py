@@ -30,11 +30,25 @@ def branch_paths(drafter, h, bonus, model, k):
     return logits.argmax(-1)
 
 
+def partly_right(paths, ref, n_out, calls, V):
+    """paths with one branch a row made right to a depth that changes with the row and the step
+    (ref: plain greedy's output, whose tokens after n_out + 1 the drafts stand for), so that rows
+    accept 0 to n drafts, drift to lengths of their own, and share nodes with the other branches."""
+    B, K, n = paths.shape
+    rows, j = torch.arange(B), torch.arange(n)
+    depth = (calls + 2 * rows) % (n + 1)                                        # right drafts: 0 .. n
+    right = ref.gather(1, (n_out[:, None] + 1 + j).clamp(max=ref.size(1) - 1))
+    paths = paths.clone()
+    paths[rows, (calls + rows) % paths.size(1)] = torch.where(j < depth[:, None], right, (right + 1) % V)
+    return paths
+
+
 @torch.no_grad()
-def tree_generate(model, prompt, max_new_tokens, drafter=None, temperature=0.0, generator=None, step=None):
+def tree_generate(model, prompt, max_new_tokens, drafter=None, temperature=0.0, generator=None, step=None, ref=None):
     """decode.generate with tree verification: each call verifies all K greedy branches of a DBlast
     drafter (step: a tree_step) -> (out (B, T0 + max_new_tokens), stats with calls and
-    accept_lengths)."""
+    accept_lengths). ref (greedy: plain greedy's output): one branch a row made right in part
+    (partly_right)."""
     B, T0 = prompt.shape
     k, K = drafter.k, drafter.K
     total = T0 + max_new_tokens
@@ -52,6 +66,8 @@ def tree_generate(model, prompt, max_new_tokens, drafter=None, temperature=0.0, 
         if not active.any():
             break
         paths = branch_paths(drafter, h, bonus, model, k)
+        if ref is not None:
+            paths = partly_right(paths, ref, n_out, calls, model.config.vocab_size)
         n_acc, branch, next_bonus, h = step(model, cache, bonus, paths, active, temperature, generator)
         chosen = paths.gather(1, branch.view(B, 1, 1).expand(B, 1, k - 1)).squeeze(1)
         out.scatter_(1, n_out[:, None] + torch.arange(k), torch.cat([bonus[:, None], chosen], 1))
@@ -288,24 +304,25 @@ def test_inactive_rows_stay(impl):
 
 def test_decodes_exactly_greedy(impl):
     """Decodes exactly greedy, to the end of the context. Through tree_generate, with a random
-    K = 4 drafter, the output is plain greedy decoding's (float64): 30 tokens, then up to the
-    target's last position (a context of 32: 24 tokens after a prompt of 8), where the last tree
-    blocks reach past the positions the target has."""
+    K = 4 drafter, one branch a row made right to a depth that changes with the row and the step
+    (rows drift to lengths of their own), the output is plain greedy decoding's (float64): 30
+    tokens, then up to the target's last position (a context of 32: 24 tokens after a prompt of
+    8), where the last tree blocks reach past the positions the target has."""
     model = harness.tiny_target()
     d = random_drafter(model.config)
     prompts = torch.randint(32, (3, 8), generator=torch.Generator().manual_seed(5))
     hint = ("if the first check passes and this fails, the step goes wrong later in a decode: what fits: rows at "
             "different lengths (each row writes at its own cache.lengths), a row whose branches all fail at once, or "
             "what an inactive row does while the others decode")
-    out, _ = tree_generate(model, prompts, 30, drafter=d, step=impl.tree_step)
     ref = harness.plain_greedy(model, prompts, 30)
+    out, _ = tree_generate(model, prompts, 30, drafter=d, step=impl.tree_step, ref=ref)
     if not torch.equal(out, ref):
         raise harness.Fail(f"the output differs from plain greedy decoding at {harness.first_difference(out, ref, 8)}",
                            hint)
     short = harness.tiny_target(block_size=32)
     ref = harness.plain_greedy(short, prompts, 24)
     try:
-        out, _ = tree_generate(short, prompts, 24, drafter=random_drafter(short.config), step=impl.tree_step)
+        out, _ = tree_generate(short, prompts, 24, drafter=random_drafter(short.config), step=impl.tree_step, ref=ref)
     except (IndexError, RuntimeError) as e:
         raise harness.Fail(f"decoding up to the end of a context of 32 positions: {type(e).__name__}: "
                            f"{harness.first_line(e)}{harness.where_in_student(e)}", END_HINT)
