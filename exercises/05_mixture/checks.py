@@ -72,8 +72,9 @@ def under_autocast(call, *inputs):
 
 def test_the_posterior_by_enumeration(impl):
     """The posterior by enumeration. log w (N, n, K) equals pi'_z prod_{l<i} q~_l(d_l | z),
-    normalised, computed directly; the inputs left as they were; under bfloat16 autocast (float32
-    inputs, as generate.py --dtype bfloat16 gives) to float32's precision. Hint: position i's
+    normalised, computed directly, for sampled and for greedy branches (log q~ -inf off a path);
+    the inputs left as they were; under bfloat16 autocast (float32 inputs, as generate.py --dtype
+    bfloat16 gives) to float32's precision. Hint: position i's
     posterior weighs each branch by the drafts before i only (position 0 sees none: its posterior
     is the prior), normalised over the branches."""
     log_prior, log_q, drafts = random_mixture()
@@ -88,6 +89,22 @@ def test_the_posterior_by_enumeration(impl):
     if not err < 1e-12:
         raise harness.Fail(f"the posterior differs from the definition by {err:.1e}, want below 1e-12",
                            misread(log_w.exp(), log_prior, log_q, drafts))
+    # greedy branches (one-hot q~: log_qd 0 on a branch's path, -inf off it), the drafts along branch (row mod
+    # K)'s path: the posterior alone, which a handout's exercise 6 may call (dblast.posterior is this one there)
+    paths = log_q.argmax(-1)                                                      # (N, K, n)
+    one_hot = torch.full_like(log_q, -math.inf).scatter_(-1, paths.unsqueeze(-1), 0.0)
+    along = paths[torch.arange(6), torch.arange(6) % 3]                           # (N, n)
+    log_w = impl.posterior(log_prior, drafted(one_hot, along))
+    w, _ = brute_force(log_prior, one_hot, along)
+    bad = int(torch.isnan(log_w).sum())
+    err = (log_w.exp() - w).abs().max().item()
+    if bad or not err < 1e-12:
+        raise harness.Fail("greedy branches (log q~ -inf off each branch's path), the drafts along one branch's path: "
+                           + (f"{bad} of the posterior's {log_w.numel()} entries are NaN" if bad else
+                              f"the posterior differs from the definition by {err:.1e}") + ", want exact to 1e-12, "
+                           "no NaN", "-inf in log_qd is fine in sums and log_softmax; what fits a NaN is -inf - -inf "
+                           "(an exclusive sum as the inclusive cumsum minus its own term, a shift by a value that is "
+                           "-inf) or 0 * -inf (a one-hot multiplied in)")
     # against the definition of the float32-rounded inputs: right answers in float32 come within 4e-7 of it
     # (sixteen written), a matmul left to autocast 4e-3 off
     log_w, got = under_autocast(impl.posterior, log_prior, log_qd)

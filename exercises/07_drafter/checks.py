@@ -122,6 +122,21 @@ def test_the_contract(impl):
                                "draft i is the guess at the i-th token after the bonus, whatever k is. What fits: "
                                "the last k-1 heads (or positions) taken where the first k-1 are meant, or a draw "
                                "at T = 0 (of a branch, say: the generator moves on between the calls)")
+    # each row is drafted from its own h and bonus: a row drafted alone gives the greedy drafts it gets in the
+    # batch (greedy drafts are deterministic); a module that mixes the rows (an attention or a recurrence over
+    # the batch read as a sequence, batch_first left False) makes a row's proposal change with the rows beside it
+    for i in range(5):
+        one = d.draft(h[i:i + 1], bonus[i:i + 1], model, 4, 0.0, g)[0]
+        if tuple(one.shape) != (1, 3):
+            raise harness.Fail(f"greedy, k=4, one row: drafts {tuple(one.shape)}, want (1, k-1) = (1, 3)",
+                               harness.ONE_ROW_HINT)
+        if not torch.equal(one, full[i:i + 1]):
+            raise harness.Fail(f"greedy, k=4: row {i} drafted alone gives drafts {one[0].tolist()}, in the batch of "
+                               f"{N} {full[i].tolist()}, want the same: each row's drafts from its own h and bonus",
+                               "a row's proposal must not depend on the other rows of the call (other prompts, or "
+                               "other paths; try decodes one prompt at a time). What fits: a module that mixes the "
+                               "rows, such as nn.MultiheadAttention or nn.GRU left at batch_first=False and given "
+                               "(N, L, C), which reads the rows as the sequence; or a norm or mean over the rows")
     d.sample_drafts = True
     drafts, Q = harness.assert_inputs_unchanged(
         'draft, sampled', lambda: d.draft(h, bonus, model, 4, 1.2, torch.Generator().manual_seed(1)), INPUTS_HINT,

@@ -53,6 +53,11 @@ def a_host_sync_in_the_posterior(log_prior, log_qd):
     return F.log_softmax(joint, dim=1).transpose(1, 2)
 
 
+def inclusive_sum_minus_its_own_term(log_prior, log_qd):
+    before = log_qd.cumsum(-1) - log_qd           # -inf - -inf = NaN where a greedy branch leaves the drafts
+    return F.log_softmax(log_prior.unsqueeze(-1) + before, dim=1).transpose(1, 2)
+
+
 def with_posterior(wrong):
     """conditionals as the project computes them, but with a wrong posterior."""
     def conditionals(log_prior, log_q, drafts):
@@ -122,6 +127,8 @@ CONTROLS.update({
     "log q~'s -inf masked in place (the caller's tensor written)": dict(conditionals=log_q_masked_in_place),
     'a host sync in the posterior alone (a conditionals that does not call it)': dict(
         posterior=a_host_sync_in_the_posterior, conditionals=with_posterior(project_posterior)),
+    'an exclusive sum as the inclusive cumsum minus its own term, in the posterior alone (NaN off a greedy path)':
+        dict(posterior=inclusive_sum_minus_its_own_term, conditionals=with_posterior(project_posterior)),
     'Q checked by assert torch.allclose (a host sync)': dict(conditionals=checked_by_allclose),
     "keeps every step's posterior in a list (memory grows with the tokens decoded)": dict(
         posterior=keeps_every_posterior, conditionals=with_posterior(keeps_every_posterior)),

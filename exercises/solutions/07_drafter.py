@@ -500,6 +500,26 @@ class KeepsEveryQ(MyDrafter):
         return drafts, q
 
 
+class AttendsAcrossRows(MyDrafter):
+    """Self-attention over one token per offset (the anchor u plus a learnt query), by an
+    nn.MultiheadAttention left at batch_first=False and given (N, n, C): it reads the rows as the
+    sequence and attends across them, so each row's drafts depend on the other rows of the call
+    (other prompts, other paths), and one prompt drafted alone gets another proposal than in the
+    batches it trained on. Lossless (Q is what the drafts came from), still wrong."""
+
+    def __init__(self, config, k, sample_drafts=True):
+        super().__init__(config, k, sample_drafts)
+        C = config.n_embd
+        self.queries = nn.Parameter(torch.randn(k - 1, C) * 0.5)
+        self.attn = nn.MultiheadAttention(C, 2)                           # batch_first=False
+
+    def logits(self, h, bonus, target, n):
+        u = self.w_in(torch.cat([h, target.transformer.wte(bonus)], -1))
+        x = u[:, None] + self.queries[:n].to(u.dtype)                     # (N, n, C), read as (L=N, B=n, C)
+        z = x + self.attn(x, x, x, need_weights=False)[0]
+        return self.heads_logits(z.flatten(0, 1), self.heads[:1], target).view(*x.shape[:2], -1)
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
@@ -536,4 +556,5 @@ CONTROLS = {
     "the bonus's embedding added into h in place": dict(MyDrafter=AddsIntoH),
     'point masses as rows of torch.eye(V) (V x V on a real vocabulary)': dict(MyDrafter=EyeForPointMasses),
     'every Q kept in a list (memory that grows with the steps)': dict(MyDrafter=KeepsEveryQ),
+    'an attention across the rows (nn.MultiheadAttention left batch_first=False)': dict(MyDrafter=AttendsAcrossRows),
 }
