@@ -20,7 +20,6 @@ TINY = ['--device', 'cpu', '--n-layer', '1', '--n-head', '2', '--n-embd', '16', 
 
 
 @pytest.mark.slow
-@pytest.mark.second_process   # balances the two processes (conftest.py)
 def test_bench_quick_tiny(tmp_path, corpus_file):
     out = tmp_path / 'bench'
     code, _, stderr = run_main('bench.py', ['--quick', '--out', out, '--data', corpus_file] + TINY)

@@ -19,7 +19,6 @@ from conftest import ROOT, Proc, assert_clean_error, env, run_main
 
 
 @pytest.mark.slow
-@pytest.mark.second_process   # on the other core (conftest.py): about 25 s
 def test_gpu_check_quick_on_cpu(tmp_path, corpus_file):
     """gpu_check.py --quick: every part runs (those that need CUDA, and compiled training, are
     skipped with the reason), passes, is printed and lands in gpu_check.json."""
