@@ -672,6 +672,11 @@ def tensors_in(tree):
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def storage_elements(t):
+    """The elements of the storage t views (a view or an expand counts as what it views)."""
+    return t.untyped_storage().nbytes() // t.element_size()
+
+
 def allocated(args, kwargs, out):
     """The outputs of an op whose storage is none of its inputs' (a view, or an op that writes into
     an input, allocates nothing)."""
@@ -692,8 +697,7 @@ class Allocations(EagerMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.seen += [(str(func), t.untyped_storage().nbytes() // t.element_size())
-                      for t in allocated(args, kwargs, out)]
+        self.seen += [(str(func), storage_elements(t)) for t in allocated(args, kwargs, out)]
         if func in TEMPORARY_OF_ITS_SIZE and TEMPORARY_OF_ITS_SIZE[func] in (None, args[4] if len(args) > 4 else None):
             self.seen.append((f"{func} (a temporary inside it)", args[0].numel()))
         return out
@@ -712,9 +716,14 @@ class Largest(EagerMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tensors_in(out):
-            if t.untyped_storage().nbytes() // t.element_size() > self.most[0]:
-                self.most = (t.untyped_storage().nbytes() // t.element_size(), str(func))
+            self.most = max(self.most, (storage_elements(t), str(func)), key=lambda most: most[0])
         return out
+
+
+def not_about_meta(e):
+    """Whether an error met on 'meta' goes through the watches there: a NotImplementedError that is
+    not torch saying 'meta' lacks an op (torch's own say 'Meta'), such as code not written yet."""
+    return isinstance(e, NotImplementedError) and 'meta' not in str(e).lower()
 
 
 def largest_on_meta(call):
@@ -723,11 +732,9 @@ def largest_on_meta(call):
     with Largest() as seen, autocast_off_on_meta():
         try:
             call()
-        except NotImplementedError as e:
-            if 'meta' not in str(e).lower():
-                raise                                   # not written yet (torch's own say 'Meta')
-        except Exception:
-            pass
+        except Exception as e:
+            if not_about_meta(e):
+                raise
     return seen.most
 
 
@@ -846,10 +853,11 @@ class MadeOnCpu(EagerMode):
         leaves = pytree.tree_leaves((args, kwargs))
         on_cpu = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == 'cpu' and t.dim() > 0]
         meets = any(isinstance(t, torch.Tensor) and t.device.type == 'meta' for t in leaves)
+        on_the_device = meets or str(kwargs.get('device')) == 'meta'       # it reads or makes a tensor there
         cpu_generator = any(isinstance(g, torch.Generator) and g.device.type == 'cpu' for g in leaves)
-        if cpu_generator and (meets or str(kwargs.get('device')) == 'meta'):   # 'meta' draws with any generator
+        if cpu_generator and on_the_device:                                  # 'meta' draws with any generator
             self.drew = self.drew or f"{func}{student_line()} drew from a generator of the CPU"
-        if self.copies and on_cpu and func in ACROSS_DEVICES and (meets or str(kwargs.get('device')) == 'meta'):
+        if self.copies and on_cpu and func in ACROSS_DEVICES and on_the_device:
             self.blamed = self.blamed or self.where(on_cpu[0])
             raise RuntimeError(f"{func}: a tensor on the cpu sent to the device (meta here): on CUDA a copy from the "
                                f"host that waits for the GPU, a host sync, and one a CUDA graph cannot hold")
@@ -963,8 +971,8 @@ def assert_on_the_inputs_device(what, call, strict=False, copies=True):
             out = call()
         except Exception as e:
             message = str(e)
-            if isinstance(e, NotImplementedError) and 'meta' not in message.lower():
-                raise                                   # not written yet (torch's own say 'Meta')
+            if not_about_meta(e):
+                raise
             assert_draws_on_the_device(what, made)
             if not ('meta' in message and 'cpu' in message):
                 return

@@ -154,18 +154,19 @@ def scores_of(world, b, found):
     return sorted((world.score(b, p) for s, p in found.items() if s), reverse=True)
 
 
-def best_nodes(impl, world, nodes, what=''):
+def best_nodes(impl, world, nodes, what='', hint=None):
+    """Fail unless each row's chosen nodes are its world.m(nodes) best. hint: what fits in this
+    world, where the chosen scores are not the best (None: said from how many are missing)."""
     tokens, tree = grown(impl, world, nodes)
     for b in range(world.B):
         found = paths(tokens, tree, b, world.n)
         got, want = scores_of(world, b, found), sorted(world.nodes(b).values(), reverse=True)[:world.m(nodes)]
         if len(got) != len(want) or any(abs(g - w) > 1e-9 for g, w in zip(got, want)):
+            missing = (f"{len(want) - len(got)} slot(s) fewer hold a node of some probability than there are: "
+                       f"such nodes marked padding, or reached through a wrong parent (a parent's index into another "
+                       f"list than its depth's kept nodes)" if len(got) < len(want) else '')
             raise harness.Fail(f"{what}row {b}: the chosen nodes' scores {[round(x, 3) for x in got]}, want the "
-                               f"{len(want)} best {[round(x, 3) for x in want]}",
-                               f"{len(want) - len(got)} slot(s) fewer hold a node of some probability than there "
-                               f"are: such nodes marked padding, or reached through a wrong parent (a parent's "
-                               f"index into another list than its depth's kept nodes)" if len(got) < len(want)
-                               else '')
+                               f"{len(want)} best {[round(x, 3) for x in want]}", missing if hint is None else hint)
 
 
 def test_the_best_nodes(impl):
@@ -180,14 +181,12 @@ def test_the_best_nodes(impl):
     candidates, and of all depths' candidates the `nodes` best are taken."""
     for world, nodes in ((World(B=2, V=3, n=3, seed=0), 7), (World(B=1, V=2, n=2, seed=5), 10), (flat_world(), 3)):
         best_nodes(impl, world, nodes)
-    try:
-        best_nodes(impl, wide_world(), 12, what='12 nodes, V = 16 (wide_world): ')
-    except harness.Fail as e:
-        raise harness.Fail(str(e), "here row 0's 12 best nodes are its 11 likely first tokens and the one child of "
-                           "the 11th, and row 1's its likely first token and 11 of its children. What fits: fewer "
-                           "than `nodes` kept at a depth, or fewer than `nodes` children taken of a node (EAGLE-2's "
-                           "top_k, 10, a constant apart from its total_tokens): the candidates at depth j are the "
-                           "`nodes` best children of depth j-1's `nodes` best") from None
+    best_nodes(impl, wide_world(), 12, what='12 nodes, V = 16 (wide_world): ',
+               hint="here row 0's 12 best nodes are its 11 likely first tokens and the one child of the 11th, and "
+                    "row 1's its likely first token and 11 of its children. What fits: fewer than `nodes` kept at a "
+                    "depth, or fewer than `nodes` children taken of a node (EAGLE-2's top_k, 10, a constant apart "
+                    "from its total_tokens): the candidates at depth j are the `nodes` best children of depth j-1's "
+                    "`nodes` best")
     # a drafter's log q is float32 (heads.scores_from, prompt lookup's counts): the checks' other
     # worlds are float64, where a constant beyond float32's range still fits
     single = World(B=2, V=3, n=3, table=[t.float() for t in World(B=2, V=3, n=3, seed=0).table])

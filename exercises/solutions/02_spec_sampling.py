@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from model import sample, tempered
-from verification import accept_prefix, accept_sampled, residual
+from verification import accept_prefix, accept_sampled, residual, verify_sampled
 
 
 def residual_without_Q(logits, Q, drafts, temperature, generator=None):
@@ -103,12 +103,8 @@ def own_generator_when_none(logits, Q, drafts, temperature, generator=None):
 
 
 def cpu_generator_when_none(logits, Q, drafts, temperature, generator=None):
-    if generator is None:
-        generator = torch.default_generator                            # the CPU's: a draw on a GPU refuses it
-    p = F.softmax(tempered(logits, temperature), -1)
-    ok = accept_sampled(p[:, :-1], Q, drafts, generator)
-    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
-    return accept_prefix(ok, sample(weights, generator))
+    return verify_sampled(logits, Q, drafts, temperature,                 # the CPU's: a draw on a GPU refuses it
+                          torch.default_generator if generator is None else generator)
 
 
 def every_dimension_squeezed(logits, Q, drafts, temperature, generator=None):
