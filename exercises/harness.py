@@ -552,9 +552,13 @@ class HostSyncs(EagerMode):
 class HostReads(TorchFunctionMode):
     """HostSyncs' view of the calls themselves, above the ops: a CPU tensor's .tolist(), .numpy()
     or .cpu() reads it where it lies, with no op dispatched, where on a GPU each copies it to the
-    host, which waits; and the calls whose syncs only a CPU makes: F.one_hot with its num_classes
-    (a range check), x[mask] = number (boolean indexing that a GPU runs as masked_fill_)."""
-    READS = ('tolist', 'numpy', '__array__', 'cpu')
+    host, which waits; so does printing or formatting one (print(x), f"{x}", a logging call that
+    formats it), which on a GPU also stops a captured step (a copy to the host is not allowed in a
+    CUDA graph); and the calls whose syncs only a CPU makes: F.one_hot with its num_classes (a range
+    check), x[mask] = number (boolean indexing that a GPU runs as masked_fill_)."""
+    READS = {'tolist': 'Tensor.tolist()', 'numpy': 'Tensor.numpy()', '__array__': 'Tensor.__array__()',
+             'cpu': 'Tensor.cpu()', '__repr__': 'a tensor printed (its values read back: print its .shape)',
+             '__format__': 'a tensor formatted (its values read back: print its .shape)'}
 
     def __init__(self, syncs):
         super().__init__()
@@ -564,7 +568,7 @@ class HostReads(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, '__name__', '')
         if name in self.READS:   # not .to(device): on a GPU that device is the GPU
-            self.syncs.seen.append(f"Tensor.{name}()")
+            self.syncs.seen.append(self.READS[name])
         cpu_only = name == 'one_hot' and (args[1] if len(args) > 1 else kwargs.get('num_classes', -1)) != -1
         if name == '__setitem__' and len(args) == 3 and isinstance(args[2], (bool, int, float)):
             # x[mask] = number, one bool mask beside basic indices only (ints, slices, None, ...): on

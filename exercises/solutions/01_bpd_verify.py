@@ -111,6 +111,13 @@ def keeps_every_n_acc(logits, drafts, accept):
     n_acc_seen.append(n_acc)                    # "for statistics": grows with the tokens decoded
     return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
 
+def a_debugging_print_left_in(logits, drafts, accept):
+    rule, param = accept
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    print("accepted per row:", n_acc)                    # right, but its values are read back to be printed
+    return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+
 
 CONTROLS = {
     'counts past the first rejection': dict(verify_greedy=counts_past_the_first_rejection),
@@ -129,4 +136,6 @@ CONTROLS = {
     'the bonus token picked by a one-hot matmul (bfloat16 under autocast: tokens above 256 rounded)': dict(
         verify_greedy=bonus_token_picked_by_a_product),
     "keeps every step's n_acc in a list (memory grows with the tokens decoded)": dict(verify_greedy=keeps_every_n_acc),
+    'a debugging print of n_acc left in (its values read back: a host sync)': dict(verify_greedy=a_debugging_print_left_in),
 }
+
