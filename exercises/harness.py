@@ -61,11 +61,128 @@ def exercises():
 
 
 def load_file(path, name):
-    """The Python file at `path` as a module called `name` (exercise folders are not packages)."""
+    """The Python file at `path` as a module called `name` (exercise folders are not packages).
+    SettingsChanged if loading it changed one of torch's process-wide settings (put back)."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    before = torch_settings()
     spec.loader.exec_module(module)
+    changed = settings_changed(before)
+    if changed:
+        raise SettingsChanged(f"{os.path.basename(path)} changed {changed}, at import (put back); want torch's "
+                              f"process-wide settings left as they were")
     return module
+
+
+# ----------------------------------------------------------------------------- torch's process-wide settings
+# What one line can switch for the whole process and leave switched: everything the program runs after it
+# (the project's decoding and training, the caller's own code) then runs under it. Code under test that
+# sets one as a statement (torch.set_grad_enabled(False) rather than `with torch.no_grad():`,
+# torch.set_default_dtype, torch.use_deterministic_algorithms, TF32 switched on) changes code it was never
+# asked to touch. run_check reads them before and after each check, and load_file around an import: a
+# change fails the check (at import, every check) and is put back.
+
+def backend_flag(path, attr):
+    """(read, write) of torch.backends.<path>.<attr>."""
+    def owner():
+        obj = torch.backends
+        for part in path.split('.'):
+            obj = getattr(obj, part)
+        return obj
+    return (lambda: getattr(owner(), attr)), (lambda value: setattr(owner(), attr, value))
+
+
+# what -> (read, write), put back in this order. The float32 matmul precision is read through the legacy
+# settings alone: each of them writes the newer fp32_precision ones too, which can change without changing
+# what they mean (set_float32_matmul_precision('highest') writes 'ieee' where 'none' meant the same), and
+# TF32 switched on through those changes a legacy reading (or makes it fail: a mix of the two APIs)
+SETTINGS = {
+    'the default dtype (torch.set_default_dtype)': (torch.get_default_dtype, torch.set_default_dtype),
+    'the default device (torch.set_default_device)': (torch.get_default_device, torch.set_default_device),
+    'grad mode (torch.set_grad_enabled called, not used as a context)': (torch.is_grad_enabled,
+                                                                         torch.set_grad_enabled),
+    'deterministic algorithms (torch.use_deterministic_algorithms)': (
+        lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1])),
+    'anomaly detection (torch.autograd.set_detect_anomaly)': (
+        lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+        lambda value: torch.autograd.set_detect_anomaly(*value)),
+    'the float32 matmul precision (torch.set_float32_matmul_precision)': (torch.get_float32_matmul_precision,
+                                                                          torch.set_float32_matmul_precision),
+    'TF32 in CUDA matmuls (torch.backends.cuda.matmul.allow_tf32)': backend_flag('cuda.matmul', 'allow_tf32'),
+    'TF32 in cuDNN (torch.backends.cudnn.allow_tf32)': backend_flag('cudnn', 'allow_tf32'),
+    **{f'torch.backends.cuda.matmul.{a}': backend_flag('cuda.matmul', a)
+       for a in ('allow_fp16_reduced_precision_reduction', 'allow_bf16_reduced_precision_reduction')},
+    **{f'torch.backends.cudnn.{a}': backend_flag('cudnn', a) for a in ('enabled', 'benchmark', 'deterministic')},
+    **{f'torch.backends.cuda.enable_{kind}_sdp': (getattr(torch.backends.cuda, f'{kind}_sdp_enabled'),
+                                                   getattr(torch.backends.cuda, f'enable_{kind}_sdp'))
+       for kind in ('flash', 'mem_efficient', 'math')},
+}
+SETTINGS_HINT = ("a process-wide setting of torch changed by your code stays changed for everything the program runs "
+                 "after it (the project's decoding and training, the caller's code): torch.set_grad_enabled(False) "
+                 "called rather than used as a context (`with torch.no_grad():` or the @torch.no_grad() decorator put "
+                 "it back), torch.set_default_dtype, torch.use_deterministic_algorithms, "
+                 "torch.set_float32_matmul_precision or allow_tf32 (generate.py --tf32 chooses TF32), "
+                 "torch.autograd.set_detect_anomaly, torch.set_default_device. Leave them as the caller has them, at "
+                 "import as in a call")
+
+
+class SettingsChanged(Exception):
+    """A file changed torch's process-wide settings while it loaded (they are put back)."""
+
+
+def torch_settings():
+    """{what: value} of every setting of SETTINGS (a reading that fails is kept as its error)."""
+    values = {}
+    for what, (read, _) in SETTINGS.items():
+        try:
+            values[what] = read()
+        except Exception as e:                      # torch refusing a mix of the legacy and new TF32 APIs
+            values[what] = f"unreadable ({type(e).__name__})"
+    return values
+
+
+def settings_changed(before):
+    """'' if every setting is as in `before` (torch_settings()), else the first that changed, with its
+    value before and after; every one that changed is put back."""
+    now = torch_settings()
+    changed = [what for what in SETTINGS if now[what] != before[what]]
+    for what in changed:
+        if not str(before[what]).startswith('unreadable'):
+            try:
+                SETTINGS[what][1](before[what])
+            except Exception:
+                pass
+    changed.sort(key=lambda what: str(now[what]).startswith('unreadable'))     # a readable one to name first
+    return f"{changed[0]}, from {before[changed[0]]} to {now[changed[0]]}" if changed else ''
+
+
+def assert_leaves_torch_alone(what, call, hint=''):
+    """call() once: Fail if it left one of torch's process-wide settings changed (SETTINGS: put back), or
+    moved the CPU's global RNG (torch.manual_seed, or a draw without a generator, inside the call). Code
+    that draws nothing, or only from the generator it is given, leaves the caller's random stream alone:
+    one that reseeds it repeats every later draw of the program. Returns what call() returned."""
+    before = torch_settings()
+    with torch.random.fork_rng(devices=[]):      # the caller's RNG as it was, afterwards
+        torch.manual_seed(20240601)
+        torch.rand(3)                             # a state that no torch.manual_seed leaves
+        state = torch.get_rng_state()
+        try:
+            out = call()
+        finally:
+            changed = settings_changed(before)
+        moved = not torch.equal(torch.get_rng_state(), state)
+    if changed:
+        raise Fail(f"{what} changed {changed} and left it so (put back); want torch's process-wide settings as the "
+                   f"caller had them", SETTINGS_HINT)
+    if moved:
+        raise Fail(f"{what} changed the state of the global RNG (torch.manual_seed, or a draw from it, inside the "
+                   f"call); want it as the caller left it", hint or (
+                       "this function has nothing to draw from the global RNG: a torch.manual_seed (or "
+                       "torch.seed) inside it reseeds the caller's random stream at every step, so every later "
+                       "draw of the program (a sampled decode with generator=None, a dropout in training) "
+                       "repeats; seed where the program starts, or pass a torch.Generator"))
+    return out
 
 
 @lru_cache
@@ -102,6 +219,8 @@ def load_student(n):
     path = student_path(n)
     try:
         return load_file(path, f'exercise{n:02d}_student')
+    except SettingsChanged as e:
+        raise NotLoaded(str(e)) from None
     except SyntaxError as e:      # raised while compiling: no frame of the file, but its own line
         raise NotLoaded(f"student.py does not load: {type(e).__name__}: {e.msg} "
                         f"({os.path.basename(e.filename or path)} line {e.lineno})") from None
@@ -238,6 +357,7 @@ def run_check(checks, impl, name, fn):
     title, hint = docstring_parts(fn)
     t0 = time.perf_counter()
     reason, not_written = '', False
+    settings = torch_settings()
     try:
         with plugged(checks, impl):
             fn(impl)
@@ -255,6 +375,10 @@ def run_check(checks, impl, name, fn):
         reason = f"{type(e).__name__}: {first_line(e)}{where_in_student(e)}"
         if 'view size is not compatible' in str(e):   # the docstring's hint is about the answer, not its layout
             hint = VIEW_HINT
+    changed = settings_changed(settings)          # put back, whatever the check's verdict
+    if changed and not not_written:               # the cause of whatever else went wrong after it
+        reason, hint = f"the code under test changed {changed} and left it so (put back); want torch's " \
+                       f"process-wide settings as the caller had them", SETTINGS_HINT
     return Result(name, title, not reason, reason, hint, time.perf_counter() - t0, not_written)
 
 
@@ -874,6 +998,14 @@ class MadeOnCpu(EagerMode):
         if self.strict and on_cpu and meets:
             self.blamed = self.blamed or self.where(on_cpu[0])
             raise RuntimeError(f"{func}: expected all tensors on one device, found meta and cpu (as CUDA refuses)")
+        # an op that writes into a CPU tensor from the device's: 'meta' runs it, CUDA refuses it, a 0-dim one
+        # too (a CPU scalar may be an input beside CUDA tensors, never an output: a counter made at import,
+        # `total += n.sum()`). copy_ is a copy between the devices, judged above
+        into = [t for t in written_by(func, args, kwargs) if t.device.type == 'cpu']
+        if into and meets and func is not aten.copy_.default:
+            self.blamed = self.blamed or self.where(into[0])
+            raise RuntimeError(f"{func}: writes into a tensor on the cpu from one on the device (meta here), which "
+                               f"CUDA refuses (a CPU scalar may be an input beside CUDA tensors, not the output)")
         try:
             out = func(*args, **kwargs)
         except Exception:
@@ -881,8 +1013,9 @@ class MadeOnCpu(EagerMode):
                 self.blamed = self.where(on_cpu[0])
             raise
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type == 'cpu' and t.dim() > 0:
-                # made from a CPU tensor: where that one was made
+            if isinstance(t, torch.Tensor) and t.device.type == 'cpu':
+                # made from a CPU tensor: where that one was made (0-dim ones too, which only an op that
+                # writes into one refuses)
                 self.made[id(t)] = (weakref.ref(t), self.where(on_cpu[0]) if on_cpu else f"{func}{student_line()}")
         return out
 
@@ -890,7 +1023,18 @@ class MadeOnCpu(EagerMode):
         ref, where = self.made.get(id(t), (None, None))
         if ref is not None and ref() is t:
             return where
-        return "a CPU tensor made before the call (one that .to() did not move?)"
+        return "a CPU tensor made before the call (at import, say, or one that .to() did not move?)"
+
+
+def written_by(func, args, kwargs):
+    """The tensors an op writes into: its arguments that its schema marks as written (self of an in-place
+    op, out=)."""
+    written = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(a.name)
+            written += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return written
 
 
 class HostData(TorchFunctionMode):

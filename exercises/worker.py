@@ -96,13 +96,33 @@ class Watch:
 
 
 def wrapper_of(new, old):
-    """Is `new` a wrapper of `old` (functools.wraps's __wrapped__, followed down)?"""
+    """Is `new` a wrapper of `old` (functools.wraps's __wrapped__, followed down), or torch's own patch of
+    it (a function of torch's files that closes over it: torch._dynamo's of torch.nn.Module.__init__ and
+    __setstate__, made at the first call of a function decorated with @torch.compile)?"""
+    if torch_patch_of(new, old):
+        return True
     for _ in range(8):
         new = getattr(new, '__wrapped__', None)
         if new is None:
             return False
         if new is old:
             return True
+    return False
+
+
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def torch_patch_of(new, old):
+    code = getattr(new, '__code__', None)
+    if code is None or not os.path.abspath(code.co_filename).startswith(TORCH_DIR):
+        return False
+    for cell in getattr(new, '__closure__', None) or ():
+        try:
+            if cell.cell_contents is old:
+                return True
+        except ValueError:                 # an empty cell
+            continue
     return False
 
 

@@ -61,6 +61,9 @@ HOSTILE = {   # name: (student.py, what every check's reason holds)
         "            pass\n"
         "    return None, None, None\n",
         'replaced exercises.harness.Fail, torch.equal during this check'),
+    'a process-wide setting changed at import': (
+        "import torch\ntorch.set_default_dtype(torch.float64)\n" + RIGHT,
+        'changed the default dtype (torch.set_default_dtype), from torch.float32 to torch.float64, at import'),
 }
 
 
@@ -112,6 +115,17 @@ def test_a_right_answer_passes_in_the_worker(tmp_path, monkeypatch):
     """The guards refuse nothing of a right answer: the references pass through the same worker
     (tests/test_exercises_cli.py), and so does a right student.py."""
     code, out, _ = check_1(tmp_path, monkeypatch, RIGHT)
+    assert code == 0 and f"{CHECKS_1} of {CHECKS_1} checks pass" in out, out
+
+
+@needs_solutions
+def test_a_compiled_right_answer_passes_in_the_worker(tmp_path, monkeypatch):
+    """@torch.compile patches torch.nn.Module's __init__ at its first call: torch's own patch of a
+    function the checks rely on, which the worker lets through (worker.torch_patch_of), where a
+    student's is refused ('the runner and the checks replaced at import' above). Dynamo without
+    code generation (backend='eager') patches the same and compiles in a second."""
+    source = RIGHT.replace('def verify_greedy', "@torch.compile(backend='eager')\ndef verify_greedy")
+    code, out, _ = check_1(tmp_path, monkeypatch, source)
     assert code == 0 and f"{CHECKS_1} of {CHECKS_1} checks pass" in out, out
 
 

@@ -78,12 +78,14 @@ def test_every_draft_right(impl):
 
 def test_a_wrong_draft_first_middle_last(impl):
     """A wrong draft first, in the middle, last. The drafts before it are committed, it and all
-    after it are not, and the bonus is the target's correction there."""
+    after it are not, and the bonus is the target's correction there; the call leaves its inputs,
+    the global RNG and an earlier call's results as they were."""
     k = 6
     greedy, drafts, wrong_at = planted(k)
     logits = scripted(greedy, 11)
     accepted, n_acc, bonus = harness.assert_inputs_unchanged(
-        'verify_greedy', lambda: impl.verify_greedy(logits, drafts, EXACT),
+        'verify_greedy', lambda: harness.assert_leaves_torch_alone(
+            'verify_greedy', lambda: impl.verify_greedy(logits, drafts, EXACT)),
         "the step reads the drafts again after the call (they are the tokens it commits), and the logits are the "
         "caller's: compute into tensors of your own, with no in-place op on them (a name ending in _, -= or &=, an "
         "indexed assignment)", logits=logits, drafts=drafts)
@@ -110,6 +112,17 @@ def test_a_wrong_draft_first_middle_last(impl):
                                "(the bonus itself when nothing was committed): " + (
                                    "yours is the one a position later" if late else
                                    "yours is neither that one nor the one a position later"))
+    # each call's results are its own: a second call, other logits and drafts of the same shapes, leaves them
+    first = [t.clone() for t in (accepted, n_acc, bonus)]
+    impl.verify_greedy(*sized(4, k), EXACT)
+    for name, got, was in zip(('accepted', 'n_acc', 'bonus'), (accepted, n_acc, bonus), first):
+        if not torch.equal(got, was):
+            raise harness.Fail(f"a second call (other logits and drafts, the same shapes) changed the first call's "
+                               f"{name}, want each call's results its own",
+                               "what fits: results written into tensors kept between calls (out=, copy_ into a "
+                               "buffer made once): the next call overwrites what the caller still holds (a step's "
+                               "verdicts compared or kept while the next block is verified). Make the outputs anew "
+                               "at each call; a table kept and only read (an arange) is fine")
 
 
 def test_ties_near_ties_long_blocks(impl):

@@ -114,7 +114,8 @@ def test_the_first_token_follows_p(impl):
     """The first emitted token follows p. One draft per row, 200,000 rows: the token after the
     bonus (the draft if accepted, else the bonus) has exactly the target's distribution at T,
     for a proposal Q far from p (T = 0.7 and 1.3) and for a point-mass draft (Q None); a ratio of
-    1e-4 accepted as rarely as it should, and under bfloat16 autocast (float32 inputs, as
+    1e-4 accepted as rarely as it should, a draft of Q(d) = 1e-10 at its own ratio (no eps, no
+    floor), and under bfloat16 autocast (float32 inputs, as
     generate.py --dtype bfloat16 gives) a ratio of 0.9985 refused as rarely as it should.
     Hint: P(emit x) = Q(x) min(1, P(x)/Q(x)) + P(reject) norm(max(0, P - Q))(x) = P(x): both
     halves, the test and the residual, at the same P."""
@@ -148,6 +149,25 @@ def test_the_first_token_follows_p(impl):
                            "P(d) / Q(d)) exactly. What fits: a coin too coarse for a small ratio (drawn in float16 or "
                            "bfloat16: every u below its grid's first step accepts), or the ratio taken otherwise than "
                            "P(d) / Q(d)")
+    # a draft of small Q: Q(d) = 1e-10, P(d) = 5e-11 (a ratio of 0.5), in 20,000 rows: 10,000 accepted expected,
+    # 9,688 to 10,312 allowed. An eps added to Q(d) (P(d) / (Q(d) + eps), or log(P + eps) - log(Q + eps)) or a floor
+    # under it moves the ratio: eps = 1e-11 accepts 9% too rarely, 1e-8 (a common habit) 100 times too rarely;
+    # torch.finfo's tiny, or an eps of 1e-13 or less, moves it by 0.1% or less
+    n, q, half = 20_000, 1e-10, 0.5
+    L = torch.zeros(2, 2, dtype=torch.float64)
+    L[0, 0] = math.log(half * q / (1 - half * q))                         # P(0) = q / 2 at T = 1
+    Q = torch.tensor([q, 1 - q], dtype=torch.float64)                    # Q(0) = 1e-10
+    accepted, _, _ = impl.verify_sampled(*as_the_step_gives(L.expand(n, 2, 2), Q.expand(n, 1, 2)),
+                                         torch.zeros(n, 1, dtype=torch.long), 1.0, torch.Generator().manual_seed(12))
+    count, (lo, hi) = int(accepted.sum()), binomial_range(n, float(F.softmax(L[0], -1)[0]) / q)
+    if not lo <= count <= hi:
+        raise harness.Fail(f"a draft with Q(d) = {q:g} and P(d) / Q(d) = {half:g}, drafted in {n} rows: accepted "
+                           f"{count} times, want about {n * half:.0f} ({lo} to {hi})", "the test accepts with "
+                           "probability min(1, P(d) / Q(d)) exactly, for a Q(d) as small as a float can hold: u * Q(d) "
+                           "< P(d) divides by nothing, and a drafted token has Q(d) > 0. What fits: an eps added to "
+                           "Q(d) (P(d) / (Q(d) + eps), or log(P + eps) - log(Q + eps)), or Q(d) clamped to a floor: a "
+                           "draft of small Q is then accepted at another ratio, and the output is not the target's. "
+                           "torch.finfo(dtype).tiny as a floor changes nothing")
     # under bfloat16 autocast (float32 logits and Q), a ratio P(d) / Q(d) = 1 - 0.0015: 300 refusals expected
     # in 200,000 rows, 227 to 379 allowed. A P(d) or Q(d) that comes out of a matrix product lands on
     # bfloat16's grid (0.3 is 0.3008 there, 0.2996 is 0.2988, 0.9985 is 1) and the ratio with it: none
@@ -320,8 +340,8 @@ def the_residual_is_kept(impl, L, Q, drafts, T, g, to, size):
 
 def test_no_host_sync(impl):
     """No host sync, no Python loop, no tensor on another device. For sampled drafts (Q given) and
-    for point masses (Q None): nothing makes the host wait for the device, as many ops for 6 rows or
-    8 positions as for 3 rows of 5, and no tensor is made off the logits' device (run on PyTorch's
+    for point masses (Q None), given a generator or None: nothing makes the host wait for the
+    device, as many ops for 6 rows or 8 positions as for 3 rows of 5, and no tensor is made off the logits' device (run on PyTorch's
     'meta' device, which refuses a mix of devices as CUDA does), nor, given generator=None, drawn
     from a generator of another device (torch.default_generator is the CPU's)."""
     g = torch.Generator().manual_seed(8)
@@ -329,10 +349,13 @@ def test_no_host_sync(impl):
     point_mass = ("only the point-mass path syncs: something there reads a value on the host (F.one_hot without "
                   "its num_classes, for one, reads the largest draft there)")
     for qq, what, hint in ((Q, 'sampled drafts (Q given)', ''), (None, 'point-mass drafts (Q None)', point_mass)):
-        with harness.HostSyncs() as syncs:
-            impl.verify_sampled(logits, qq, drafts, 1.0, g)
-        if syncs.seen:
-            raise harness.Fail(f"{what}: host syncs {', '.join(sorted(set(syncs.seen)))}, want none", hint or SYNC_HINT)
+        for gen in (g, None):      # generator=None: what a compiled step always gets
+            with harness.HostSyncs() as syncs, torch.random.fork_rng(devices=[]):
+                impl.verify_sampled(logits, qq, drafts, 1.0, gen)
+            if syncs.seen:
+                raise harness.Fail(f"{what}{', given generator=None' * (gen is None)}: host syncs "
+                                   f"{', '.join(sorted(set(syncs.seen)))}, want none", hint or (
+                                       NONE_SYNC_HINT if gen is None else SYNC_HINT))
     for given, what in ((True, 'sampled drafts (Q given)'), (False, 'point-mass drafts (Q None)')):
         harness.assert_no_python_loop(what, [(f'B={B}, k={k}', lambda B=B, k=k: impl.verify_sampled(
             *sized(B, k, given), 1.0, torch.Generator().manual_seed(0))) for B, k in ((3, 5), (6, 5), (3, 8))])
@@ -377,6 +400,12 @@ SYNC_HINT = ("the ops listed make the host wait for the device: a value read bac
              "(torch.multinomial does, on a GPU); which position a row's bonus comes from is known only on the device")
 
 
+NONE_SYNC_HINT = ("only the generator=None path syncs, the one a compiled step always takes (generate.py --compile): "
+                  "what fits is a generator of your own made there and seeded from a value read back (int() or "
+                  ".item() of a draw); draw from the global RNG of the logits' device instead (torch.rand(..., "
+                  "generator=None, device=...), model.sample(w, None))")
+
+
 def differ(a, b):
     """How many rows of two (accepted, n_acc, bonus) differ anywhere."""
     return int(torch.stack([(x != y).reshape(len(x), -1).any(-1) for x, y in zip(a, b)]).any(0).sum())
@@ -385,10 +414,12 @@ def differ(a, b):
 def test_the_same_seed_gives_the_same_output(impl):
     """The same seed gives the same output. Generators seeded alike give identical accepted, n_acc
     and bonus whatever state the global RNG is in, and a generator seeded otherwise gives other
-    ones, for sampled drafts and point masses; with no generator (None) the draws come from the
-    global RNG, seeded otherwise: other draws. Hint: the same generator gave other draws: some
-    random number came from the global RNG (the coins, or the bonuses, drawn without
-    `generator`), which makes the distribution right but the text unrepeatable."""
+    ones, for sampled drafts and point masses, and a call given a generator leaves the global RNG
+    as it was; with no generator (None) the draws come from the global RNG: seeded otherwise, other
+    draws, seeded alike, the same, and a call right after another, other draws. Hint: the same
+    generator gave other draws: some random number came from the global RNG (the coins, or the
+    bonuses, drawn without `generator`), which makes the distribution right but the text
+    unrepeatable."""
     g = torch.Generator().manual_seed(9)
     B = 400
     logits = torch.randn(B, 4, V, generator=g, dtype=torch.float64) * 1.5
@@ -401,6 +432,13 @@ def test_the_same_seed_gives_the_same_output(impl):
                 torch.manual_seed(global_seed)
                 runs.append(impl.verify_sampled(*as_the_step_gives(logits.clone(), None if qq is None else qq.clone()),
                                                 drafts, 1.0, torch.Generator().manual_seed(seed)))   # each its own
+        harness.assert_leaves_torch_alone(
+            f"{what}, given a generator,", lambda: impl.verify_sampled(
+                *as_the_step_gives(logits.clone(), None if qq is None else qq.clone()), drafts, 1.0,
+                torch.Generator().manual_seed(0)),
+            "given a generator, every random number comes from it, and the global RNG is the caller's: what fits is "
+            "torch.manual_seed (say from generator.initial_seed()) or torch.seed() inside the call, which reseeds "
+            "the caller's random stream at every step, or a draw without generator= that the output does not show")
         if differ(runs[0], runs[1]):
             raise harness.Fail(f"{what}: the same generator seed, the global RNG seeded otherwise: "
                                f"{differ(runs[0], runs[1])} of {B} rows differ, want 0")
@@ -412,11 +450,16 @@ def test_the_same_seed_gives_the_same_output(impl):
     # given generator=None; it must run, and another global seed must give other draws
     none_hint = ("generator=None means the global RNG: torch.rand(..., generator=None) and model.sample(w, None) "
                  "draw from it. What fits: something read off the generator (its .device, a seed) that None has "
-                 "not, or a generator of your own made when none is given (never seeded: the same draws each call)")
+                 "not, or a generator of your own made when none is given (never seeded: the same draws each call; "
+                 "seeded by torch.seed() or the clock: other draws for the same global seed), the global RNG "
+                 "reseeded inside the call (torch.manual_seed: the same draws whatever the caller's seed), or the "
+                 "draws wrapped in torch.random.fork_rng (the global RNG put back after each call: every call draws "
+                 "the same numbers, and a decode's steps repeat their coins)")
     runs, drafts = [], sample(Q, g)
     with torch.random.fork_rng(devices=[]):
-        for global_seed in (1, 2):
-            torch.manual_seed(global_seed)
+        for global_seed in (1, 2, 1, None):            # None: the call right after the last, not reseeded
+            if global_seed is not None:
+                torch.manual_seed(global_seed)
             try:
                 runs.append(impl.verify_sampled(logits.clone(), Q.clone(), drafts, 1.0, None))
             except NotImplementedError:
@@ -427,6 +470,13 @@ def test_the_same_seed_gives_the_same_output(impl):
     if not differ(runs[0], runs[1]):
         raise harness.Fail(f"with generator=None, the global RNG seeded 1 then 2: identical outputs in all {B} rows, "
                            f"want other draws", none_hint)
+    if differ(runs[0], runs[2]):
+        raise harness.Fail(f"with generator=None, the global RNG seeded 1 twice: {differ(runs[0], runs[2])} of {B} "
+                           f"rows differ, want none (the same seed, the same text)", none_hint)
+    if not differ(runs[2], runs[3]):
+        raise harness.Fail(f"with generator=None, two calls in a row (the global RNG not reseeded between them): "
+                           f"identical outputs in all {B} rows, want other draws (each call draws on from the "
+                           f"global RNG, as torch's draws do)", none_hint)
 
 
 def test_lossless_through_generate(impl):

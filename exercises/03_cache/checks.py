@@ -136,22 +136,24 @@ def test_the_buffers_stay_in_place(impl):
     """The buffers stay in place. After write and commit (an int and a (B,) tensor), cache.k,
     cache.v and cache.lengths are the very tensors they were, at the same addresses, and write
     returns views of the layer's buffers, not copies: a compiled step and a CUDA graph hold on to
-    these addresses, and a rebound buffer is one they never see. Hint: everything in place:
+    these addresses, and a rebound buffer is one they never see; and neither touches the global
+    RNG. Hint: everything in place:
     cache.lengths += n; index assignment or scatter_ into cache.k and cache.v."""
     model = harness.tiny_target()
     cache = model.new_cache(2, 32)
     before = {name: (getattr(cache, name), getattr(cache, name).data_ptr()) for name in ('k', 'v', 'lengths')}
     indices = {name: (getattr(cache, name), getattr(cache, name).clone()) for name in ('rows', 'layers')}
     k, v = block_keys()
-    K, V = impl.write(cache, 1, k, v, torch.tensor([[0, 1, 2], [4, 5, 6]]))
+    K, V = harness.assert_leaves_torch_alone('write', lambda: impl.write(cache, 1, k, v,
+                                                                       torch.tensor([[0, 1, 2], [4, 5, 6]])))
     for name, got in (('K', K), ('V', V)):
         buffer = getattr(cache, name.lower())[1]
         if not (isinstance(got, torch.Tensor) and got.shape == buffer.shape and got.data_ptr() == buffer.data_ptr()):
             raise harness.Fail(f"write returned a {name} that is not cache.{name.lower()}[layer_idx] (want a view at "
                                f"its address {buffer.data_ptr():#x}, shape {tuple(buffer.shape)})",
                                f"return cache.{name.lower()}[layer_idx] itself, after writing into it in place")
-    impl.commit(cache, 1)
-    impl.commit(cache, torch.tensor([1, 2]))
+    harness.assert_leaves_torch_alone('commit', lambda: impl.commit(cache, 1))
+    harness.assert_leaves_torch_alone('commit', lambda: impl.commit(cache, torch.tensor([1, 2])))
     for name, (tensor, ptr) in before.items():
         now = getattr(cache, name)
         if now is not tensor or now.data_ptr() != ptr:

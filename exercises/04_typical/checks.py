@@ -355,6 +355,17 @@ def test_every_committed_draft_passes(impl):
                            "the checks above test the rule alone, and say what is off")
 
 
+def test_torch_settings_left_as_they_were(impl):
+    """torch's settings left as they were. A call of typical changes none of torch's process-wide
+    settings: the global RNG (torch.manual_seed), grad mode (torch.set_grad_enabled as a
+    statement), the default dtype, anomaly detection, deterministic algorithms, TF32 and the
+    float32 matmul precision. decode calls the rule at every step: the process's draws without a
+    generator (a sampled decode's) and its forwards must go on as without it. A student.py that
+    changes one while it loads fails every check."""
+    logits, drafts = random_block(B=8, seed=3)
+    harness.assert_leaves_torch_alone('typical', lambda: impl.typical(logits, drafts, (0.09, 0.3)))
+
+
 @torch.no_grad()
 def try_it(impl, tryout):
     """Typical acceptance, yours next to the reference (in a handout, the target alone), beside exact

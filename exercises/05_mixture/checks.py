@@ -72,8 +72,9 @@ def under_autocast(call, *inputs):
 
 def test_the_posterior_by_enumeration(impl):
     """The posterior by enumeration. log w (N, n, K) equals pi'_z prod_{l<i} q~_l(d_l | z),
-    normalised, computed directly, for sampled and for greedy branches (log q~ -inf off a path);
-    the inputs left as they were; under bfloat16 autocast (float32 inputs, as generate.py --dtype
+    normalised, computed directly, for sampled and for greedy branches (log q~ -inf off a path),
+    and its gradient in the prior's logits and log_qd (exercise 6 may train through it); the inputs
+    left as they were; under bfloat16 autocast (float32 inputs, as generate.py --dtype
     bfloat16 gives) to float32's precision. Hint: position i's
     posterior weighs each branch by the drafts before i only (position 0 sees none: its posterior
     is the prior), normalised over the branches."""
@@ -89,6 +90,29 @@ def test_the_posterior_by_enumeration(impl):
     if not err < 1e-12:
         raise harness.Fail(f"the posterior differs from the definition by {err:.1e}, want below 1e-12",
                            misread(log_w.exp(), log_prior, log_q, drafts))
+    # its gradient, against the definition's in probability space: exercise 6 may train through it (in a
+    # handout, dblast.posterior is this one, and exercise 6 may use it)
+    g = torch.Generator().manual_seed(8)
+    prior_logits = torch.randn(6, 3, generator=g, dtype=torch.float64).requires_grad_()
+    qd = log_qd.detach().clone().requires_grad_()
+    log_w = impl.posterior(F.log_softmax(prior_logits, -1), qd * 1.0)
+    if not (isinstance(log_w, torch.Tensor) and log_w.requires_grad):
+        raise harness.Fail("the posterior has no gradient in log_prior and log_qd, want one: exercise 6 trains the "
+                           "drafter through it (in a handout dblast.posterior is yours)",
+                           "what fits: @torch.no_grad() or @torch.inference_mode() on posterior, or a .detach() in "
+                           "it; on conditionals, which decoding alone calls, either decorator is fine")
+    weights = torch.rand(6, 4, 3, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((log_w.exp() * weights).sum(), (prior_logits, qd), allow_unused=True)
+    before = torch.cat([torch.ones_like(qd[..., :1]), qd.exp().cumprod(-1)[..., :-1]], -1)        # prod_{l<i}
+    joint = F.softmax(prior_logits, -1)[..., None] * before                                       # (N, K, n)
+    want = torch.autograd.grad(((joint / joint.sum(1, keepdim=True)).transpose(1, 2) * weights).sum(),
+                               (prior_logits, qd))
+    err = max(math.inf if x is None else (x - y).abs().max().item() for x, y in zip(got, want))
+    if not err < 1e-9:
+        raise harness.Fail(f"the posterior's gradient in the prior's logits and log_qd differs from the definition's "
+                           f"by {err:.1e}, want below 1e-9", "the values are right and the gradient is not: what "
+                           "fits is a part of it detached (a shift by a detached max, log_prior or log_qd "
+                           ".detach()ed), or no gradient to one input (None)")
     # greedy branches (one-hot q~: log_qd 0 on a branch's path, -inf off it), the drafts along branch (row mod
     # K)'s path: the posterior alone, which a handout's exercise 6 may call (dblast.posterior is this one there)
     paths = log_q.argmax(-1)                                                      # (N, K, n)
@@ -299,6 +323,20 @@ def test_no_host_sync(impl):
     log_qd = drafted(log_q, drafts)
     harness.assert_on_the_inputs_device('posterior', lambda: impl.posterior(log_prior, log_qd))
     harness.assert_on_the_inputs_device('conditionals', lambda: impl.conditionals(log_prior, log_q, drafts))
+
+
+def test_torch_settings_left_as_they_were(impl):
+    """torch's settings left as they were. A call of posterior or of conditionals changes none of
+    torch's process-wide settings: the global RNG (torch.manual_seed), grad mode
+    (torch.set_grad_enabled as a statement), the default dtype, anomaly detection, deterministic
+    algorithms, TF32 and the float32 matmul precision. The DBlast drafter calls conditionals at
+    every step, before the step's draws: decode.generate with generator=None draws from the global
+    RNG, whose reset at every step would repeat the same draws step after step. A student.py that
+    changes one while it loads fails every check."""
+    log_prior, log_q, drafts = random_mixture(seed=2)
+    log_qd = drafted(log_q, drafts)
+    harness.assert_leaves_torch_alone('posterior', lambda: impl.posterior(log_prior, log_qd))
+    harness.assert_leaves_torch_alone('conditionals', lambda: impl.conditionals(log_prior, log_q, drafts))
 
 
 def test_lossless_through_generate(impl):

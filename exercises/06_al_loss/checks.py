@@ -213,7 +213,8 @@ def test_the_threshold_and_the_fallback(impl):
     if not torch.allclose(got, -t.mean(-1)):
         hint = ("tau_threshold 0 keeps every prefix (log 0 = -inf, below any a_j): take it as -inf, not as a "
                 "math error" if not torch.isfinite(got).all() else '')
-        raise harness.Fail(f"tau_threshold 0: {fmt(got)}, want -mean_j λ_j {fmt(-t.mean(-1))}", hint)
+        raise harness.Fail(f"tau_threshold 0: {fmt(got)}, want -mean_j λ_j {fmt(-t.mean(-1))} (off by "
+                           f"{(got - -t.mean(-1)).abs().max().item():.1e})", hint)
     got = surrogate(impl, a, nll, math.exp(-1.0))   # keeps a[0, 0] and a[0, 1], nothing of row 1, a[2, 0]
     want = torch.stack([-(t[0, 0] + t[0, 1]) / 2, nll[1], -t[2, 0]])
     if not torch.allclose(got, want):
@@ -259,9 +260,12 @@ def test_the_threshold_and_the_fallback(impl):
                                    f"{tau_threshold:.3g}: the loss ({str(loss.dtype)[6:]}) differs from -mean over R "
                                    f"of λ_j by {err:.1e}, its gradient in a by {grad_err:.1e}, want both below 1e-5, "
                                    f"float32's own", AUTOCAST)
-            if dtype == torch.float64 and not grad_err < 1e-9:
+            # in float64 to the bound the loss's values are held to (torch.allclose's 1e-5): a mean over R taken
+            # as sum / (|R| + 1e-6), off by 1e-6 / |R|, trains the same; a part of λ_j detached is off by 1e-2 and up
+            if dtype == torch.float64 and not torch.allclose(got, want, rtol=1e-5, atol=1e-8):
                 raise harness.Fail(f"tau_threshold {tau_threshold:.3g}: the loss's gradient in a is {fmt(got[0])} "
-                                   f"(row 0), want {fmt(want[0])}, that of -mean over R of λ_j",
+                                   f"(row 0), want {fmt(want[0])}, that of -mean over R of λ_j (off by "
+                                   f"{grad_err:.1e})",
                                    "the values are right and the gradient is not: what fits is a part of λ_j detached "
                                    "(the max a logsumexp is shifted by, say), which leaves the value as it was")
 
@@ -442,6 +446,26 @@ def test_nothing_kept_from_step_to_step(impl):
         a = prefix(impl, F.log_softmax(logits, -1), q * 1.0, log_px)        # log q~, a function's output
         surrogate(impl, a, -log_qx.sum((1, 2)), 0.01).sum().backward()
     harness.assert_keeps_nothing('a, the loss and its backward', step)
+
+
+def test_torch_settings_left_as_they_were(impl):
+    """torch's settings left as they were. A training step (a, the loss and its backward) and a
+    call of prefix_log_accept under torch.no_grad (as the exact evaluator makes it) change none of
+    torch's process-wide settings: the global RNG (torch.manual_seed), grad mode
+    (torch.set_grad_enabled as a statement), the default dtype, anomaly detection, deterministic
+    algorithms, TF32 and the float32 matmul precision. train.py calls both at every step: the rest of
+    the step (dropout draws from the global RNG) and the steps after it must go on as without them. A
+    student.py that changes one while it loads fails every check."""
+    log_prior, log_qx, log_px = random_block(seed=11)
+
+    def step():
+        logits, q = (t.detach().clone().requires_grad_() for t in (log_prior, log_qx))
+        a = prefix(impl, F.log_softmax(logits, -1), q * 1.0, log_px)
+        surrogate(impl, a, -log_qx.sum((1, 2)), 0.01).sum().backward()
+    harness.assert_leaves_torch_alone('a, the loss and its backward', step)
+    with torch.no_grad():
+        harness.assert_leaves_torch_alone('prefix_log_accept under torch.no_grad',
+                                          lambda: prefix(impl, log_prior, log_qx, log_px))
 
 
 @torch.no_grad()

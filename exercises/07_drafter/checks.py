@@ -167,9 +167,10 @@ def test_the_contract(impl):
                                    "draft i is the guess at the i-th token after the bonus whatever k is, sampled as "
                                    "greedy. What fits: the last k-1 heads (or positions) taken where the first k-1 are "
                                    "meant, under sampling only")
-    by_T = {}
+    by_T, kept = {}, {}
     for T in (1.2, 0.5, 0.25):      # at 0.25 many entries are below 1e-6: a clamp without renormalising shows
         _, Q_T = by_T[T] = d.draft(h, bonus, model, 4, T, torch.Generator().manual_seed(1))
+        kept[T] = Q_T.clone()
         off = (Q_T.sum(-1).double() - 1).abs().max().item()
         if not ((Q_T >= 0).all() and off < 1e-9):
             raise harness.Fail(f"T={T}: Q ({Q_T.dtype}) has rows that sum to 1 within {off:.1e} (smallest entry "
@@ -178,6 +179,12 @@ def test_the_contract(impl):
                                "unnormalised (an exp without the softmax's division), a clamp away from 0 not "
                                "renormalised, a mixture whose weights do not sum to 1, or Q computed in another "
                                "dtype than h's (float32 sums to 1 within about 1e-7 only)")
+    if not all(torch.equal(by_T[T][1], kept[T]) for T in (1.2, 0.5)):
+        raise harness.Fail("the Q one call of draft returned changed when draft was called again, want each call's "
+                           "outputs its own", "what fits: Q written into a buffer the drafter keeps (out=, copy_) "
+                           "and returned: a caller that holds it while drafting again (drafters.MixedPaths calls "
+                           "its drafters one after another, the same one twice for two paths of it) reads the next "
+                           "call's. Return a new tensor; a buffer kept for a table you only read is fine")
     if torch.allclose(by_T[0.25][1], by_T[0.5][1], rtol=0, atol=1e-6):
         raise harness.Fail("Q at T = 0.25 is Q at T = 0.5, want a sharper one",
                            "every temperature is applied as given (softmax(logits / T)): what fits is a temperature "
@@ -275,7 +282,11 @@ def test_no_host_sync(impl):
                            "bool() of a tensor, a Python if on one), a shape that depends on the data (boolean "
                            "indexing, nonzero), or a draw that checks its input on the host (torch.multinomial "
                            "does, on a GPU)")
-    target, drafter, h, bonus = (harness.on_meta(x) for x in (model, d, h, bonus))
+    # a drafter that has not drafted yet, moved as a decode moves it (.to(device)) before its first call: what
+    # it registers or makes at that call (a buffer made lazily without device=) must land on the device too
+    fresh = make(impl, model.config, 4, std=0.3)
+    fresh.sample_drafts = True
+    target, drafter, h, bonus = (harness.on_meta(x) for x in (model, fresh, h, bonus))
     for T, what in ((1.0, 'sampled drafts, T = 1'), (0.0, 'greedy, T = 0')):
         harness.assert_on_the_inputs_device(what, lambda: drafter.draft(h, bonus, target, 4, T, None), strict=True)
 
@@ -597,6 +608,7 @@ def self_trained(cls, T=T_TRAIN):
             h, bonus, _, _ = contexts(samples, 4, rows, pos)
             with torch.no_grad():
                 x, _ = d.draft(h, bonus, model, 4, T, g)
+            x = x.clone()   # a draft under torch.inference_mode() returns inference tensors: as labels, a copy
             loss = student.loss(h, bonus, model, x, T)
             opt.zero_grad()
             loss.backward()

@@ -119,6 +119,39 @@ def a_debugging_print_left_in(logits, drafts, accept):
     return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
 
 
+def reseeds_the_global_rng(logits, drafts, accept):
+    torch.manual_seed(0)                                 # "for determinism": the caller's random stream reseeded
+    rule, param = accept
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+
+
+def leaves_grad_mode_off(logits, drafts, accept):
+    torch.set_grad_enabled(False)                        # "inference only", called, not a context: left off
+    rule, param = accept
+    accepted = rule(logits, drafts, param).long().cumprod(-1).bool()
+    n_acc = accepted.sum(-1)
+    return accepted, n_acc, logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1)
+
+
+out_buffers = {}
+
+
+def writes_into_buffers_kept_between_calls(logits, drafts, accept):
+    key = (tuple(drafts.shape), logits.device)           # made once per shape and device, written at every call
+    if key not in out_buffers:
+        out_buffers[key] = (torch.empty(drafts.shape, dtype=torch.bool, device=logits.device),
+                            torch.empty(drafts.size(0), dtype=torch.long, device=logits.device),
+                            torch.empty(drafts.size(0), dtype=torch.long, device=logits.device))
+    accepted, n_acc, bonus = out_buffers[key]            # the next call overwrites what the caller holds
+    rule, param = accept
+    accepted.copy_(rule(logits, drafts, param).long().cumprod(-1).bool())
+    torch.sum(accepted, -1, out=n_acc)
+    bonus.copy_(logits.argmax(-1).gather(1, n_acc[:, None]).squeeze(1))
+    return accepted, n_acc, bonus
+
+
 CONTROLS = {
     'counts past the first rejection': dict(verify_greedy=counts_past_the_first_rejection),
     'bonus one position late': dict(verify_greedy=bonus_one_position_late),
@@ -137,5 +170,11 @@ CONTROLS = {
         verify_greedy=bonus_token_picked_by_a_product),
     "keeps every step's n_acc in a list (memory grows with the tokens decoded)": dict(verify_greedy=keeps_every_n_acc),
     'a debugging print of n_acc left in (its values read back: a host sync)': dict(verify_greedy=a_debugging_print_left_in),
+    "torch.manual_seed inside the call (the caller's global RNG reseeded at every step)": dict(
+        verify_greedy=reseeds_the_global_rng),
+    'torch.set_grad_enabled(False) called, not used as a context (grad mode left off)': dict(
+        verify_greedy=leaves_grad_mode_off),
+    'the outputs written into buffers kept between calls (the next call overwrites them)': dict(
+        verify_greedy=writes_into_buffers_kept_between_calls),
 }
 

@@ -1,5 +1,7 @@
 """Exercise 2's reference is the project's own verification.verify_sampled; these are the plausible wrong
 answers its checks must catch."""
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -211,6 +213,54 @@ def keeps_every_calls_verdicts(logits, Q, drafts, temperature, generator=None):
     return accept_prefix(ok, sample(weights, generator))
 
 
+def eps_added_to_q(logits, Q, drafts, temperature, generator=None):
+    p = F.softmax(tempered(logits, temperature), -1)
+    p_d = p[:, :-1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    q_d = 1.0 if Q is None else Q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+    coin = torch.rand(p_d.shape, generator=generator, device=p.device, dtype=p.dtype)
+    ok = coin < p_d / (q_d + 1e-8)                     # "no division by zero": a draft of small Q(d) is refused
+    weights = torch.cat([residual(p[:, :-1], Q, drafts), p[:, -1:]], 1)
+    return accept_prefix(ok, sample(weights, generator))
+
+
+def seeds_a_generator_from_a_read_back_draw_when_none(logits, Q, drafts, temperature, generator=None):
+    if generator is None:                               # int() of a draw: a host sync at every compiled step
+        seed = int(torch.randint(2 ** 62, (), device=logits.device))
+        generator = torch.Generator(device=logits.device).manual_seed(seed)
+    return verify_sampled(logits, Q, drafts, temperature, generator)
+
+
+def seeds_a_generator_from_the_clock_when_none(logits, Q, drafts, temperature, generator=None):
+    if generator is None:                               # the caller's seed no longer decides the draws
+        generator = torch.Generator(device=logits.device).manual_seed(time.time_ns())
+    return verify_sampled(logits, Q, drafts, temperature, generator)
+
+
+def reseeds_the_global_rng_from_the_generator(logits, Q, drafts, temperature, generator=None):
+    if generator is not None:                           # "so that the drafter matches": the caller's RNG reseeded
+        torch.manual_seed(generator.initial_seed())
+    return verify_sampled(logits, Q, drafts, temperature, generator)
+
+
+def switches_deterministic_algorithms_on(logits, Q, drafts, temperature, generator=None):
+    torch.use_deterministic_algorithms(True)            # process-wide, and left on
+    return verify_sampled(logits, Q, drafts, temperature, generator)
+
+
+def draws_inside_fork_rng(logits, Q, drafts, temperature, generator=None):
+    with torch.random.fork_rng(devices=[]):             # "leave the global RNG alone": put back after the call,
+        return verify_sampled(logits, Q, drafts, temperature, generator)   # so every call draws the same numbers
+
+
+accepted_so_far = torch.zeros((), dtype=torch.long)     # made at import, on the CPU
+
+
+def counts_into_a_cpu_tensor_made_at_import(logits, Q, drafts, temperature, generator=None):
+    accepted, n_acc, bonus = verify_sampled(logits, Q, drafts, temperature, generator)
+    accepted_so_far.add_(n_acc.sum())                   # on a GPU: a CPU tensor written from a CUDA one, refused
+    return accepted, n_acc, bonus
+
+
 CONTROLS = {
     'residual without subtracting Q': dict(verify_sampled=residual_without_Q),
     'temperature on the acceptance test only': dict(verify_sampled=temperature_on_the_test_only),
@@ -244,4 +294,18 @@ CONTROLS = {
         verify_sampled=cdf_by_a_vocabulary_square_matmul),
     "keeps every call's verdicts in a list (memory grows with the tokens decoded)": dict(
         verify_sampled=keeps_every_calls_verdicts),
+    'an eps of 1e-8 added to Q(d) in the ratio (a draft of small Q accepted too rarely)': dict(
+        verify_sampled=eps_added_to_q),
+    'with generator=None, a generator seeded from int() of a draw (a host sync)': dict(
+        verify_sampled=seeds_a_generator_from_a_read_back_draw_when_none),
+    'with generator=None, a generator seeded from the clock (the same global seed, other draws)': dict(
+        verify_sampled=seeds_a_generator_from_the_clock_when_none),
+    "the global RNG reseeded from the generator given (the caller's RNG changed)": dict(
+        verify_sampled=reseeds_the_global_rng_from_the_generator),
+    'torch.use_deterministic_algorithms(True) in the call (a process-wide setting left changed)': dict(
+        verify_sampled=switches_deterministic_algorithms_on),
+    'with generator=None, the draws inside torch.random.fork_rng (every call draws the same numbers)': dict(
+        verify_sampled=draws_inside_fork_rng),
+    'a running count in a CPU tensor made at import (written from the device: refused on a GPU)': dict(
+        verify_sampled=counts_into_a_cpu_tensor_made_at_import),
 }

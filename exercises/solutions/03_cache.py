@@ -131,6 +131,16 @@ def commit_keeps_every_n(cache, n):
     cache.lengths += n
 
 
+def commit_reseeds_the_global_rng(cache, n):
+    torch.manual_seed(0)                                # "reproducible steps": the caller's RNG reseeded
+    cache.lengths += n
+
+
+def write_sets_the_default_dtype(cache, layer_idx, k, v, pos):
+    torch.set_default_dtype(cache.k.dtype)              # "so that new tensors match the cache": process-wide
+    return project_write(cache, layer_idx, k, v, pos)
+
+
 CONTROLS = {
     'commits the same length for every row': dict(commit=same_length_for_every_row),
     'writes the block at the start of the buffer': dict(write=write_at_the_start),
@@ -155,4 +165,8 @@ CONTROLS = {
     "write keeps every block's positions (torch.cat onto the cache: grows with the tokens decoded)": dict(
         write=write_keeps_every_blocks_positions),
     "commit keeps every n in a list on the cache (grows with the tokens decoded)": dict(commit=commit_keeps_every_n),
+    "commit calls torch.manual_seed (the caller's global RNG reseeded at every step)": dict(
+        commit=commit_reseeds_the_global_rng),
+    "write sets torch's default dtype to the cache's (a process-wide setting left changed)": dict(
+        write=write_sets_the_default_dtype),
 }

@@ -177,6 +177,11 @@ def keeps_every_entropy(logits, drafts, param):
     return p.gather(-1, drafts.unsqueeze(-1)).squeeze(-1) > threshold
 
 
+def seeds_the_global_rng(logits, drafts, param):
+    torch.manual_seed(0)                        # "for reproducibility": every later draw without a generator repeats
+    return typical(logits, drafts, param)
+
+
 CONTROLS = {
     'max instead of min': dict(typical=max_instead_of_min),
     'each draft judged one position late': dict(typical=judged_one_position_late),
@@ -201,4 +206,5 @@ CONTROLS = {
         typical=drafts_flattened_by_view),
     "keeps every step's entropies in a list (memory grows with the tokens decoded)": dict(typical=keeps_every_entropy),
     "the accepted prefix returned (Medusa's cumprod), not each draft's own verdict": dict(typical=the_accepted_prefix),
+    'torch.manual_seed in the rule (the global RNG reset at every step)': dict(typical=seeds_the_global_rng),
 }

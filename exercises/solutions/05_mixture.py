@@ -100,6 +100,16 @@ def a_loop_over_the_branches(log_prior, log_q, drafts):
     return sum(w[:, :, z, None] * log_q[:, z].exp() for z in range(K))               # K times the ops
 
 
+@torch.no_grad()                                # "decoding only": exercise 6 trains through the posterior
+def posterior_without_a_gradient(log_prior, log_qd):
+    return project_posterior(log_prior, log_qd)
+
+
+def seeds_the_global_rng(log_prior, log_q, drafts):
+    torch.manual_seed(0)                        # "for reproducibility": generate's draws (generator=None) repeat
+    return project_conditionals(log_prior, log_q, drafts)
+
+
 posteriors_seen = []
 
 
@@ -132,4 +142,7 @@ CONTROLS.update({
     'Q checked by assert torch.allclose (a host sync)': dict(conditionals=checked_by_allclose),
     "keeps every step's posterior in a list (memory grows with the tokens decoded)": dict(
         posterior=keeps_every_posterior, conditionals=with_posterior(keeps_every_posterior)),
+    'the posterior under @torch.no_grad() (exercise 6 trains through it)': dict(
+        posterior=posterior_without_a_gradient, conditionals=with_posterior(posterior_without_a_gradient)),
+    'torch.manual_seed in conditionals (the global RNG reset at every step)': dict(conditionals=seeds_the_global_rng),
 })

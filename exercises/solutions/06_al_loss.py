@@ -172,6 +172,11 @@ def nll_detached(a, nll, tau_threshold):
     return project_al_surrogate(a, nll.detach(), tau_threshold)              # a row with an empty R learns nothing
 
 
+def seeds_the_global_rng(a, nll, tau_threshold):
+    torch.manual_seed(0)                        # "for reproducibility": every step's batches and dropout repeat
+    return project_al_surrogate(a, nll, tau_threshold)
+
+
 HISTORY = []
 
 
@@ -208,4 +213,6 @@ CONTROLS = {
     'the tails by an einsum with a triangular matrix, left to autocast': dict(al_surrogate=tails_by_an_einsum),
     "the fallback's nll detached": dict(al_surrogate=nll_detached),
     'every a kept in a list (each step\'s graph kept alive)': dict(prefix_log_accept=keeps_every_a),
+    'torch.manual_seed in al_surrogate (the global RNG reset at every training step)':
+        dict(al_surrogate=seeds_the_global_rng),
 }

@@ -520,6 +520,43 @@ class AttendsAcrossRows(MyDrafter):
         return self.heads_logits(z.flatten(0, 1), self.heads[:1], target).view(*x.shape[:2], -1)
 
 
+class DefaultDtypeInInit(MyDrafter):
+    """torch.set_default_dtype(torch.float64) in __init__, "for precision": its weights come out in
+    float64 beside a float32 target, and every tensor and module the process makes after it (the
+    caller's) is float64 too; a setting of the whole process, left changed."""
+
+    def __init__(self, config, k, sample_drafts=True):
+        torch.set_default_dtype(torch.float64)
+        super().__init__(config, k, sample_drafts)
+
+
+class LazyBufferOnCpu(MyDrafter):
+    """A per-offset index buffer registered at the first call, made without device=: a decode moves the
+    drafter (.to(device)) before that call, so on a GPU the buffer lands on the CPU beside CUDA
+    inputs (a drafter checked on a CPU, then moved, hides it)."""
+
+    def heads_logits(self, u, heads, target):
+        if not hasattr(self, 'order'):
+            self.register_buffer('order', torch.arange(self.k - 1), persistent=False)
+        return super().heads_logits(u, heads, target).index_select(1, self.order[:len(heads)])
+
+
+class ReturnsItsBuffer(MyDrafter):
+    """Q written into a buffer kept on the drafter (made again only when its shape, dtype or device
+    changes) and returned: the next call overwrites the Q a caller still holds (drafters.MixedPaths
+    holds one path's while it drafts the next, with the same drafter for two of its paths)."""
+
+    @torch.no_grad()
+    def draft(self, h, bonus, target, k, temperature=0.0, generator=None):
+        drafts, q = super().draft(h, bonus, target, k, temperature, generator)
+        if q is None:
+            return drafts, None
+        buf = getattr(self, '_q', None)
+        if buf is None or buf.shape != q.shape or buf.dtype != q.dtype or buf.device != q.device:
+            self._q = buf = torch.empty_like(q)
+        return drafts, buf.copy_(q)
+
+
 CONTROLS = {
     'Q at temperature 1 while drafting at T': dict(MyDrafter=MisTempered),
     'Q not normalised': dict(MyDrafter=Unnormalised),
@@ -557,4 +594,10 @@ CONTROLS = {
     'point masses as rows of torch.eye(V) (V x V on a real vocabulary)': dict(MyDrafter=EyeForPointMasses),
     'every Q kept in a list (memory that grows with the steps)': dict(MyDrafter=KeepsEveryQ),
     'an attention across the rows (nn.MultiheadAttention left batch_first=False)': dict(MyDrafter=AttendsAcrossRows),
+    'torch.set_default_dtype(torch.float64) in __init__ (a setting of the whole process, left changed)':
+        dict(MyDrafter=DefaultDtypeInInit),
+    'a buffer registered at the first call without device= (on the CPU beside a moved drafter)':
+        dict(MyDrafter=LazyBufferOnCpu),
+    'Q written into a buffer the drafter keeps, and returned (the next call overwrites it)':
+        dict(MyDrafter=ReturnsItsBuffer),
 }

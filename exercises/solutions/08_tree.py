@@ -155,6 +155,14 @@ def keeps_every_step(model, cache, bonus, paths, active, temperature=0.0, genera
     return out
 
 
+def grad_off_as_a_statement(model, cache, bonus, paths, active, temperature=0.0, generator=None):
+    """torch.set_grad_enabled(False) called as a statement, where @torch.no_grad() was meant: gradients
+    stay off for the caller after the step (a training loop that decodes a sample between its
+    steps then trains nothing)."""
+    torch.set_grad_enabled(False)
+    return verify_tree(model, cache, bonus, paths, active, temperature, generator)
+
+
 CONTROLS = {
     'a fresh sample for the bonus': wrong(fresh_bonus=True),
     'each branch samples shared nodes anew': wrong(nodes='none'),
@@ -179,4 +187,6 @@ CONTROLS = {
         row0_offset=True),
     "nodes shared as row 0's branches share them, in every row (a tree built once, for one row)": wrong(
         nodes='row0'),
+    'torch.set_grad_enabled(False) as a statement (gradients left off for the caller)':
+        dict(tree_step=grad_off_as_a_statement),
 }

@@ -108,6 +108,14 @@ def mistake(**kw):
     return grow_tree
 
 
+def deterministic_left_on(log_q, B, n, nodes, device):
+    """torch.use_deterministic_algorithms(True) "for reproducible trees" (the stable sort already makes
+    them so), left on: a setting of the whole process, under which the caller's ops that have no
+    deterministic kernel on CUDA raise."""
+    torch.use_deterministic_algorithms(True)
+    return grown(log_q, B, n, nodes, device)
+
+
 CONTROLS = {
     "each node scored by its own token's probability, not its prefix's": dict(grow_tree=mistake(score_of='token')),
     'the best of each depth, not of all depths': dict(grow_tree=mistake(per_depth=True)),
@@ -135,4 +143,6 @@ CONTROLS = {
     'every tree kept in a list (memory that grows with the steps)': dict(grow_tree=keeps_every_tree),
     "each depth's candidates EAGLE-2's top_k = 10 best, not the `nodes` best (fewer where nodes > 10)":
         dict(grow_tree=mistake(top_k=10)),
+    'torch.use_deterministic_algorithms(True) left on (a setting of the whole process)':
+        dict(grow_tree=deterministic_left_on),
 }
