@@ -69,8 +69,7 @@ def load_file(path, name):
     spec.loader.exec_module(module)
     changed = settings_changed(before)
     if changed:
-        raise SettingsChanged(f"{os.path.basename(path)} changed {changed}, at import (put back); want torch's "
-                              f"process-wide settings left as they were")
+        raise SettingsChanged(left_changed(os.path.basename(path), changed + ', at import'))
     return module
 
 
@@ -157,6 +156,12 @@ def settings_changed(before):
     return f"{changed[0]}, from {before[changed[0]]} to {now[changed[0]]}" if changed else ''
 
 
+def left_changed(who, changed):
+    """The reason a check fails for: `who` changed a setting (settings_changed's description)."""
+    return (f"{who} changed {changed} and left it so (put back); want torch's process-wide settings as the caller "
+            f"had them")
+
+
 def assert_leaves_torch_alone(what, call, hint=''):
     """call() once: Fail if it left one of torch's process-wide settings changed (SETTINGS: put back), or
     moved the CPU's global RNG (torch.manual_seed, or a draw without a generator, inside the call). Code
@@ -173,8 +178,7 @@ def assert_leaves_torch_alone(what, call, hint=''):
             changed = settings_changed(before)
         moved = not torch.equal(torch.get_rng_state(), state)
     if changed:
-        raise Fail(f"{what} changed {changed} and left it so (put back); want torch's process-wide settings as the "
-                   f"caller had them", SETTINGS_HINT)
+        raise Fail(left_changed(what, changed), SETTINGS_HINT)
     if moved:
         raise Fail(f"{what} changed the state of the global RNG (torch.manual_seed, or a draw from it, inside the "
                    f"call); want it as the caller left it", hint or (
@@ -377,8 +381,7 @@ def run_check(checks, impl, name, fn):
             hint = VIEW_HINT
     changed = settings_changed(settings)          # put back, whatever the check's verdict
     if changed and not not_written:               # the cause of whatever else went wrong after it
-        reason, hint = f"the code under test changed {changed} and left it so (put back); want torch's " \
-                       f"process-wide settings as the caller had them", SETTINGS_HINT
+        reason, hint = left_changed('the code under test', changed), SETTINGS_HINT
     return Result(name, title, not reason, reason, hint, time.perf_counter() - t0, not_written)
 
 
