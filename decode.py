@@ -244,8 +244,8 @@ def generate(model, prompt, max_new_tokens, drafter=None, k=None, temperature=0.
     prompt: token ids (B, T0), an integer tensor on the model's device, every id in the model's
     vocabulary; one prompt is one row, (1, T0) (a 1-D prompt is refused, not guessed at:
     prompt[None] makes it a row). Every argument is checked before any work (arguments.py): a bad
-    one, or one that means nothing here (k or accept without a drafter, several paths that would
-    all be the same), is one BadInput naming it, what was given and what is allowed.
+    one, or one that means nothing here (k or a lossy accept rule without a drafter, several paths
+    that would all be the same), is one BadInput naming it, what was given and what is allowed.
 
     drafter=None: plain decoding, one target call per token. With a drafter (any heads.Drafter:
     BlockHeads, DBlastDrafter, your own) every call verifies a block of k = 1 bonus + k-1 drafts.

@@ -54,8 +54,10 @@ class Drafter(nn.Module):
         drafter.k               the largest block it drafts for (1 bonus + k-1 drafts)
         drafter.sample_drafts   under sampling (temperature > 0): True draws each draft from the
                                 drafter's own distribution at that temperature, False takes its
-                                argmax (a point mass); at temperature 0 drafts are always argmax
-                                (DBlastDrafter's: the argmax path of a branch drawn from its prior)
+                                argmax (a point mass); at temperature 0 drafts are always argmax.
+                                DBlastDrafter's argmax is the argmax path of a branch drawn from
+                                its prior, and under sampling its Q is still the mixture's wherever
+                                it weighs several branches (dblast.DBlastDrafter.draft_paths)
         drafts, Q = drafter.draft(h, bonus, target, k, temperature=0.0, generator=None)
         drafter.meaningless(temperature, paths)   what a call would ask of it in vain (checked first)
         drafter.does_not_fit(target)              why it cannot serve this target (checked first)

@@ -325,8 +325,9 @@ class GPT(nn.Module):
             in_block = (rel >= 0) & (rel < L)
             sees = attend.expand(B, L, L).gather(2, rel.clamp(0, L - 1)[:, None, :].expand(B, L, -1))   # [b, j, rel]
             mask = (rel < 0)[:, None, :] | (in_block[:, None, :] & sees)       # (B, L, max_len)
-        # Positions past block_size only occur for the tail of a draft block that overruns the
-        # requested length; no token of the output attends to them, so clamping them is harmless.
+        # Positions past block_size only occur past the requested length: the tail of a block that
+        # overruns it, or the block of a row already done while others still decode. No token of
+        # the output attends to them, so clamping them is harmless.
         pos = (cache.lengths[:, None] + depth).clamp(max=self.config.block_size - 1)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)
         for i, layer in enumerate(self.transformer.h):

@@ -42,7 +42,8 @@ UNIT = {'cuda': 16, 'cpu': 4, 'cpu plain': 8}
 # How CUDA runs a unit: 'captured' (the compiled step, captured by hand), 'captured-eager' (the eager
 # step, captured by hand: no compile), or 'reduce-overhead' (torch.compile's own CUDA graphs of the
 # unit). On one H200 'captured' took 536 us a plain call of the GPU preset's target, 'captured-eager'
-# 671 (README, "One GPU"); gpu_check.py's part j measures all three.
+# 671, with torch's fused attention in the cached forward (README, "One GPU", at 22d3d40); gpu_check.py's
+# part j measures all three.
 CUDA_MODE = 'captured'
 
 # torch.compile's backend: None is inductor; the tests trace with 'aot_eager' (dynamo's graphs and
@@ -53,7 +54,7 @@ BACKEND = None
 # compiled step from 52 to 39 us (k = 8: 134 to 93; past generate's fixed costs, measure.call_costs),
 # and in another a unit of 4 steps compiled cold in 22 s with it, 23 s without. A computation of more
 # than 8 ops is kept in a buffer rather than written again into each kernel that reads it
-# (realize_opcount_threshold; inductor's default is 30): the loop's state passes from step to step
+# (realize_opcount_threshold; inductor's default on a CPU is 50): the loop's state passes from step to step
 # through chains of small ops, and inlined, every step's kernels grew with the steps before it. A
 # tiny target's plain unit of 8 steps compiled cold in 131 s without it, 24 s with it.
 CPU_OPTIONS = {'cpp_wrapper': True, 'realize_opcount_threshold': 8}

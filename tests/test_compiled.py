@@ -18,7 +18,7 @@ from dblast import DBlastDrafter
 from drafters import DraftModel, MixedPaths, PromptLookup
 from decode import Decoding, advance, generate
 from exercises.harness import EagerMode, HostSyncs, MadeOnCpu, autocast_off_on_meta   # the exercises' use them too
-from heads import BlockHeads
+from heads import BlockHeads, tree_size
 from model import GPT, GPTConfig
 from train import HeadsObjective
 from verification import parse_accept
@@ -56,14 +56,22 @@ TEXT_DRAFTERS = {'draft-model': lambda cfg, small: DraftModel(small, k=4),
                  'heads+draft-model': lambda cfg, small: MixedPaths([BlockHeads(cfg, 4), DraftModel(small, k=4)])}
 
 
+def tree_of(nodes):
+    """A case's token tree -> (nodes, branching): an int N is a best-first tree of N drafted tokens,
+    a tuple of widths a sampled tree (generate's branching)."""
+    return (tree_size(nodes), nodes) if isinstance(nodes, tuple) else (nodes, None)
+
+
 @torch.no_grad()
 def first_state(model, drafter, B, k, temperature, g, paths=1, nodes=None, device=DEV):
     """A prefilled cache, the drafter's own state and the loop's state, as generate() leaves them
     before step 1, with room for 40 more tokens a row."""
     prompt = torch.randint(64, (B, 8), device=device, generator=g)
+    nodes, branching = tree_of(nodes)
     cache = model.new_cache(B, 64 + paths * k + (nodes or 0))
     state = None if drafter is None else drafter.new_state(B * paths, 64 + (nodes or 0) * k)   # a tree's chains
-    block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes, state)
+    block, q, tree = decode.first_block(model, drafter, cache, prompt, temperature, g, paths, k, nodes, state,
+                                        branching)
     d = Decoding.like(block, q, tree, 64, 40)
     d.restart(block, q, tree, prompt)
     d.total.fill_(48)
@@ -82,9 +90,11 @@ STEP_CASES += [('heads', 0.0, 'topk:2', 3), ('heads-sampled', 1.0, 'exact', 2), 
 STEP_CASES += [('draft-model', 0.0, 'exact', 1), ('draft-model', 1.0, 'exact', 2), ('lookup', 1.0, 'exact', 1),
                ('heads+draft-model', 1.0, 'exact', 2)]
 # and a token tree (nodes), greedy and sampled, one of the text's repeats (prompt lookup) and one of
-# a draft model's q
+# a draft model's q; and a sampled tree (branching: its widths), of the mixture and of a draft model
 STEP_CASES = [c + (None,) for c in STEP_CASES] + [('heads', 0.0, 'exact', 1, 10), ('dblast', 1.0, 'exact', 1, 10),
-                                                  ('lookup', 0.0, 'exact', 1, 10), ('draft-model', 1.0, 'exact', 1, 10)]
+                                                  ('lookup', 0.0, 'exact', 1, 10), ('draft-model', 1.0, 'exact', 1, 10),
+                                                  ('dblast', 1.0, 'exact', 1, (3, 2, 1)),
+                                                  ('draft-model', 1.0, 'exact', 1, (3, 2, 1))]
 
 
 @torch.no_grad()
@@ -97,9 +107,11 @@ def run_steps(kind, temperature, accept, paths=1, nodes=None, context=nullcontex
     cache, state, d = first_state(model, drafter, 3, k, temperature, g, paths, nodes)
     d.n_out[2] = 48
     rule = parse_accept(accept, model.config.vocab_size)
+    size, branching = tree_of(nodes)
     with context():
         for _ in range(n_steps):
-            step(model, drafter, cache, d, temperature, rule, g if generator else None, paths, k, nodes, state)
+            step(model, drafter, cache, d, temperature, rule, g if generator else None, paths, k, size, state,
+                 branching)
     return cache
 
 
@@ -151,8 +163,9 @@ def steps_on_meta(kind, temperature, accept, paths=1, nodes=None):
     k, rule = 1 if drafter is None else 4, parse_accept(accept, 64)
     with MadeOnCpu(strict=True), autocast_off_on_meta(), FromTheHost() as copies:
         cache, state, d = first_state(model, drafter, 3, k, temperature, None, paths, nodes, device='meta')
+        size, branching = tree_of(nodes)
         for _ in range(2):
-            advance(model, drafter, cache, d, temperature, rule, None, paths, k, nodes, state)
+            advance(model, drafter, cache, d, temperature, rule, None, paths, k, size, state, branching)
     return d, copies.seen
 
 

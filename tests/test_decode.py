@@ -271,6 +271,25 @@ def test_exact_mode_at_full_context(model, trained, kind):
     assert torch.equal(out, naive_greedy(model, prompt, bs - 20))
 
 
+def test_dblast_greedy_equals_plain_greedy_whichever_branch_is_drawn(model, prompts, greedy_ref):
+    """MATH.md §5: at T = 0 DBlast still draws its branch from pi' (its drafts change with the
+    generator), and exact verification keeps plain greedy decoding's output, seed after seed."""
+    torch.manual_seed(0)
+    d = DBlastDrafter(model.config, 4, 4, sample_drafts=False).double().eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():   # branches that differ from one another
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.1)
+    h = torch.randn(6, model.config.n_embd, dtype=torch.float64, generator=g)
+    bonus = torch.randint(V, (6,), generator=g)
+    drafts = [d.draft(h, bonus, model, 4, 0.0, torch.Generator().manual_seed(s))[0] for s in (1, 2)]
+    assert not torch.equal(*drafts)
+    for seed in (1, 2):
+        out, stats = generate(model, prompts, M, drafter=d, k=4, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(out, greedy_ref[:, :T0 + M])
+        assert max(stats['accept_lengths']) > 1     # some drafts were accepted
+
+
 # ----------------------------------------------------------------------------- 2. oracle drafter
 
 @pytest.mark.parametrize('k,m', [(2, 12), (4, 24), (4, 27), (5, 23), (8, 32), (8, 35), (3, 1)])

@@ -226,6 +226,9 @@ def test_a_draft_models_tree_scores_are_a_full_recomputes(world, temperature):
                         generator=torch.Generator().manual_seed(0))
     taus = torch.tensor(stats['accept_lengths'])
     assert (taus > 1).any() and (taus < 5).any()
+    # prompts shorter than k: the first windows reach past the text (DraftModel.catch_up)
+    generate(target, prompt[:, :2], 6, drafter=d, temperature=temperature, nodes=7,
+             generator=torch.Generator().manual_seed(0))
     assert RecomputedTree.scored > 100 and RecomputedTree.worst < 1e-9
 
 
@@ -243,7 +246,33 @@ def test_draft_models_drafts_are_a_full_recomputes(world, temperature, paths):
                         generator=torch.Generator().manual_seed(0))
     taus = torch.tensor(stats['accept_lengths'])
     assert (taus == 5).any() and (taus < 5).any()      # fully accepted blocks and rejections both
+    # prompts shorter than k: the first windows reach past the text (DraftModel.catch_up)
+    generate(target, prompt[:, :2], 10, drafter=d, temperature=temperature, paths=paths,
+             generator=torch.Generator().manual_seed(0))
     assert Recomputed.worst < 1e-9
+
+
+class WindowOfTwo(Recomputed):
+    """Recomputed, catching up on the last committed token and the bonus only."""
+
+    def catch_up(self, bonus, k, text):
+        return super().catch_up(bonus, 1, text)
+
+
+def test_one_path_needs_a_catch_up_of_two_tokens_only(world):
+    """MATH.md §11: with one path, a catch-up window of the last committed token and the bonus gives
+    a full recompute's drafts, rejections and fully accepted blocks alike; with two paths it does
+    not (another path's drafts sit where the kept path's tokens now are)."""
+    target, prompt, _ = world
+    worst = []
+    for paths in (1, 2):
+        Recomputed.worst = 0.0
+        _, stats = generate(target, prompt, 40, drafter=WindowOfTwo(near(target, 0.3, 1), k=5), temperature=1.0,
+                            paths=paths, generator=torch.Generator().manual_seed(0))
+        taus = torch.tensor(stats['accept_lengths'])
+        assert (taus == 5).any() and (taus < 5).any()
+        worst.append(Recomputed.worst)
+    assert worst[0] < 1e-9 and worst[1] > 1e-3, worst
 
 
 def test_a_draft_model_that_is_the_target_is_always_accepted(world):

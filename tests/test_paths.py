@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import dblast
+import decode
 import runner
 import verification
 from conftest import ROOT, V8, V8_PROMPT, naive_greedy, peaky, tiny_model
@@ -262,19 +263,31 @@ def test_branch_order_is_a_draw_without_replacement_from_the_prior():
         assert ((freq - want).abs() < 4.5 * se + 1e-4).all(), (freq, want)
 
 
-def test_one_path_is_todays_step(target8):
-    """paths=1 draws the same random numbers as the one-block step: draft_paths with one
-    path gives draft's drafts and Q, bit for bit, for the mixture and for any drafter's default."""
+def test_one_path_is_todays_step(target8, monkeypatch):
+    """MATH.md §9: N = 1 is the step of section 2, unchanged. draft_paths with one path draws the
+    same random numbers as draft (drafts and Q bit for bit, for the mixture and for any drafter's
+    default), and paths=1 decodes without any of the tree of paths' code: its layout, its
+    verifiers, moving the kept path's keys and values."""
     h = torch.randn(5, V8.n_embd)
     bonus = torch.randint(V, (5,))
     for d in (make_drafter('K4-sampled-mixture-zt1'), make_drafter('heads-sampled')):
         a = d.draft(h, bonus, target8, 4, 1.2, torch.Generator().manual_seed(3))
         b = d.draft_paths(h, bonus, target8, 4, 1, 1.2, torch.Generator().manual_seed(3))
         assert torch.equal(a[0], b[0][:, 0]) and torch.equal(a[1], b[1][:, 0])
+
+    def tree_of_paths(*args, **kwargs):
+        raise AssertionError("paths=1 went through the tree of paths")
+    for where, name in ((decode, 'tree_layout'), (verification, 'verify_tree_greedy'),
+                        (verification, 'verify_tree_sampled'), (KVCache, 'keep_path')):
+        monkeypatch.setattr(where, name, tree_of_paths)
     d = copy.deepcopy(make_drafter('K4-sampled-mixture-zt1'))
-    outs = [generate(target8, V8_PROMPT.expand(8, -1), 12, drafter=d, temperature=1.0, paths=p,
-                     generator=torch.Generator().manual_seed(5))[0] for p in (1, 1)]
-    assert torch.equal(outs[0], outs[1])
+    for temperature in (0.0, 1.0):
+        _, stats = generate(target8, V8_PROMPT.expand(8, -1), 12, drafter=d, temperature=temperature, paths=1,
+                            generator=torch.Generator().manual_seed(5))
+        assert max(stats['accept_lengths']) > 1
+    with pytest.raises(AssertionError, match='tree of paths'):   # the control: two paths do
+        generate(target8, V8_PROMPT.expand(8, -1), 12, drafter=d, temperature=1.0, paths=2,
+                 generator=torch.Generator().manual_seed(5))
 
 
 def math_md_tree_example():

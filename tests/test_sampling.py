@@ -252,6 +252,19 @@ def test_residual_never_divides_by_zero():
     assert idx.item() in (1, 2)
 
 
+def test_a_point_mass_as_a_one_hot_row_is_q_none():
+    """MATH.md §11: a path of point-mass drafts verified beside sampled ones carries its Q as one-hot
+    rows, which must be the same test and the same residual as Q = None: the same coins accept the
+    same drafts, and the residual is p without the draft's mass, bit for bit in float64."""
+    g = torch.Generator().manual_seed(0)
+    p = F.softmax(torch.randn(64, 3, V, generator=g, dtype=torch.float64) * 2, dim=-1)
+    drafts = torch.randint(V, (64, 3), generator=g)
+    one_hot = F.one_hot(drafts, V).double()
+    ok = [verification.accept_sampled(p, Q, drafts, torch.Generator().manual_seed(1)) for Q in (one_hot, None)]
+    assert torch.equal(*ok) and ok[0].any() and not ok[0].all()
+    assert torch.equal(verification.residual(p, one_hot, drafts), verification.residual(p, None, drafts))
+
+
 def test_sampling_reproducible_with_generator(target):
     d = make_drafter('K4-sampled-mixture-zt1')
     runs = [generate(target, PROMPT.expand(16, -1), 12, drafter=d, temperature=1.0,

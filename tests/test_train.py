@@ -117,6 +117,29 @@ def test_distillation_data_is_target_greedy():
     assert torch.equal(rows[:5], naive_greedy(model, rows[:5, :P], gen_len))
 
 
+def test_the_joint_objective_adds_the_targets_next_token_loss():
+    """MATH.md §3 "Frozen vs joint": joint, the objective is the heads' loss plus the target's own
+    next-token cross-entropy on the same labels (-1: none); frozen, the heads' loss alone, and no
+    gradient reaches the target. With the random offset the same term is added to head I's loss."""
+    model = tiny_model(seed=0, vocab_size=64, block_size=32, std=0.3)          # float64
+    heads = BlockHeads(model.config, 4).double()
+    torch.nn.init.normal_(heads.c_proj.weight, std=0.2)
+    tokens = torch.randint(64, (3, 32), generator=torch.Generator().manual_seed(0))
+    labels = tokens.clone()
+    labels[:, :5] = -1
+    T = 32 - 4
+    for offset in (None, torch.tensor(1)):
+        with torch.no_grad():
+            of_heads = heads.loss(model.hidden(tokens[:, :T]), model.lm_head, labels, offset)
+            _, of_target = model(tokens[:, :T], labels[:, 1:T + 1])            # ignores -1
+        joint = train.HeadsObjective(model, heads, joint=True)(tokens, labels, offset)
+        assert torch.allclose(joint, of_heads + of_target, rtol=1e-6)   # its target term is float32's
+        frozen = train.HeadsObjective(model, heads, joint=False)(tokens, labels, offset)
+        assert torch.allclose(frozen, of_heads, rtol=1e-12)
+        frozen.backward()
+        assert all(p.grad is None for p in model.parameters()) and heads.c_fc.weight.grad is not None
+
+
 def test_frozen_heads_train_on_hidden_states_made_once(tmp_path, corpus_file, monkeypatch):
     """With a frozen target, the heads stage makes the target's hidden states over the distilled
     sequences once (train.frozen_hidden), not at every step, and the heads' loss on them is the
@@ -136,11 +159,18 @@ def test_frozen_heads_train_on_hidden_states_made_once(tmp_path, corpus_file, mo
     train.main(TINY + out + ['--max-iters', '2', '--block-size', '48'])
     real, calls = GPT.hidden, []
     monkeypatch.setattr(GPT, 'hidden', lambda self, idx: calls.append(len(idx)) or real(self, idx))
+    real_loss, labelled = BlockHeads.loss, []
+    monkeypatch.setattr(BlockHeads, 'loss', lambda self, h, lm_head, idx, offset=None:
+                        labelled.append(idx) or real_loss(self, h, lm_head, idx, offset))
     for mode, want in (('--frozen', [4]), ('--joint', [2] * 5)):   # 4 sequences; 5 steps of 2 rows
         calls.clear()
         train.main(['--stages', 'heads', '--device', 'cpu', '--no-demo', '--k', '4', '--heads-iters', '5',
                     '--distill-samples', '4', '--batch-size', '2', mode, '--tag', mode[2:]] + out)
         assert calls == want, (mode, calls)
+    # MATH.md §3: of a distilled sequence the corpus prompt's PROMPT_LEN tokens are masked (-1), and
+    # the target's own continuation is learnt
+    assert len(labelled) == 10 and all((y[:, :PROMPT_LEN] == -1).all() and (y[:, PROMPT_LEN:] >= 0).all()
+                                       for y in labelled)
 
 
 # --------------------------------------------------------------------------- checkpoints
