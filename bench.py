@@ -22,7 +22,7 @@ Trains what it needs when checkpoints are missing (through train.py, under --ckp
      lookup in one call, beside Hugging Face's greedy, prompt lookup and assisted generation on the
      same target converted to transformers' GPT-2 (where transformers is installed)
 Prints markdown tables and writes them to OUT/RESULTS.md under the commit, command, machine and
-torch that made them, with OUT/results.json and (with matplotlib) OUT/bench.png. Decoding runs at
+torch that made them, with OUT/results.json and (with matplotlib, for tables 1-4) OUT/bench.png. Decoding runs at
 --dtype (default float32; bfloat16 by autocast) and, on CUDA, --tf32; training keeps train.py's own.
 The instruments (timing, Bench, the profiler's regions, the files) are measure.py's; a first run on
 a GPU is gpu_check.py.
@@ -502,7 +502,7 @@ def drafters_table(b, base, args, results):
 
 
 def threads_table(b, base, args, results):
-    """Table 6: one thread against torch's default, quiet and beside one and two busy processes: a
+    """Table 6: one thread against os.cpu_count()'s, quiet and beside one and two busy processes: a
     training step of a copy of the target (batch 16 x its context) and 128-token decodes, plain
     greedy and DBlast K = 4 sampling at T = 1.5; interleaved, median of --repeats (at least 3)."""
     dblast = load_drafter(os.path.join(args.ckpt_dir, f"dblast_K4{dblast_tag(T_ABLATION, 'al')}.pt"), base)
@@ -551,7 +551,7 @@ def time_table(b, base, args, results):
         ceiling = r['tau'] / ratio
         rows.append(dict(k=k, t_k_over_t_1=ratio, tau=r['tau'], ceiling_speedup=ceiling, speedup=r['speedup']))
         table.append([k, f'{ratio:.2f}', f"{r['tau']:.2f}", f'{ceiling:.2f}x', f"{r['speedup']:.2f}x"])
-    # the profiler's named regions do not exist inside a compiled step: split the eager one
+    # the profiler's named regions do not exist inside a compiled step: split only an eager run
     split = None if args.compile else time_split(lambda: b.decode_all(base, heads, 8), b.device)
     results['time'] = dict(rows=rows, split_k8=split)
     print(f"\n### 4. Where the time goes (frozen distilled heads; t(k)/t(1) of the eager forward; {b.precision})\n")
@@ -675,7 +675,8 @@ def main(argv=None):
     ap = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     size = ap.add_mutually_exclusive_group()
     size.add_argument('--quick', action='store_true', help='a few minutes: small models, few prompts')
-    size.add_argument('--full', action='store_true', help='the one-GPU sweep (GPU preset, more prompts)')
+    size.add_argument('--full', action='store_true', help="the one-GPU sweep: 32 prompts x 256 tokens (the GPU "
+                      "preset's context of 512 holds them; elsewhere give --block-size 512)")
     ap.add_argument('--tables', default='bpd,lossy,dblast,time',
                     help=f"comma-separated, from {','.join(TABLES)} (default: bpd,lossy,dblast,time)")
     ap.add_argument('--compile', action='store_true',
@@ -702,7 +703,7 @@ def main(argv=None):
         print("note: --full is sized for one GPU; on this device it will take long", file=sys.stderr)
     prompts, val = prepare(args, device)
     t_start = time.perf_counter()
-    ensure_checkpoints(args)   # at train.py's own precision and threads
+    ensure_checkpoints(args)   # at train.py's own precision (and bench's --threads, when given)
     base = load_target(os.path.join(args.ckpt_dir, 'ckpt.pt'), device) if trainings(args) else None
     intra_op_threads(args.threads, small=base is None or base.get_num_params() < SMALL_MODEL)
     b = Bench(args, device, prompts, val, precision)

@@ -316,8 +316,8 @@ def part_speed(c):
 
 def part_host_syncs(c):
     """i: what the loop's few host syncs save. Plain and BPD decoding, eager and compiled, timed
-    interleaved as generate runs (it reads the device once, then runs the steps that are needed
-    whatever they accept) and with a read every step (tokens_behind capped at 1 token)."""
+    interleaved as generate runs (it reads the device once per batch of steps, those needed whatever
+    they accept) and with a read every step (tokens_behind capped at 1 token)."""
     real = decode.tokens_behind
     every_step = lambda n_out, total: min(real(n_out, total), 1)       # noqa: E731  'not done yet', each step
     rows = []
@@ -338,7 +338,8 @@ def part_calls(c):
     the eager step captured by hand and torch.compile's CUDA graphs), plain greedy and BPD heads at
     k = 8, the prompts one at a time: wall time per call (CUDA-synchronised; the best of
     max(2, --repeats) runs; and past the fixed costs of each generate(), us_per_further_call), the
-    first call's seconds (compiling and capturing), and on CUDA the GPU's busy time, kernels and
+    first call's seconds (compiling and capturing, unless an earlier part, h in the default order,
+    compiled that configuration already), and on CUDA the GPU's busy time, kernels and
     launches per call (the profiler), and the GPU time of a step of the captured unit replayed back
     to back (CUDA events; graph_us). On CUDA also the compiled units with TF32 matmuls and in bf16
     autocast, where the products of a k-token call run on tensor cores."""
@@ -456,8 +457,7 @@ def part_tuned(c):
 
 
 # key -> (title, part, time limit in seconds). A limit is a minute at least and above the README's
-# estimate of the part on one H200, cold (twice it for the longest): a part past its limit fails,
-# and the next one runs.
+# estimate of the part on one H200, cold: a part past its limit fails, and the next one runs.
 PARTS = {'a': ('every stage trained eager: seconds, memory added', part_train, 200),
          'b': ('every stage trained with --compile', functools.partial(part_train, compile=True), 200),
          'c': ('compiled decoding: a second call compiles and captures nothing, skips no CUDA graph', part_recompiles,

@@ -48,7 +48,8 @@ def common_flags(ap, out):
     ap.add_argument('--ckpt-dir', default=None, help='checkpoints (default: OUT/ckpt)')
     ap.add_argument('--seed', type=int, default=1337)
     ap.add_argument('--threads', type=int, default=None,
-                    help='CPU threads for decoding (default: 1 for a small model, else the cores not busy)')
+                    help='CPU threads for decoding, and for the training it runs (default: 1 for decoding a small model, '
+                         'else the cores not busy)')
     ap.add_argument('--dblast-k', type=int, default=4)
     ap.add_argument('--speed-ks', default=None, help="the speed table's block sizes, comma-separated (default 2,4,6,8,10; "
                                                           "gpu_check.py: 8)")

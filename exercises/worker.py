@@ -17,9 +17,9 @@ student.py that crashes or hangs is a failed check with a reason, not a tracebac
 - The worker takes its runner, the check functions and the key before loading the code under
   test, so replacing harness.run_check or a check function does not change what runs; and after
   loading it and after each check it compares the functions and values of the harness, the
-  checks, the project's modules and classes, torch and Python's builtins with what they were
-  before: anything replaced is put back, and the check (or, at import, every check) fails,
-  naming it.
+  checks, the project's modules and classes, torch, Python's builtins and the standard modules
+  the checks compute with (math, statistics: a test's critical value) with what they were before:
+  anything replaced is put back, and the check (or, at import, every check) fails, naming it.
 - Time: loading student.py and each check get LIMIT seconds; past that the worker is killed and
   the check fails, and the checks after it are not run (a loop there would most likely loop in
   them too). After a crash or an exit inside a check, a new worker runs the checks after it.
@@ -54,11 +54,19 @@ FORK = sys.platform.startswith('linux')   # elsewhere forking after torch's impo
 class Watch:
     """The functions and values the checks rely on, as they were before the code under test ran:
     every attribute of the harness, the checks, the project's modules and their classes, torch,
-    torch.nn.functional, torch.Tensor, torch.nn.Module and builtins (submodules aside, which torch
-    loads lazily). changed() names, and puts back, those that are no longer the same objects."""
+    torch.nn.functional, torch.Tensor, torch.nn.Module, builtins and the standard modules the
+    checks compute with (submodules aside, which torch loads lazily). changed() names, and puts
+    back, those that are no longer the same objects."""
 
     def __init__(self, checks):
         import builtins
+        import copy
+        import functools
+        import itertools
+        import math
+        import statistics
+
+        import arguments
         import cli
         import data
         import dblast
@@ -71,13 +79,16 @@ class Watch:
         import train
         import trainer
         import verification
-        modules = [harness, checks, verification, decode, model, dblast, heads, drafters, runner, cli, data, generate,
-                   trainer, train]
+        modules = [harness, checks, verification, decode, model, dblast, heads, drafters, runner, cli, arguments, data,
+                   generate, trainer, train]
         owners = [(m.__name__, m) for m in modules] + [
             (c.__module__ + '.' + c.__name__, c) for m in modules for c in vars(m).values()
             if isinstance(c, type) and c.__module__ == m.__name__]
         owners += [('torch', torch), ('torch.nn.functional', torch.nn.functional), ('torch.Tensor', torch.Tensor),
                    ('torch.nn.Module', torch.nn.Module), ('builtins', builtins)]
+        # the standard library's: a critical value is statistics.NormalDist's (harness.critical)
+        owners += [(m.__name__, m) for m in (math, statistics, itertools, functools, copy)]
+        owners += [('statistics.NormalDist', statistics.NormalDist)]
         self.seen = [(label, owner, name, value) for label, owner in owners
                      for name, value in list(vars(owner).items()) if not isinstance(value, type(os))]
 

@@ -61,6 +61,9 @@ HOSTILE = {   # name: (student.py, what every check's reason holds)
         "            pass\n"
         "    return None, None, None\n",
         'replaced exercises.harness.Fail, torch.equal during this check'),
+    "the statistics' quantile replaced at import (every test's critical value would be a million)": (
+        "import statistics\nstatistics.NormalDist.inv_cdf = lambda self, p: 1e6\n" + RIGHT,
+        'replaced statistics.NormalDist.inv_cdf'),
     'a process-wide setting changed at import': (
         "import torch\ntorch.set_default_dtype(torch.float64)\n" + RIGHT,
         'changed the default dtype (torch.set_default_dtype), from torch.float32 to torch.float64, at import'),
