@@ -7,8 +7,8 @@ Checkpoints (`load_checkpoint`, `save_checkpoint`, `load_target`): written atomi
 interrupted or failed write leaves no temporary file and the previous checkpoint as it was:
 cli.write_atomically), read with `weights_only=True` (tensors and plain values only: nothing in a
 file runs), every field checked for type and range before it is used (`FIELDS`), a target's config
-checked against the weights the file holds, in bytes, before any tensor is made, finite weights
-only.
+checked against the weights the file holds (their element counts) before any tensor is made,
+finite weights only.
 
 Vocabularies (`Vocab`):
   bytes   UTF-8 bytes, 256 ids: this project's own models (the default)
@@ -294,8 +294,8 @@ def load_target(path, device='cpu'):
 
 def target_from(ckpt, path, device='cpu'):
     """The target GPT of a loaded checkpoint dict (path: for messages); non-finite weights refused.
-    Its model_args are checked against the weights the file holds, in bytes, before any tensor is
-    made: a crafted config (a million layers over a small file) is refused, not allocated."""
+    Its model_args are checked against the weights the file holds (their element counts) before any
+    tensor is made: a crafted config (a million layers over a small file) is refused, not allocated."""
     if 'model' not in ckpt or 'model_args' not in ckpt:
         raise BadInput(f"checkpoint {path} has no 'model'/'model_args': not a GPT checkpoint")
     config = check_model_args(ckpt['model_args'], f"checkpoint {path}")
@@ -360,7 +360,8 @@ class Vocab:
 
     def decode(self, ids):
         """The text of a sequence of token ids (a list, or a 1-D tensor); an id the vocabulary lacks
-        (past its end, or negative) has no text."""
+        (past its end, or negative) has no text of its own: bytes and GPT-2 leave it out, a char
+        vocabulary shows it as U+FFFD."""
         try:
             ids = [int(i) for i in ids]
         except (TypeError, ValueError, RuntimeError):
@@ -406,22 +407,26 @@ def read_meta(path):
     except Exception as e:
         raise BadInput(f"meta file {path} refused: not a plain nanoGPT meta.pkl ({e})")
     itos = meta.get('itos') if isinstance(meta, dict) else None
-    ok = (isinstance(itos, dict) and sorted(itos) == list(range(len(itos)))
+    ok = (isinstance(itos, dict) and set(itos) == set(range(len(itos)))    # keys of any type: no sort
           and all(isinstance(s, str) for s in itos.values()))
     if not ok:
         raise BadInput(f"meta file {path}: no 'itos' mapping ids 0..n-1 to strings")
     return Vocab('char', [itos[i] for i in range(len(itos))])
 
 
-def vocab_for(ckpt, path, vocab_size, meta=None):
-    """The vocabulary of a target checkpoint: --meta if given (refused if it is not the one the
-    checkpoint records); the one this project recorded in it;
+def vocab_for(ckpt, path, vocab_size, meta=None, data=None):
+    """The vocabulary of a target checkpoint: `meta` if given, --meta's or the meta.pkl of the
+    --data folder `data` (refused if it is not the one the checkpoint records); the one this
+    project recorded in it;
     nanoGPT's meta.pkl where its sample.py looks (data/<config dataset>/meta.pkl) or beside the
     checkpoint; else by size: 256 is bytes, 50257 / 50304 is GPT-2."""
     recorded = ckpt.get('vocab') and Vocab.from_state(ckpt['vocab'], path)
     if meta:
         vocab = read_meta(meta)
         if recorded and vocab != recorded:   # a checkpoint of ours says which vocabulary it was trained in
+            if data is not None:
+                raise BadInput(f"--data {data}: its meta.pkl holds a {vocab}, not the {recorded} {path} records; "
+                               f"train the drafters on text in the target's vocabulary")
             raise BadInput(f"--meta {meta}: its {vocab} is not the {recorded} {path} records; leave --meta out")
     elif recorded:
         vocab = recorded
@@ -452,8 +457,9 @@ def load_vocab(path, meta=None):
 # ----------------------------------------------------------------------------- corpora
 
 def regular_files(root):
-    """Every regular, readable file under root, sorted; FIFOs, sockets, devices and broken links
-    are skipped (reading a FIFO would wait forever) and counted."""
+    """Every regular file under root, sorted; FIFOs, sockets, devices and broken links are skipped
+    (reading a FIFO would wait forever) and counted. One that cannot be read stops the load in one
+    line (read_bytes)."""
     files, skipped = [], 0
     for d, dirs, names in os.walk(root):
         dirs.sort()
@@ -541,7 +547,8 @@ def nanogpt_bins(data, flag='--data'):
 def load_dataset(data, cache_dir, write_cache=True, flag='--data'):
     """The corpus as a Dataset. A nanoGPT dataset folder (train.bin, val.bin) is memory-mapped as
     it is. Text is read as bytes and cached under cache_dir (write_cache=False: a cache there is
-    read, none is written); held-out split by file: every 20th file (a single file: its last 10%)."""
+    read, none is written); held-out split by file: every 20th file, or with fewer than 20 the last
+    one (a single file: its last 10%), and no held-out file in the training text."""
     bins = nanogpt_bins(data, flag)
     if bins:
         arrays = [np.memmap(bins[split], dtype=np.uint16, mode='r') for split in ('train', 'val')]
@@ -551,7 +558,7 @@ def load_dataset(data, cache_dir, write_cache=True, flag='--data'):
         return Dataset(*arrays, read_meta(meta), data, meta)
     files, skipped = corpus_files(data)
     # the cache key names the files and their sizes and dates: edit the corpus, get a new cache
-    h = hashlib.sha1()
+    h = hashlib.sha1(b'split 2\n')   # how the text is split: a cache of an earlier rule is not read
     for f in files:
         st = os.stat(f)
         h.update(os.fsencode(os.path.abspath(f)) + f':{st.st_size}:{st.st_mtime_ns}\n'.encode())   # any file name
@@ -569,8 +576,9 @@ def load_dataset(data, cache_dir, write_cache=True, flag='--data'):
         cut = int(len(texts[0]) * 0.9)
         train, val = texts[0][:cut], texts[0][cut:]
     else:
-        train = b''.join(t for i, t in enumerate(texts) if i % 20 != 19)
-        val = b''.join(t for i, t in enumerate(texts) if i % 20 == 19) or texts[-1]
+        held = {i for i in range(len(texts)) if i % 20 == 19} or {len(texts) - 1}
+        train = b''.join(t for i, t in enumerate(texts) if i not in held)
+        val = b''.join(t for i, t in enumerate(texts) if i in held)
     arrays = (np.frombuffer(train, dtype=np.uint8), np.frombuffer(val, dtype=np.uint8))
     if write_cache:
         try:

@@ -116,7 +116,8 @@ def closing_demos(model, prompts, vocab, heads, k, dblast, dblast_k, temperature
     """train.py's closing demos on held-out prompts: BPD heads against plain greedy, then each
     (label, drafter) of `dblast` against plain sampling at `temperature`, then the first of them
     with DEMO_PATHS i.i.d. paths per call (MATH.md §9). threads, compile: generate()'s."""
-    max_new = min(128, model.config.block_size - prompts.size(1) - max(k, dblast_k))
+    shown = ([k] if heads is not None else []) + ([dblast_k] if dblast else [])   # the blocks decoded
+    max_new = min(128, model.config.block_size - prompts.size(1) - max(shown, default=0))
     if compile:
         log("\n(decoding compiled, plain decoding too: the step compiled, several steps a host call"
             + (f", replayed as CUDA graphs of up to {runner.UNIT['cuda']} steps: the fastest way here"

@@ -4,7 +4,9 @@ Train the target GPT, then its drafters, in stages:
   base    the target: a byte-level GPT on the standard library's .py files, or on --data (a text
           file or folder, or a nanoGPT dataset folder: train.bin / val.bin, meta.pkl)
   heads   BPD k-offset heads (frozen target by default, --joint to fine-tune it too), on the
-          target's own greedy continuations (sequence-level distillation, --no-distill for corpus text)
+          target's own greedy continuations (sequence-level distillation, --no-distill for corpus text).
+          --joint saves the fine-tuned target as ckpt_joint.pt; the stages after it in the same run
+          train for that target, not ckpt.pt's, and the demos decode with it
   dblast  DBlast dependent drafters (K = --branches and the K = 1 baseline) on the target's own samples
   draft   a small draft model (a GPT of --draft-layers) for generate.py --draft-model; only when asked
 
@@ -51,7 +53,7 @@ from trainer import Runtime, load_weights, parse_flags, progress, resume_state, 
 # EPYC (README); a 3-layer target at a high learning rate, 800 steps: on 2 cores every step costs
 # its FLOPs (a compiled step is no faster there), so the preset spends them where the closing demos
 # need them (heads tau at k = 8 above 5.5, DBlast K = 4 above K = 1). The heads learn more from 512
-# distinct greedy continuations than from 200 more target steps (README, "Times").
+# distinct greedy continuations than from 256 (README, "Use": tau 5.65 against 5.48 at k = 8).
 PRESETS = {
     'cpu': dict(n_layer=3, n_head=4, n_embd=128, block_size=256, batch_size=16, max_iters=800,
                 lr=4e-3, warmup_iters=100, eval_interval=250, eval_iters=10,
@@ -89,7 +91,8 @@ class LMObjective(nn.Module):
 
 @torch.no_grad()
 def heldout_loss(model, val, batch_size, n_batches, precision=nullcontext()):
-    """Mean next-byte cross-entropy (nats per byte) on fixed held-out windows of full context."""
+    """Mean next-token cross-entropy (nats per token: per byte for the byte vocabulary) on fixed
+    held-out windows of full context."""
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(0)
@@ -116,8 +119,10 @@ def stage_base(rt, args, ds, vocab, name='base', path=None, train=None, record=N
         return target_from(resume, path, rt.device)
     check_replaceable(path)
     if resume is None:   # by arithmetic first: flags that make a model this machine cannot hold allocate nothing
+        flags = (f"--n-layer {args.n_layer}, --n-embd {args.n_embd}, ..." if name == 'base' else
+                 f"--draft-layers {args.n_layer}, --draft-embd {args.n_embd}")
         check_fits(16 * weight_count(GPTConfig(**model_args)), rt.device,
-                   f"training the target of these flags (--n-layer {args.n_layer}, --n-embd {args.n_embd}, ...: its "
+                   f"training the {'target' if name == 'base' else name + ' model'} of these flags ({flags}: its "
                    f"weights, gradients and AdamW's two moments in float32)")
     model = GPT(GPTConfig(**model_args)) if resume is None else target_from(resume, path)
     model.to(rt.device).train()
@@ -175,10 +180,13 @@ def self_generated(rt, model, train, n_seqs, gen_len, temperature, seed, desc, c
     """Corpus prompts continued by the target itself: (n_seqs, PROMPT_LEN + gen_len) tokens.
     temperature 0: greedy (BPD's sequence-level distillation); > 0: samples (DBlast's data).
     With cache_dir, kept there under a key of everything that determines them (the target's
-    weights, the text, n_seqs, the length, T, the seed): stages and bench runs that need the same
-    samples generate them once. Made at decoding's float32, whatever the training precision."""
-    key = hashlib.sha1(f'{model.fingerprint()} {len(train)} {n_seqs} {gen_len} {temperature} {seed}'.encode())
-    key.update(np.ascontiguousarray(train[:1 << 20]).tobytes())
+    weights, the prompts drawn from the text, the length, T, the seed, the device's kind, whose
+    generator draws its own numbers): stages and bench runs that need the same samples generate
+    them once. Made at decoding's float32, whatever the training precision."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = windows(train, n_seqs, PROMPT_LEN, gen)
+    key = hashlib.sha1(f'{model.fingerprint()} {n_seqs} {gen_len} {temperature} {seed} {rt.kind}'.encode())
+    key.update(prompts.numpy().tobytes())
     path = cache_dir and os.path.join(cache_dir, f'samples-{key.hexdigest()[:16]}.pt')
     if path and os.path.exists(path):
         try:
@@ -190,9 +198,8 @@ def self_generated(rt, model, train, n_seqs, gen_len, temperature, seed, desc, c
             return seqs.to(rt.device)
         rt.print(f"note: {path} is not the samples it should hold; making them again")
     model.eval()
-    gen = torch.Generator().manual_seed(seed)
     dgen = torch.Generator(device=rt.device).manual_seed(seed)
-    prompts = windows(train, n_seqs, PROMPT_LEN, gen).to(rt.device)
+    prompts = prompts.to(rt.device)
     bs = 256 if rt.kind == 'cuda' else 64
     outs = []
     for i in progress(range(0, n_seqs, bs), desc=desc, disable=not rt.master, leave=False):
@@ -396,6 +403,11 @@ def stage_dblast(rt, args, model, vocab, get_data, get_heldout, K, loss, path):
 
 # ----------------------------------------------------------------------------- demos
 
+def demos_shown(args):
+    """Whether the run ends with demos: of the heads or the DBlast drafters it trains."""
+    return not args.no_demo and bool({'heads', 'dblast'} & set(args.stages))
+
+
 def run_demos(rt, args, model, heads, ds, vocab):
     """closing_demos on DEMO_PROMPTS held-out prompts, with the drafters this run trained, decoding in
     --threads if given, else the scripts' choice for decoding (generate's threads='auto'). On CUDA
@@ -421,13 +433,22 @@ def parse_args(argv=None):
 
 
 def check_plan(args, block_size):
-    """Block sizes against the context they must fit in (before any stage runs or writes)."""
+    """Block sizes against the context they must fit in, and the draft stage's distilled text
+    against the windows it trains on (before any stage runs or writes)."""
     need = {'heads': ('--k', args.k, args.k), 'dblast': ('--dblast-k', args.dblast_k, args.dblast_k + 1)}
     for stage, (flag, value, block) in need.items():
         if stage in args.stages and block_size < PROMPT_LEN + block + 2:
             raise BadInput(f"a context of {block_size} tokens is too short for the {stage} stage with {flag} "
                            f"{value}: it needs a {PROMPT_LEN}-token prompt plus the block (at least "
                            f"{PROMPT_LEN + block + 2}; see --block-size)")
+    if 'draft' in args.stages and args.distill:   # it trains on windows of the target's continuations
+        if block_size < PROMPT_LEN + 2:
+            raise BadInput(f"a context of {block_size} tokens is too short for the draft stage on distilled text: "
+                           f"it continues {PROMPT_LEN}-token prompts (at least {PROMPT_LEN + 2}; see --block-size, "
+                           f"or --no-distill)")
+        if args.distill_samples < 2:
+            raise BadInput(f"--distill-samples {args.distill_samples}: the draft stage trains on windows of the "
+                           f"distilled text, which needs at least 2 continuations")
 
 
 def unfinished_target(ckpt, path):
@@ -441,16 +462,32 @@ def unfinished_target(ckpt, path):
             f"to finish it first, --stages base --resume")
 
 
-def check_batch(args, device, n_embd):
-    """--batch-size against the memory free, by arithmetic before any stage runs: a lower bound of
-    what one training step holds (past it the operating system kills the run without a word)."""
-    B, T, V = args.batch_size, args.block_size, args.vocab_size
+def check_sizes(args, device, n_embd):
+    """--batch-size, the drafters' --d-hidden and the samples a stage keeps against the memory free,
+    by arithmetic before any stage runs: lower bounds of what a stage holds (past them the operating
+    system kills the run without a word, or an allocation fails mid-run)."""
+    B, T, V, C = args.batch_size, args.block_size, args.vocab_size, n_embd
     holds = {'base': (4 * B * T * V, 'its float32 logits'), 'draft': (4 * B * T * V, 'its float32 logits'),
-             'heads': (4 * B * (T - args.k) * n_embd, "the target's float32 hidden states")}
+             'heads': (4 * B * (T - args.k) * C, "the target's float32 hidden states")}
     for stage in args.stages:
         if stage in holds:
             n_bytes, what = holds[stage]
             check_fits(n_bytes, device, f"--batch-size {B}: one step of the {stage} stage ({what} alone)")
+    d_hidden = args.d_hidden or C
+    for stage, k in (('heads', args.k), ('dblast', args.dblast_k)):   # a block head's two products
+        if stage in args.stages:
+            check_fits(16 * 2 * (k - 1) * d_hidden * C, device, f"--d-hidden {d_hidden}: the {stage} stage's block "
+                       f"head (its weights, gradients and AdamW's two moments in float32, alone)")
+    # the target's continuations as int64 ids, and the float32 hidden states kept beside them
+    if 'heads' in args.stages and args.distill:
+        check_fits(args.distill_samples * T * (8 + (0 if args.joint else 4 * C)), device,
+                   f"--distill-samples {args.distill_samples}: the heads stage's distilled continuations"
+                   + ("" if args.joint else " and the target's hidden states over them"))
+    if 'dblast' in args.stages:
+        n = args.dblast_samples + args.dblast_eval_samples
+        check_fits(n * T * (8 + 4 * C + 4), device, f"--dblast-samples {args.dblast_samples} and "
+                   f"--dblast-eval-samples {args.dblast_eval_samples}: the target's samples with their hidden states "
+                   f"and log-probabilities")
 
 
 # ----------------------------------------------------------------------------- main
@@ -502,6 +539,8 @@ def train_all(rt, args):
     if 'base' not in args.stages and not os.path.exists(base_path):   # before the folder is made
         raise BadInput(f"--stages {','.join(args.stages)} trains drafters for the target in {base_path}, which is not "
                        f"there: train it first (python train.py, or --stages base), or give the --out-dir that holds it")
+    if args.data is not None and not os.path.exists(args.data):   # before the output folder is made
+        raise BadInput(f"--data {args.data}: no such file or folder")
     check_out_dir(args.out_dir)
     for path in written(args):   # --resume: a finished stage writes nothing; each stage checks its own
         check_replaceable(path, writable=not args.resume)
@@ -513,15 +552,20 @@ def train_all(rt, args):
     else:
         ckpt = load_checkpoint(base_path)
         model = target_from(ckpt, base_path, rt.device)
-        vocab = vocab_for(ckpt, base_path, model.config.vocab_size, args.meta or ds.meta)
+        vocab = vocab_for(ckpt, base_path, model.config.vocab_size, args.meta or ds.meta,
+                          None if args.meta else args.data)
         args.block_size, args.vocab_size = model.config.block_size, model.config.vocab_size
         unfinished = unfinished_target(ckpt, base_path)
         del ckpt
     ds.check(args.vocab_size, vocab)
     check_plan(args, args.block_size)
-    check_batch(args, rt.device, args.n_embd if model is None else model.config.n_embd)
+    check_sizes(args, rt.device, args.n_embd if model is None else model.config.n_embd)
     if len(ds.train) <= args.block_size + 1 or len(ds.val) <= args.block_size + 1:
         raise BadInput(f"--data: too little text for --block-size {args.block_size}")
+    if demos_shown(args) and len(ds.val) < PROMPT_LEN + DEMO_PROMPTS + 1:
+        raise BadInput(f"--data: its held-out text ({len(ds.val)} tokens) is too short for the closing demos' "
+                       f"{DEMO_PROMPTS} prompts of {PROMPT_LEN} tokens (at least {PROMPT_LEN + DEMO_PROMPTS + 1}); "
+                       f"give more text, or --no-demo")
     rt.print(f"preset {args.preset} on {rt.device}, training in {rt.precision}, decoding in float32"
              + (f", CPU threads: {torch.get_num_threads()}" if rt.kind == 'cpu' else "")
              + (f", {rt.world} processes" if rt.ddp else ""))
@@ -548,7 +592,7 @@ def train_all(rt, args):
     if 'draft' in args.stages:
         stage_draft(rt, args, model, ds, vocab)
     rt.print(f"\ntraining done in {time.perf_counter() - t_start:.0f}s")
-    if rt.master and not args.no_demo:
+    if rt.master and demos_shown(args):
         run_demos(rt, args, model, heads, ds, vocab)
 
 

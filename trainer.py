@@ -321,7 +321,8 @@ def resume_state(args, path, expect, weights='drafter'):
     if not args.resume or not os.path.exists(path):
         return None
     ckpt = load_checkpoint(path)
-    flags = dict(model_args='other model flags (--n-layer, ...)', trained_from='another target',
+    model_flags = '--draft-layers, --draft-embd' if os.path.basename(path).startswith('draft') else '--n-layer, ...'
+    flags = dict(model_args=f'other model flags ({model_flags})', trained_from='another target',
                  base_fingerprint='another target', joint='another --joint/--frozen', loss='another --dblast-loss',
                  K='another --branches', k='another --k' if 'K' not in expect else 'another --dblast-k')
     for key, want in expect.items():
@@ -433,7 +434,7 @@ class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action):
         d = action.default
         shown = d is not None and d is not False and d != '' and d is not argparse.SUPPRESS
-        return action.help + (' (default: %(default)s)' if shown and 'default' not in action.help else '')
+        return action.help + (' (default: %(default)s)' if shown and '(default' not in action.help else '')
 
 
 def build_parser(presets, description):
@@ -506,10 +507,12 @@ def parse_flags(argv, presets, description):
         raise BadInput(f"--n-embd {args.n_embd} is not divisible by --n-head {args.n_head}")
     if not args.tag.replace('_', '').replace('-', '').replace('.', '').isalnum() and args.tag:
         raise BadInput(f"--tag {args.tag!r}: use letters, digits, '.', '_' and '-' (it names files)")
-    for name, flag in (('tag', '--tag'), ('d_hidden', '--d-hidden')):   # what only drafters have
-        if name in given and args.stages == ['base']:
-            raise BadInput(f"{flag} means nothing here: it applies to the drafters (--stages heads or dblast), "
-                           f"which --stages base does not train")
+    if 'tag' in given and args.stages == ['base']:   # what only drafters have
+        raise BadInput("--tag means nothing here: it names the drafters' files (--stages heads, dblast or draft), "
+                       "which --stages base does not train")
+    if 'd_hidden' in given and not {'heads', 'dblast'} & set(args.stages):
+        raise BadInput(f"--d-hidden means nothing here: it sizes the block head of --stages heads or dblast, which "
+                       f"--stages {','.join(args.stages)} does not train")
     if args.meta and 'base' in args.stages:
         raise BadInput("--meta means nothing with the base stage: the target's vocabulary is its data's (bytes for "
                        "text, a nanoGPT folder's own meta.pkl); it applies to --stages heads,dblast on a target "

@@ -118,6 +118,7 @@ STAGE_FLAGS = {
              '--eval-iters', '1'],
     'heads': ['--k', '4', '--heads-iters', '5', '--distill-samples', '4'],
     'dblast': ['--dblast-iters', '5', '--dblast-samples', '4', '--dblast-eval-samples', '2'],
+    'draft': ['--draft-iters', '5', '--distill-samples', '4'],
 }
 ALL_STAGES = 'base,heads,dblast'
 
@@ -482,6 +483,12 @@ CASES = [
                   'free on cpu', stages='base', within=20),   # by arithmetic: the step's logits alone
     train_refused('heads-batch-size-a-billion', ['--batch-size', '1000000000'], 'heads stage', 'free on cpu',
                   stages='heads', within=20),
+    train_refused('heads-d-hidden-a-hundred-million', ['--d-hidden', '100000000'], '--d-hidden 100000000',
+                  'free on cpu', stages='heads', within=20),
+    train_refused('dblast-samples-a-hundred-million', ['--dblast-samples', '100000000'], '--dblast-samples 100000000',
+                  'free on cpu', stages='dblast', within=20),
+    train_refused('distill-samples-a-hundred-million', ['--distill-samples', '100000000'],
+                  '--distill-samples 100000000', 'free on cpu', stages='heads', within=20),
     # ------------------------------------------------------------------ dataset folders
     train_refused('data-nanogpt-odd-val', ['--data', '{files}/nanogpt_odd_val'], 'val.bin has 1001 bytes'),
     train_refused('data-nanogpt-no-val', ['--data', '{files}/nanogpt_no_val'], 'val.bin is missing'),
@@ -524,6 +531,9 @@ CASES = [
     accepted('decode-seed-greedy-dblast', decode('--drafter', '{dblast}', '--seed', '3')),   # it draws branches
     train_refused('tag-base-only', ['--tag', '_x'], '--tag means nothing', stages='base'),
     train_refused('d-hidden-base-only', ['--d-hidden', '8'], '--d-hidden means nothing', stages='base'),
+    train_refused('d-hidden-draft-only', ['--d-hidden', '8'], '--d-hidden means nothing', stages='draft'),
+    train_refused('draft-embd-a-hundred-million', ['--draft-embd', '100000000'], 'the draft model of these flags',
+                  '--draft-embd 100000000', 'free on cpu', stages='draft', within=20),
     decode_refused('meta-not-the-recorded-vocabulary', ['--meta', '{files}/plain_meta.pkl'], '--meta',
                    'is not the bytes vocabulary'),
     accepted('decode-meta-of-a-char-target', decode('--ckpt', '{files}/char_ckpt.pt', '--meta',

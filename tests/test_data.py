@@ -120,6 +120,22 @@ def test_char_vocabulary_names_the_characters_it_lacks(tmp_path):
     assert v.decode(v.encode('def f')) == 'def f'
     with pytest.raises(BadInput, match=r"2 character\(s\) outside the model's .*'@~'"):
         v.encode('def @~')
+    # an itos whose keys cannot be sorted together is refused in one line, not a TypeError
+    with open(tmp_path / 'mixed.pkl', 'wb') as f:
+        pickle.dump(dict(vocab_size=2, stoi={'a': 0, 'b': 'x'}, itos={0: 'a', 'x': 'b'}), f)
+    with pytest.raises(BadInput, match="no 'itos' mapping ids 0..n-1 to strings"):
+        read_meta(tmp_path / 'mixed.pkl')
+
+
+def test_a_meta_pkl_of_another_vocabulary_than_the_checkpoints_names_where_it_came_from(tmp_path):
+    """A target that records its byte vocabulary, against a char meta.pkl given by --meta, or found in
+    the --data folder: refused in one line naming the flag it came from."""
+    nanogpt_char_dataset(tmp_path / 'ds')
+    meta, ckpt = tmp_path / 'ds' / 'meta.pkl', dict(vocab=Vocab('bytes').state())
+    with pytest.raises(BadInput, match=r"^--meta .*meta.pkl: its char vocabulary .* is not the bytes .*leave --meta out"):
+        vocab_for(ckpt, 'ckpt.pt', 256, str(meta))
+    with pytest.raises(BadInput, match=r"^--data .*ds: its meta.pkl holds a char vocabulary .*, not the bytes"):
+        vocab_for(ckpt, 'ckpt.pt', 256, str(meta), str(tmp_path / 'ds'))
 
 
 class Payload:
@@ -220,6 +236,19 @@ def test_data_folder_takes_regular_files_only(tmp_path):
         assert bytes(np.concatenate([ds.train, ds.val])) == TEXT.encode()
     finally:
         s.close()
+
+
+@pytest.mark.parametrize('n_files', [2, 5, 45])
+def test_a_folder_is_split_by_file_and_nothing_held_out_is_trained_on(tmp_path, n_files):
+    """Every 20th file is held out (with fewer than 20, the last one), and the training text holds
+    none of it: a held-out loss and the demos' prompts on text the target never saw."""
+    texts = [f"file {i:02d}: ".encode() + bytes([65 + i % 26]) * 600 for i in range(n_files)]
+    for i, t in enumerate(texts):
+        (tmp_path / f"{i:02d}.txt").write_bytes(t)
+    ds = load_dataset(str(tmp_path), str(tmp_path / 'cache'))
+    held = [i for i in range(n_files) if i % 20 == 19] or [n_files - 1]
+    assert bytes(ds.val) == b''.join(texts[i] for i in held)
+    assert bytes(ds.train) == b''.join(t for i, t in enumerate(texts) if i not in held)
 
 
 def test_a_file_name_that_is_not_utf8_is_read_like_any_other(tmp_path):

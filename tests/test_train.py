@@ -19,6 +19,7 @@ import torch
 from conftest import (ROOT, Proc, assert_clean_error, corpus_text, env, naive_greedy, run_main, run_py,
                       sigint_at_default, tiny_model)
 import cli
+import generate as generate_py
 import train
 import trainer
 from cli import BadInput
@@ -117,6 +118,30 @@ def test_distillation_data_is_target_greedy():
     assert torch.equal(rows[:5], naive_greedy(model, rows[:5, :P], gen_len))
 
 
+def test_distillation_data_is_made_once_for_the_same_prompts_and_again_for_others(tmp_path, monkeypatch, capsys):
+    """self_generated's cache: the same target, prompts and settings read it back without decoding;
+    a text of the same length that draws other prompts decodes anew; a damaged file is made again,
+    with a note."""
+    model = tiny_model(seed=0, vocab_size=32, block_size=64, std=0.3, dtype=torch.float64)
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 32, size=3000).astype(np.uint8)
+    other = data.copy()
+    other[1500:] = (other[1500:] + 1) % 32
+    rt = trainer.Runtime('cpu')
+    decodes = []
+    real = train.generate
+    monkeypatch.setattr(train, 'generate', lambda *a, **kw: decodes.append(1) or real(*a, **kw))
+    make = lambda text: train.self_generated(rt, model, text, 8, 6, 0.0, 3, 'test', str(tmp_path))  # noqa: E731
+    first = make(data)
+    assert len(decodes) == 1 and len(list(tmp_path.glob('samples-*.pt'))) == 1
+    assert torch.equal(make(data), first) and len(decodes) == 1             # read back
+    assert not torch.equal(make(other), first) and len(decodes) == 2        # other prompts: made anew
+    for f in tmp_path.glob('samples-*.pt'):
+        f.write_bytes(b'not a tensor')
+    assert torch.equal(make(data), first) and len(decodes) == 3
+    assert 'making them again' in capsys.readouterr().out
+
+
 def test_the_joint_objective_adds_the_targets_next_token_loss():
     """MATH.md §3 "Frozen vs joint": joint, the objective is the heads' loss plus the target's own
     next-token cross-entropy on the same labels (-1: none); frozen, the heads' loss alone, and no
@@ -171,6 +196,20 @@ def test_frozen_heads_train_on_hidden_states_made_once(tmp_path, corpus_file, mo
     # the target's own continuation is learnt
     assert len(labelled) == 10 and all((y[:, :PROMPT_LEN] == -1).all() and (y[:, PROMPT_LEN:] >= 0).all()
                                        for y in labelled)
+
+
+def test_after_joint_heads_the_later_stages_train_for_the_fine_tuned_target(tmp_path, corpus_file):
+    """--joint fine-tunes the target in the heads stage and saves it as ckpt_joint.pt; the stages
+    after it in the same run (here dblast) train for that target, not for ckpt.pt."""
+    out = ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--threads', '1']
+    train.main(TINY + out + ['--max-iters', '2', '--block-size', '48'])
+    train.main(['--stages', 'heads,dblast', '--device', 'cpu', '--no-demo', '--k', '4', '--heads-iters', '2',
+                '--distill-samples', '4', '--batch-size', '2', '--joint', '--dblast-iters', '2', '--dblast-samples',
+                '4', '--dblast-eval-samples', '2', '--branches', '2'] + out)
+    joint = load_target(str(tmp_path / 'ckpt_joint.pt')).fingerprint()
+    assert joint != load_target(str(tmp_path / 'ckpt.pt')).fingerprint()
+    for name in ('heads.pt', 'dblast_K2.pt', 'dblast_K1.pt'):
+        assert load_checkpoint(str(tmp_path / name))['base_fingerprint'] == joint, name
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -566,6 +605,7 @@ def test_train_data_missing_path(tmp_path, train_cli):
     proc = train_cli('--data', tmp_path / 'missing', '--out-dir', tmp_path / 'out')
     assert proc.returncode == 2
     assert_clean_error(proc, '--data', 'missing')
+    assert not (tmp_path / 'out').exists()          # refused before the output folder is made
 
 
 @pytest.mark.parametrize('content', ['empty', 'binary'])
@@ -577,6 +617,36 @@ def test_train_data_folder_without_text(tmp_path, train_cli, content):
     proc = train_cli('--data', folder, '--out-dir', tmp_path / 'out')
     assert proc.returncode == 2
     assert_clean_error(proc, 'no text')
+
+
+def test_plans_the_demos_or_the_draft_stage_cannot_finish_are_refused_before_any_work(tmp_path):
+    """A held-out text too short for the closing demos' prompts, and a draft stage whose distilled text
+    has no room for its windows (one continuation, or a context that holds no prompt and a token after
+    it): one line each, before any training."""
+    data = tmp_path / 'data'
+    data.mkdir()
+    (data / 'a.txt').write_text(corpus_text(3000))
+    (data / 'b.txt').write_text('x = 1\n' * 6 + 'y\n')          # 38 bytes: the held-out text (the last file)
+    out = ['--data', str(data), '--out-dir', str(tmp_path / 'out'), '--device', 'cpu'] + TINY[:6]
+    with pytest.raises(BadInput, match=r"held-out text \(38 tokens\) is too short for the closing demos' 8 prompts"):
+        train.main(out + ['--stages', 'base,heads', '--k', '2', '--block-size', '36'])
+    with pytest.raises(BadInput, match=r"--distill-samples 1: the draft stage trains on windows"):
+        train.main(out + ['--stages', 'base,draft', '--distill-samples', '1', '--no-demo'])
+    with pytest.raises(BadInput, match=r"context of 32 tokens is too short for the draft stage on distilled text"):
+        train.main(out + ['--stages', 'base,draft', '--block-size', '32', '--no-demo'])
+    assert not (tmp_path / 'out' / 'ckpt.pt').exists()
+
+
+def test_the_closing_demos_decode_as_far_as_the_blocks_they_show_allow(monkeypatch):
+    """A context of 39 tokens holds a 32-token prompt, a DBlast block of 4 and 3 new tokens: the demos
+    of a run without heads decode those 3, whatever --k says (it was taken as 8: -1 tokens, refused)."""
+    lengths = []
+    monkeypatch.setattr(generate_py, 'demo', lambda model, prompts, drafter, k, T, label, max_new, log, **kw:
+                        lengths.append(max_new))
+    target = GPT(GPTConfig(block_size=39, vocab_size=8, n_layer=1, n_head=1, n_embd=8))
+    generate_py.closing_demos(target, torch.zeros(1, 32, dtype=torch.long), None, None, 8, [('DBlast K=4', None)],
+                              4, 1.5, lambda line: None)
+    assert lengths == [3, 3]    # one path, then several
 
 
 def test_warm_up_is_at_most_a_tenth_of_a_stage(tmp_path, corpus_file, monkeypatch):
@@ -603,4 +673,4 @@ def test_help_gives_every_flags_default():
     for flag, _, typ, default, _, _ in trainer.FLAGS:
         if default is not None and default is not False and default != '' and typ != 'frozen|joint':
             entry = re.search(r'--' + flag.replace('_', '-') + r'(, --no-\S+)? (.*?)( --|$)', text)   # to the next flag
-            assert 'default' in entry.group(2), flag
+            assert '(default' in entry.group(2), flag
