@@ -542,7 +542,9 @@ def torch_write_error(tmp, error):
 
 def write_atomically(path, write, what='checkpoint'):
     """write(tmp) writes the file at a temporary path beside `path`, which then replaces `path` in
-    one rename: a reader sees the old file or the new one, never part of one. Ctrl-C or SIGTERM
+    one rename: a reader sees the old file or the new one, never part of one, and the new one is
+    on the disk before the rename (fsync), so that a machine that loses power meanwhile keeps one
+    of the two whole rather than a renamed file whose data never reached the disk. Ctrl-C or SIGTERM
     meanwhile is held until the file is in place (save_before_stop); any failure (no space, a
     folder or an immutable file in the way, a second signal) removes the temporary file, leaves
     `path` as it was, and a write error (an OSError, or torch's writer's RuntimeError) is one line
@@ -552,6 +554,11 @@ def write_atomically(path, write, what='checkpoint'):
         with save_before_stop():
             try:
                 write(tmp)
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
                 os.replace(tmp, path)
             except BaseException as e:
                 why = torch_write_error(tmp, e) if isinstance(e, RuntimeError) else None

@@ -420,6 +420,16 @@ def test_a_save_that_fails_leaves_the_old_file_and_no_temporary(tmp_path, monkey
         check_replaceable(str(tmp_path / 'folder.pt'))
 
 
+def test_a_save_reaches_the_disk_before_it_replaces_the_old_file(tmp_path, monkeypatch):
+    """The new checkpoint's bytes are fsync'd before the rename: after a power loss the file at the
+    path is the old one or the whole new one, never a renamed file whose data was still in memory."""
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, 'fsync', lambda fd: events.append(('fsync', os.fstat(fd).st_ino)) or real_fsync(fd))
+    monkeypatch.setattr(os, 'replace', lambda a, b: events.append(('replace', os.stat(a).st_ino)) or real_replace(a, b))
+    save_checkpoint(dict(iter_num=1), str(tmp_path / 'ckpt.pt'))
+    assert [e[0] for e in events] == ['fsync', 'replace'] and events[0][1] == events[1][1], events
+
+
 @pytest.fixture
 def ctrl_c_raises():
     """SIGINT raises KeyboardInterrupt for the length of the test, however the suite was started (a
