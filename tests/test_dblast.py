@@ -215,6 +215,13 @@ def test_al_loss_threshold_and_fallback(target, kind, verify):
     assert torch.allclose(drafter.loss(*args, kind=kind, tau_threshold=0.0), -t.mean(-1).mean())
     assert torch.allclose(drafter.loss(*args, kind=kind, tau_threshold=0.0, nll_weight=0.5),
                           -t.mean(-1).mean() + 0.5 * nll)
+    # a threshold between the prefixes' weights: every row keeps its first prefix (a_j falls with j),
+    # some keep more, some not all; each row's loss is minus the mean of its kept tails
+    log_eta = a.detach()[:, 0].min() - 1e-9
+    keep = a >= log_eta
+    assert keep.sum() > len(keep) and not keep.all()
+    want = (-(t * keep).sum(-1) / keep.sum(-1)).mean()
+    assert torch.allclose(drafter.loss(*args, kind=kind, tau_threshold=float(log_eta.exp())), want)
     other = prefix_log_accept(log_pi, log_qx, log_px, 'branch' if verify == 'mixture' else 'mixture')
     assert not torch.allclose(a, other)     # the two forms really differ for K > 1
 
@@ -268,7 +275,8 @@ def test_the_later_terms_gradient_moves_the_clamped_positions_own_Q():
 
 
 def test_evaluator_and_decoding_part_where_acceptance_varies_along_the_text():
-    """MATH.md §7's caveat, worked out: tau k in half the contexts and 1 in the other half. The
+    """MATH.md §7's caveat, worked out (a claim about counting: this pins MATH.md's arithmetic, and no
+    project code runs): tau k in half the contexts and 1 in the other half. The
     evaluator weighs every context: (k+1)/2. A decode starts its blocks where the last one ended:
     in runs much longer than k it reports about 2k/(k+1); interleaved finely (every other
     position), where its blocks land decides, here k for an even k."""

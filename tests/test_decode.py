@@ -372,7 +372,7 @@ def test_a_tiny_temperature_is_the_greedy_limit(model, trained, prompts, greedy_
     """Sampling at T = 1e-320 is greedy decoding, not an overflow: logits / T would be +-inf and
     softmax NaN; shifted by their maximum first (model.tempered) they give the one-hot limit."""
     heads = None if drafter is None else make_heads(drafter, model, trained[1])
-    for heads_sampled in (False, True):
+    for heads_sampled in (False, True) if heads is not None else (None,):
         if heads is not None:
             heads.sample_drafts = heads_sampled
         out, _ = generate(model, prompts, M, drafter=heads, temperature=1e-320,
@@ -789,8 +789,10 @@ def test_kv_cache_is_in_the_compute_dtype_under_autocast():
         assert static_cache(model, 2, 4).k.dtype == torch.bfloat16
         out, stats = generate(model, prompt, 20, drafter=heads, k=4)
     assert static_cache(model, 2, 4).k.dtype == torch.float32              # one cache per compute dtype
-    assert out.shape == (2, 26) and torch.equal(out[:, :6], prompt)
-    assert sum(stats['accept_lengths']) >= 2 * 19 and stats['calls'] <= 20
+    # the same tokens as float32 decoding (this seed has no near-tie that bf16 rounds the other way):
+    # a bf16 cache that lost what was written in it does not
+    assert torch.equal(out, generate(model, prompt, 20, drafter=heads, k=4)[0])
+    assert max(stats['accept_lengths']) > 1
 
 
 def test_decode_cli_runs_a_draft_model_prompt_lookup_and_both(good_ckpt, decode_cli, tmp_path):

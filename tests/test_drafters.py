@@ -281,8 +281,8 @@ def test_a_draft_model_that_is_the_target_is_always_accepted(world):
     for T in (0.0, 1.0):
         out, stats = generate(target, prompt, 40, drafter=DraftModel(target, k=5), temperature=T,
                               generator=torch.Generator().manual_seed(1))
-        assert all(t == 5 for t in stats['accept_lengths'][:-3]), stats['accept_lengths']
-    assert torch.equal(generate(target, prompt, 40, drafter=DraftModel(target, k=5))[0], base)
+        assert set(stats['accept_lengths']) == {5}, stats['accept_lengths']
+        assert T > 0 or torch.equal(out, base)
 
 
 # ----------------------------------------------------------------------------- losslessness

@@ -254,10 +254,13 @@ def test_chunked_loss_under_bf16_autocast(monkeypatch):
     """Under CPU bf16 autocast the logits are bf16 and the cross-entropy float32, chunked or not;
     the chunks recompute under the same autocast in backward."""
     model, heads, idx, h = loss_setup(dtype=torch.float32)
+    made, real = [], BlockHeads.head_logits
+    monkeypatch.setattr(BlockHeads, 'head_logits', lambda self, *a: made.append(real(self, *a)) or made[-1])
     with torch.autocast('cpu', dtype=torch.bfloat16):
         plain = loss_and_grads(model, heads, idx, h, None)
         monkeypatch.setattr(heads_module, 'LOGITS_BUDGET', 7 * V)
         chunked = loss_and_grads(model, heads, idx, h, None)
+    assert made and all(logits.dtype == torch.bfloat16 for logits in made)
     assert plain[0].dtype == chunked[0].dtype == torch.float32
     torch.testing.assert_close(chunked[0], plain[0], rtol=1e-6, atol=0)
     # a weight's gradient is a bf16 matmul over the rows: chunked, a sum of per-chunk bf16 results,

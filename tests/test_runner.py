@@ -89,24 +89,24 @@ def test_units_are_powers_of_two_largest_first():
 def test_every_configuration_runs_in_units_of_steps(kind, temperature, accept, paths, nodes, counted):
     """The host launches a unit of UNIT steps, never a lone step: for each read of the device, the
     ceil(ceil(behind / k) / UNIT) units that cover the steps needed whatever they accept, and
-    nothing else. Greedy: the tokens, calls and taus of the eager loop, although the last unit runs
-    past the last step any row needed (batch of 3 rows, each accepting its own number)."""
+    nothing else. The tokens, calls and taus of the eager loop, although the last unit runs past
+    the last step any row needed (batch of 3 rows, each accepting its own number); sampling, from
+    the same global seed (both draw from the global RNG without a generator), the same draws."""
     model, drafter = target(), drafter_of(kind)
     prompt = torch.randint(64, (3, 5), generator=torch.Generator().manual_seed(1))
     k = 1 if drafter is None else 4
     kw = dict(drafter=drafter, k=None if drafter is None else 4, temperature=temperature, accept=accept, paths=paths,
-              nodes=nodes, generator=torch.Generator().manual_seed(0))
+              nodes=nodes)
+    torch.manual_seed(0)
     out, stats = generate(model, prompt, 29, compile=True, **kw)
     unit = runner.unit_for('cpu', drafter is None)
     want = sum(-(-(-(-b // k)) // unit) for b in counted['behind'] if b > 0)
     assert len(counted['units']) == want > 0 and len(counted['steps']) == unit * want
     assert stats['calls'] - 1 <= len(counted['steps']) < stats['calls'] - 1 + unit
-    if temperature == 0.0:
-        eager, eager_stats = generate(model, prompt, 29, **kw)
-        assert torch.equal(out, eager)
-        assert (stats['calls'], stats['accept_lengths']) == (eager_stats['calls'], eager_stats['accept_lengths'])
-    else:
-        assert sum(stats['accept_lengths']) >= 3 * 28 and out.shape == (3, 34)
+    torch.manual_seed(0)
+    eager, eager_stats = generate(model, prompt, 29, **kw)
+    assert torch.equal(out, eager)
+    assert (stats['calls'], stats['accept_lengths']) == (eager_stats['calls'], eager_stats['accept_lengths'])
 
 
 def test_buffers_are_reused_and_hold_nothing_of_the_last_call(counted):
@@ -133,24 +133,25 @@ def test_a_model_moved_or_drafter_changed_records_anew(counted):
     dblast.double()
     out, _ = generate(model, prompt, 20, drafter=dblast, k=4, compile=True)
     assert torch.equal(out, generate(model, prompt, 20, drafter=dblast, k=4)[0])
-    dblast.zt = 0.0
     generate(model, prompt, 20, drafter=dblast, k=4, temperature=1.0, compile=True)
-    assert len(model._static_loops) == 3
+    dblast.zt = 0.0                                        # a setting of the drafter alone, at the same T
+    generate(model, prompt, 20, drafter=dblast, k=4, temperature=1.0, compile=True)
+    assert len(model._static_loops) == 4
     with torch.autocast('cpu', dtype=torch.bfloat16):   # another compute dtype: another cache, its own loop
         generate(model, prompt, 20, drafter=dblast, k=4, temperature=1.0, compile=True)
-    assert len(model._static_loops) == 4
+    assert len(model._static_loops) == 5
     mixed = MixedPaths([dblast, PromptLookup(2, 4)])       # a setting of a drafter inside another
     generate(model, prompt, 20, drafter=mixed, k=4, temperature=1.0, paths=2, compile=True)
     dblast.zt = 1.0
     generate(model, prompt, 20, drafter=mixed, k=4, temperature=1.0, paths=2, compile=True)
-    assert len(model._static_loops) == 6
+    assert len(model._static_loops) == 7
     before = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision('high' if before == 'highest' else 'highest')
         generate(model, prompt, 20, drafter=mixed, k=4, temperature=1.0, paths=2, compile=True)
     finally:
         torch.set_float32_matmul_precision(before)
-    assert len(model._static_loops) == 7
+    assert len(model._static_loops) == 8
 
 
 def test_the_state_a_graph_mutates_has_static_addresses(counted):
