@@ -56,7 +56,7 @@ def sample(weights, generator=None):
     """
     cdf = weights.cumsum(-1)
     u = torch.rand(cdf.shape[:-1] + (1,), generator=generator, device=cdf.device, dtype=cdf.dtype)
-    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)
+    idx = torch.searchsorted(cdf, u * cdf[..., -1:], right=True)    # right: u = 0 skips leading zero weights
     return idx.clamp_(max=weights.size(-1) - 1).squeeze(-1)
 
 

@@ -453,6 +453,39 @@ def test_math_md_s5_example_branch_half_mixture_one():
     assert abs(float(torch.minimum(p, Q1).sum()) - 1.0) < 1e-12
 
 
+def test_the_mixtures_conditional_follows_the_drafts_before_it():
+    """Q_2 is the mixture given d_1, not the prior's mix: two greedy branches with disjoint paths
+    (0 then 2, 1 then 3) at pi' = (1/2, 1/2); after the draft 0 only branch 0 is left, so Q_2 is
+    one-hot on 2 (the prior's mix would give 2 and 3 half each)."""
+    logits = torch.zeros(1, 2, 2, 4, dtype=torch.float64)
+    logits[0, 0, 0, 0] = logits[0, 0, 1, 2] = logits[0, 1, 0, 1] = logits[0, 1, 1, 3] = 50.0
+    log_q = dblast.branch_log_probs(logits, 1.0, False)                      # one-hot q~ (greedy branches)
+    Q = dblast.conditionals(torch.log(torch.tensor([[0.5, 0.5]], dtype=torch.float64)), log_q, torch.tensor([[0, 2]]))
+    assert Q[0].tolist() == [[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
+
+
+@pytest.mark.parametrize('zt', [0.5, 2.0])
+def test_branches_are_drawn_from_the_prior_at_its_temperature(target, zt):
+    """Drafting draws z from pi' = softmax(log pi / Z_T), the prior verification's Q weighs by: with
+    greedy branches whose paths differ, each row's drafts name its branch, and over 20,000 rows each
+    branch's share is pi'(z) within 5 standard errors (pi itself is several away at these Z_T)."""
+    d = drafter_of(4, 'greedy', zt=zt, seed=2)
+    h = torch.randn(1, CFG.n_embd, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    bonus = torch.tensor([1])
+    with torch.no_grad():
+        log_pi, logits = d.mixture_logits(h, bonus, target, 4)
+        paths = logits[0].argmax(-1)                                           # (K, 3) each branch's path
+        assert len({tuple(p) for p in paths.tolist()}) == 4
+        n = 20000
+        drafts, _ = d.draft(h.expand(n, -1), bonus.expand(n), target, 4, 0.0, torch.Generator().manual_seed(1))
+    z = (drafts[:, None, :] == paths[None]).all(-1).long().argmax(-1)          # (n,) the branch drawn
+    share = torch.bincount(z, minlength=4).double() / n
+    want = dblast.prior(log_pi, zt).exp()[0]
+    se = (want * (1 - want) / n).sqrt()
+    assert ((share - want).abs() < 5 * se).all(), (share, want)
+    assert ((share - log_pi.exp()[0]).abs() > 5 * se).any()
+
+
 def test_branch_form_is_the_prior_mix_of_each_branch_alone_and_the_mixture_form_at_k1():
     """§5/§6: branch-conditional acceptance is linear in the prior, exp(a_j^branch) =
     sum_z pi'_z exp(a_j of branch z alone) at every j (so AL_branch = sum_z pi'_z AL(z) <= max_z AL(z));

@@ -328,6 +328,21 @@ def test_the_worked_tree_example_in_math_md_is_what_the_code_computes():
     assert not through[0, ex['last']].any()        # the walk ends at a leaf: its r is p, untouched
 
 
+def test_paths_that_part_and_meet_again_share_no_node():
+    """A node is a prefix, not a token at a depth: paths [3, 5, 7] and [6, 5, 7] part at their first
+    token and agree after it, and share no node below the bonus. With 6 and then 5 accepted, the walk
+    goes down path 1 to its own slot 5 (whose p gives the bonus), not to path 0's node [3, 5]."""
+    drafts = torch.tensor([[[3, 5, 7], [6, 5, 7]]])
+    same, first, node, through = tree_nodes(drafts)
+    assert not same[0, 0, 1].any() and not same[0, 1, 0].any()
+    assert node[0].tolist() == [[0, 1, 2, 3], [0, 4, 5, 6]]
+    assert not through[0, 2, 1] and through[0, 5, 1]        # path 1 continues below its own node only
+    kept = torch.full((1, 7), -1)
+    kept[0, 0], kept[0, 4] = 6, 5                           # 6 accepted at the root, 5 below it
+    _, n_acc, path, last = tree_walk(kept, node, drafts)
+    assert (int(n_acc), int(path), int(last)) == (2, 1, 5)
+
+
 @pytest.mark.parametrize('point_mass', [False, True])
 def test_a_rejected_token_has_no_mass_left_at_its_node(point_mass):
     """MATH.md §9's lemma: after a candidate token v is rejected at a node, the residual is 0 at v,

@@ -252,6 +252,17 @@ def test_residual_never_divides_by_zero():
     assert idx.item() in (1, 2)
 
 
+def test_a_draw_of_zero_never_lands_on_a_token_without_weight(monkeypatch):
+    """model.sample by inverse CDF: a uniform draw of exactly 0 (float32 draws one in 2^24) lands on
+    the first token with weight, not on a leading token of none, such as the rejected draft at token
+    0 in a point mass's residual."""
+    monkeypatch.setattr(torch, 'rand', lambda shape, **kw: torch.zeros(shape, dtype=kw.get('dtype'),
+                                                                       device=kw.get('device')))
+    assert sample(torch.tensor([[0.0, 0.0, 3.0, 1.0]])).tolist() == [2]
+    p = torch.tensor([[[0.5, 0.25, 0.25]]], dtype=torch.float64)
+    assert sample(verification.residual(p, None, torch.tensor([[0]]))).tolist() == [[1]]
+
+
 def test_a_point_mass_as_a_one_hot_row_is_q_none():
     """MATH.md §11: a path of point-mass drafts verified beside sampled ones carries its Q as one-hot
     rows, which must be the same test and the same residual as Q = None: the same coins accept the
