@@ -4,6 +4,7 @@ end in one clean `error:` line."""
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -257,6 +258,43 @@ def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monk
     before = (a / 'ckpt.pt').read_bytes()
     train.main(common + ['--out-dir', str(a), '--max-iters', '6', '--resume'])
     assert (a / 'ckpt.pt').read_bytes() == before
+
+
+@pytest.mark.parametrize('stage', ['heads', 'dblast'])
+def test_a_drafter_stage_resumed_matches_an_uninterrupted_one(tmp_path, corpus_file, monkeypatch, stage):
+    """Interrupted after its step-4 save and resumed, a drafter stage ends with the weights and
+    optimizer moments of a run that was never interrupted: the heads trained jointly (the
+    fine-tuned target resumed too), and DBlast's K = 2 drafter (its evaluation history too)."""
+    a, b = tmp_path / 'interrupted', tmp_path / 'straight'
+    train.main(TINY + ['--data', str(corpus_file), '--out-dir', str(a), '--max-iters', '2', '--block-size', '48',
+                       '--threads', '1'])
+    shutil.copytree(a, b)
+    flags = ['--stages', stage, '--device', 'cpu', '--no-demo', '--data', str(corpus_file), '--threads', '1',
+             '--seed', '7', '--batch-size', '2', '--ckpt-interval', '2']
+    flags += (['--k', '4', '--heads-iters', '6', '--distill-samples', '4', '--joint'] if stage == 'heads' else
+              ['--dblast-iters', '6', '--dblast-samples', '4', '--dblast-eval-samples', '2', '--branches', '2',
+               '--baseline-loss', 'none'])
+    real_lr_at = trainer.lr_at
+
+    def interrupt_at_step_4(it, *args):
+        if it == 4:
+            raise KeyboardInterrupt
+        return real_lr_at(it, *args)
+    monkeypatch.setattr(trainer, 'lr_at', interrupt_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train.main(flags + ['--out-dir', str(a)])
+    monkeypatch.setattr(trainer, 'lr_at', real_lr_at)
+    name = 'heads.pt' if stage == 'heads' else 'dblast_K2.pt'
+    assert load_checkpoint(str(a / name))['iter_num'] == 4
+    train.main(flags + ['--out-dir', str(a), '--resume'])
+    train.main(flags + ['--out-dir', str(b)])
+    ra, rb = load_checkpoint(str(a / name)), load_checkpoint(str(b / name))
+    assert ra['iter_num'] == rb['iter_num'] == 6
+    for part in ('drafter', 'joint_model') if stage == 'heads' else ('drafter',):
+        assert ra[part].keys() == rb[part].keys() and all(torch.equal(ra[part][k], rb[part][k]) for k in ra[part])
+    sa, sb = ra['optimizer']['state'], rb['optimizer']['state']
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[i]['exp_avg_sq'], sb[i]['exp_avg_sq']) for i in sa)
+    assert ra.get('history') == rb.get('history')
 
 
 def test_resume_refuses_a_different_model(tmp_path, corpus_file):
