@@ -100,8 +100,9 @@ def test_expected_accepted_for_bpd_heads_matches_decoding(target):
 def test_mixture_accepts_the_first_draft_at_least_as_often_as_branch(target, branches, seed):
     """At the first draft, E_z min(p, q_z) <= min(p, E_z q_z): mixture verification is never worse
     than branch-conditional, context by context (exact, over every bonus and draft). Both are checked
-    against the direct formulas, and the mixture is strictly better somewhere."""
-    T, zt = 1.0, 1.5
+    against the direct formulas, and the mixture is strictly better somewhere. At T = 1.5: the
+    evaluator scores q at the temperature, as drafting draws it."""
+    T, zt = 1.5, 1.5
     d = drafter_of(4, branches, seed=seed, zt=zt)
     lp, h, bonus, x = enumerate_blocks(target, 1, T)         # (V*V) rows: bonus, x_1
     p_x = lp[:, 1].exp()

@@ -284,3 +284,5 @@ def test_bpd_heads_are_math_md_s3_equation_with_live_weights():
         torch.testing.assert_close(heads(h, model.lm_head), want, rtol=0, atol=1e-12)
         for i in range(k - 1):
             torch.testing.assert_close(heads.head_logits(h, model.lm_head, i), want[:, i], rtol=0, atol=1e-12)
+            # the first i + 1 heads alone (decoding at a smaller k): the same groups of W2
+            torch.testing.assert_close(heads(h, model.lm_head, i + 1), want[:, :i + 1], rtol=0, atol=1e-12)

@@ -26,6 +26,7 @@ import trainer
 from cli import BadInput
 from data import PROMPT_LEN, load_checkpoint, load_target, save_checkpoint, windows
 from decode import generate
+from dblast import DBlastDrafter
 from heads import BlockHeads
 from model import GPT, GPTConfig
 
@@ -164,6 +165,12 @@ def test_the_joint_objective_adds_the_targets_next_token_loss():
         assert torch.allclose(frozen, of_heads, rtol=1e-12)
         frozen.backward()
         assert all(p.grad is None for p in model.parameters()) and heads.c_fc.weight.grad is not None
+    # joint, the heads' loss reaches the target too: its gradient is not its own term's alone
+    weight = model.transformer.h[0].attn.c_attn.weight
+    train.HeadsObjective(model, heads, joint=True)(tokens, labels).backward()
+    both, weight.grad = weight.grad, None
+    model(tokens[:, :T], labels[:, 1:T + 1])[1].backward()
+    assert not torch.allclose(both, weight.grad)
 
 
 def test_frozen_heads_train_on_hidden_states_made_once(tmp_path, corpus_file, monkeypatch):
@@ -197,6 +204,31 @@ def test_frozen_heads_train_on_hidden_states_made_once(tmp_path, corpus_file, mo
     # the target's own continuation is learnt
     assert len(labelled) == 10 and all((y[:, :PROMPT_LEN] == -1).all() and (y[:, PROMPT_LEN:] >= 0).all()
                                        for y in labelled)
+
+
+def test_the_drafter_stages_train_and_judge_as_they_say(tmp_path, corpus_file, monkeypatch):
+    """What the heads and dblast stages hand their losses, from a run trained in bf16: the random
+    offset draws every head (0 .. k-2) and no other; the frozen heads' hidden states are made at
+    decoding's float32; DBlast's loss gets --temperature, --tau-threshold and --nll-weight, and the
+    held-out evaluation scores sampled branches under mixture verification at --temperature."""
+    out = ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--threads', '1']
+    train.main(TINY + out + ['--max-iters', '2', '--block-size', '48'])
+    seen = dict(offsets=set(), precision=[], loss=[], evaluated=[])
+    real_loss, real_hidden, real_dblast_loss = BlockHeads.loss, train.frozen_hidden, DBlastDrafter.loss
+    monkeypatch.setattr(BlockHeads, 'loss', lambda self, h, lm_head, idx, offset=None: seen['offsets'].add(
+        None if offset is None else int(offset)) or real_loss(self, h, lm_head, idx, offset))
+    monkeypatch.setattr(train, 'frozen_hidden', lambda model, seqs, precision, **kw: seen['precision'].append(
+        str(precision)) or real_hidden(model, seqs, precision, **kw))
+    monkeypatch.setattr(DBlastDrafter, 'loss', lambda self, *a: seen['loss'].append(a[5:]) or real_dblast_loss(self, *a))
+    monkeypatch.setattr(train, 'expected_tau', lambda *a: seen['evaluated'].append(a[4:]) or 2.0)
+    train.main(['--stages', 'heads,dblast', '--device', 'cpu', '--no-demo', '--dtype', 'bfloat16', '--k', '4',
+                '--heads-iters', '40', '--distill-samples', '4', '--batch-size', '2', '--dblast-iters', '2',
+                '--dblast-samples', '4', '--dblast-eval-samples', '2', '--eval-interval', '1', '--temperature', '1.3',
+                '--tau-threshold', '0.05', '--nll-weight', '0.25', '--baseline-loss', 'none'] + out)
+    assert seen['offsets'] == {0, 1, 2}
+    assert seen['precision'] == ['float32']
+    assert seen['loss'] and all(a == (1.3, 'al', 0.05, 0.25) for a in seen['loss']), seen['loss'][:1]
+    assert seen['evaluated'] and all(a == (1.3, True, 'mixture') for a in seen['evaluated']), seen['evaluated']
 
 
 def test_after_joint_heads_the_later_stages_train_for_the_fine_tuned_target(tmp_path, corpus_file):
