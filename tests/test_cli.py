@@ -253,9 +253,10 @@ CASES = [
         ('--n-head', dict(zero='0')),
         ('--n-embd', dict(zero='0')),
         ('--block-size', dict(one='1')),
-        ('--k', dict(one='1', big='100')),
+        ('--k', dict(one='1', big='100', past='65')),       # past: one past the bound
         ('--dblast-k', dict(one='1')),
-        ('--branches', dict(zero='0')),
+        ('--branches', dict(zero='0', past='257')),
+        ('--threads', dict(past='1025')),
         ('--tau-threshold', dict(big='2', neg='-1')),
         ('--nll-weight', dict(neg='-1')),
         ('--grad-clip', dict(neg='-1')),
@@ -285,6 +286,7 @@ CASES = [
     train_refused('dblast-with-n-layer', ['--n-layer', '2'], '--n-layer', stages='dblast'),
     # ------------------------------------------------------------------ train.py: context too short
     train_refused('k-40-block-64', ['--k', '40'], '--k'),
+    train_refused('k-4-block-one-short', ['--k', '4', '--block-size', '37'], 'at least 38', stages='base,heads'),
     train_refused('dblast-k-40-context-64', ['--dblast-k', '40'], '--dblast-k', stages='dblast'),
     # ------------------------------------------------------------------ train.py: files and folders
     train_refused('data-missing', ['--data', '{work}/no_such_corpus.txt'], '{work}/no_such_corpus.txt'),
@@ -460,12 +462,27 @@ CASES = [
     decode_refused('drafter-d-hidden-float', ['--drafter', '{files}/dblast_d_hidden_float.pt'], "'d_hidden' is float"),
     decode_refused('heads-fingerprint-an-int', ['--heads', '{files}/heads_fingerprint_int.pt'], "'base_fingerprint'"),
     decode_refused('heads-without-weights', ['--heads', '{files}/heads_no_weights.pt'], "no 'drafter'"),
+    decode_refused('ckpt-a-list', ['--ckpt', '{files}/a_list.pt'], 'not a checkpoint dict'),
+    decode_refused('heads-k-one', ['--heads', '{files}/heads_k_one.pt'], "'k' is int 1"),
+    decode_refused('drafter-temperature-zero', ['--drafter', '{files}/dblast_temperature_zero.pt'], "'temperature'"),
+    decode_refused('drafter-history-text', ['--drafter', '{files}/dblast_history_text.pt'], "'history'"),
+    decode_refused('ckpt-vocab-char-itos-int', ['--ckpt', '{files}/vocab_char_itos_int.pt'], 'malformed vocabulary'),
+    decode_refused('ckpt-dropout-one', ['--ckpt', '{files}/dropout_one.pt'], 'dropout'),
+    accepted('decode-ckpt-numpy-scalars', decode('--ckpt', '{files}/numpy_scalars.pt')),
+    decode_refused('seed-huge-sampling', ['--seed', '99999999999999999999999', '--temperature', '1'], '--seed'),
+    decode_refused('lookup-past', ['--lookup', '65'], '--lookup'),
     train_refused('resume-without-optimizer', ['--resume', '--max-iters', '40'], "has no 'optimizer'", stages='base',
                   prepare=crafted_over('ckpt.pt', lambda c: c.pop('optimizer'))),
     train_refused('resume-iter-num-text', ['--resume', '--max-iters', '40'], "'iter_num' is str '20'", stages='base',
                   prepare=crafted_over('ckpt.pt', lambda c: c.update(iter_num='20'))),
     train_refused('resume-iter-num-negative', ['--resume', '--max-iters', '40'], "'iter_num' is int -3", stages='base',
                   prepare=crafted_over('ckpt.pt', lambda c: c.update(iter_num=-3))),
+    train_refused('resume-optimizer-step-text', ['--resume', '--max-iters', '40'], "'optimizer'", stages='base',
+                  prepare=crafted_over('ckpt.pt', lambda c: c['optimizer']['state'][0].update(step='x'))),
+    train_refused('resume-dblast-other-temperature', ['--resume', '--temperature', '1.0', '--dblast-iters', '9'],
+                  '--resume', 'dblast_K4.pt', stages='dblast'),
+    train_refused('resume-dblast-other-loss', ['--resume', '--dblast-loss', 'nll', '--dblast-iters', '9'],
+                  '--resume', 'dblast_K4.pt', stages='dblast'),
     train_refused('resume-rng-missing', ['--resume', '--heads-iters', '9'], "has no 'rng'", stages='heads',
                   prepare=crafted_over('heads.pt', lambda c: c.pop('rng'))),
     train_refused('resume-optimizer-of-other-weights', ['--resume', '--heads-iters', '9'], 'optimizer state',
@@ -778,6 +795,13 @@ def make_crafted_files(files, run):
     variant('dblast_K_text.pt', 'dblast_K4.pt', K='4')
     variant('dblast_d_hidden_float.pt', 'dblast_K4.pt', d_hidden=16.0)
     variant('heads_fingerprint_int.pt', 'heads.pt', base_fingerprint=5)
+    variant('heads_k_one.pt', 'heads.pt', k=1)
+    variant('dblast_temperature_zero.pt', 'dblast_K4.pt', temperature=0.0)
+    variant('dblast_history_text.pt', 'dblast_K4.pt', history=[(1, 'x')])
+    variant('vocab_char_itos_int.pt', vocab=dict(kind='char', itos=5))
+    variant('dropout_one.pt', model_args=dict(args, dropout=1.0))
+    variant('numpy_scalars.pt', best_val_loss=np.float64(1.2), config=dict(good['config'], lr=np.float32(1e-3)))
+    torch.save([1, 2], j('a_list.pt'))
     heads = torch.load(os.path.join(run, 'heads.pt'), map_location='cpu', weights_only=True)
     heads.pop('drafter')
     torch.save(heads, j('heads_no_weights.pt'))

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from conftest import Proc, corpus_text, run_main
+import cli
+import data
 from cli import BadInput, busy_cores, check_replaceable, intra_op_threads
 from data import (DEMO_PROMPTS, PROMPT_LEN, Vocab, heldout_prompts, heldout_prompts_of, load_checkpoint, load_dataset,
                   load_target, load_vocab, read_meta, regular_files, save_checkpoint, vocab_for)
@@ -136,6 +138,19 @@ def test_a_meta_pkl_of_another_vocabulary_than_the_checkpoints_names_where_it_ca
         vocab_for(ckpt, 'ckpt.pt', 256, str(meta))
     with pytest.raises(BadInput, match=r"^--data .*ds: its meta.pkl holds a char vocabulary .*, not the bytes"):
         vocab_for(ckpt, 'ckpt.pt', 256, str(meta), str(tmp_path / 'ds'))
+
+
+def test_a_target_larger_than_the_memory_free_is_refused_before_it_is_made(tmp_path, monkeypatch):
+    """target_from sizes the model by arithmetic against the memory free, before any tensor, and an
+    error's quoted message is its first line only (cli.first_line: a load_state_dict error runs over
+    several)."""
+    cfg = GPTConfig(block_size=16, vocab_size=32, n_layer=1, n_head=2, n_embd=16)
+    save_checkpoint(dict(model=GPT(cfg).state_dict(), model_args=vars(cfg)), str(tmp_path / 'ckpt.pt'))
+    monkeypatch.setattr(data, 'memory_free', lambda device: 1000)
+    with pytest.raises(BadInput, match=r"the model of .*ckpt.pt needs .* more than .* free on cpu"):
+        load_target(str(tmp_path / 'ckpt.pt'))
+    assert cli.first_line(RuntimeError("Error(s) in loading state_dict:\n\tsize mismatch")) == \
+        "Error(s) in loading state_dict:"
 
 
 class Payload:

@@ -447,6 +447,10 @@ BAD_CALLS = [
     ('threads zero', dict(threads=0), r"threads=0: want 'auto', None"),
     ('model not a GPT', dict(model='out/ckpt.pt'), r"model is str 'out/ckpt.pt'; want a model.GPT"),
     ('drafter not one', dict(drafter='heads'), r"drafter is str 'heads'; want a drafter"),
+    ('paths one past the most', dict(drafter=BlockHeads(GPTConfig(**CFG), 4).double(), temperature=1.0, paths=65),
+     r"paths=65: drafted paths per call"),
+    ('prompt on another device', dict(prompt=torch.zeros(1, 4, dtype=torch.long, device='meta')), r"prompt .*meta"),
+    ('drafter on another device', dict(drafter=BlockHeads(GPTConfig(**CFG), 4).to('meta')), r"drafter .*meta"),
 ]
 
 

@@ -247,11 +247,13 @@ def test_after_joint_heads_the_later_stages_train_for_the_fine_tuned_target(tmp_
 
 # --------------------------------------------------------------------------- checkpoints
 
-def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monkeypatch, capsys):
+@pytest.mark.parametrize('dropout', ['0.0', '0.1'])   # dropout draws from torch's global RNG: restored too
+def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monkeypatch, capsys, dropout):
     a, b = tmp_path / 'interrupted', tmp_path / 'straight'
     # one thread in every run: by default each run picks its threads by the machine's load at its
     # start, and sums split over other threads round differently
-    common = TINY + ['--data', str(corpus_file), '--ckpt-interval', '2', '--seed', '7', '--threads', '1']
+    common = TINY + ['--data', str(corpus_file), '--ckpt-interval', '2', '--seed', '7', '--threads', '1',
+                     '--dropout', dropout]
     real_lr_at = trainer.lr_at
 
     def interrupt_at_step_4(it, *args):   # a Ctrl-C as step 5 starts: the last save is step 4's
@@ -272,7 +274,7 @@ def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monk
     ra, rb = load_checkpoint(str(a / 'ckpt.pt')), load_checkpoint(str(b / 'ckpt.pt'))
     assert ra['iter_num'] == 6 and rb['iter_num'] == 6
     ma, mb = load_target(str(a / 'ckpt.pt')), load_target(str(b / 'ckpt.pt'))
-    assert ma.config == GPTConfig(block_size=32, vocab_size=256, n_layer=1, n_head=2, n_embd=16)
+    assert ma.config == GPTConfig(block_size=32, vocab_size=256, n_layer=1, n_head=2, n_embd=16, dropout=float(dropout))
     # resuming really continued training from step 4 (weights moved)...
     assert not all(torch.equal(ck4['model'][k], ra['model'][k]) for k in ra['model'])
     # ...and gives exactly the weights of the uninterrupted run
