@@ -144,16 +144,23 @@ def test_distillation_data_is_made_once_for_the_same_prompts_and_again_for_other
     assert 'making them again' in capsys.readouterr().out
 
 
-def test_the_joint_objective_adds_the_targets_next_token_loss():
-    """MATH.md §3 "Frozen vs joint": joint, the objective is the heads' loss plus the target's own
-    next-token cross-entropy on the same labels (-1: none); frozen, the heads' loss alone, and no
-    gradient reaches the target. With the random offset the same term is added to head I's loss."""
+def heads_world():
+    """A float64 target (32 tokens of context), live k = 4 heads, and 3 sequences of 32 tokens whose
+    first 5 carry no label."""
     model = tiny_model(seed=0, vocab_size=64, block_size=32, std=0.3)          # float64
     heads = BlockHeads(model.config, 4).double()
     torch.nn.init.normal_(heads.c_proj.weight, std=0.2)
     tokens = torch.randint(64, (3, 32), generator=torch.Generator().manual_seed(0))
     labels = tokens.clone()
     labels[:, :5] = -1
+    return model, heads, tokens, labels
+
+
+def test_the_joint_objective_adds_the_targets_next_token_loss():
+    """MATH.md §3 "Frozen vs joint": joint, the objective is the heads' loss plus the target's own
+    next-token cross-entropy on the same labels (-1: none); frozen, the heads' loss alone, and no
+    gradient reaches the target. With the random offset the same term is added to head I's loss."""
+    model, heads, tokens, labels = heads_world()
     T = 32 - 4
     for offset in (None, torch.tensor(1)):
         with torch.no_grad():
@@ -177,12 +184,7 @@ def test_frozen_heads_train_on_hidden_states_made_once(tmp_path, corpus_file, mo
     """With a frozen target, the heads stage makes the target's hidden states over the distilled
     sequences once (train.frozen_hidden), not at every step, and the heads' loss on them is the
     loss the objective computes from the tokens; trained jointly, the target runs at every step."""
-    model = tiny_model(seed=0, vocab_size=64, block_size=32, std=0.3)          # float64
-    heads = BlockHeads(model.config, 4).double()
-    torch.nn.init.normal_(heads.c_proj.weight, std=0.2)
-    tokens = torch.randint(64, (3, 32), generator=torch.Generator().manual_seed(0))
-    labels = tokens.clone()
-    labels[:, :5] = -1
+    model, heads, tokens, labels = heads_world()
     objective = train.HeadsObjective(model, heads, joint=False)
     h = train.frozen_hidden(model, tokens[:, :32 - 4], nullcontext(), rows=2)    # in two chunks
     for offset in (None, torch.tensor(1)):
