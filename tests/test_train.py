@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import types
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 import pytest
@@ -249,6 +249,23 @@ def test_after_joint_heads_the_later_stages_train_for_the_fine_tuned_target(tmp_
 
 # --------------------------------------------------------------------------- checkpoints
 
+@contextmanager
+def ctrl_c_as_step_5_starts(monkeypatch):
+    """Inside, a stage's training is interrupted (KeyboardInterrupt) as its step 5 starts: with
+    --ckpt-interval 2 its last save is step 4's."""
+    real_lr_at = trainer.lr_at
+
+    def lr_at(it, *args):
+        if it == 4:
+            raise KeyboardInterrupt
+        return real_lr_at(it, *args)
+    monkeypatch.setattr(trainer, 'lr_at', lr_at)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(trainer, 'lr_at', real_lr_at)
+
+
 @pytest.mark.parametrize('dropout', ['0.0', '0.1'])   # dropout draws from torch's global RNG: restored too
 def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monkeypatch, capsys, dropout):
     a, b = tmp_path / 'interrupted', tmp_path / 'straight'
@@ -256,16 +273,8 @@ def test_resume_round_trip_matches_uninterrupted_run(tmp_path, corpus_file, monk
     # start, and sums split over other threads round differently
     common = TINY + ['--data', str(corpus_file), '--ckpt-interval', '2', '--seed', '7', '--threads', '1',
                      '--dropout', dropout]
-    real_lr_at = trainer.lr_at
-
-    def interrupt_at_step_4(it, *args):   # a Ctrl-C as step 5 starts: the last save is step 4's
-        if it == 4:
-            raise KeyboardInterrupt
-        return real_lr_at(it, *args)
-    monkeypatch.setattr(trainer, 'lr_at', interrupt_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_as_step_5_starts(monkeypatch), pytest.raises(KeyboardInterrupt):
         train.main(common + ['--out-dir', str(a), '--max-iters', '6'])
-    monkeypatch.setattr(trainer, 'lr_at', real_lr_at)
     ck4 = load_checkpoint(str(a / 'ckpt.pt'))
     assert ck4['iter_num'] == 4
     capsys.readouterr()
@@ -310,16 +319,8 @@ def test_a_drafter_stage_resumed_matches_an_uninterrupted_one(tmp_path, corpus_f
     flags += (['--k', '4', '--heads-iters', '6', '--distill-samples', '4', '--joint'] if stage == 'heads' else
               ['--dblast-iters', '6', '--dblast-samples', '4', '--dblast-eval-samples', '2', '--branches', '2',
                '--baseline-loss', 'none'])
-    real_lr_at = trainer.lr_at
-
-    def interrupt_at_step_4(it, *args):
-        if it == 4:
-            raise KeyboardInterrupt
-        return real_lr_at(it, *args)
-    monkeypatch.setattr(trainer, 'lr_at', interrupt_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
+    with ctrl_c_as_step_5_starts(monkeypatch), pytest.raises(KeyboardInterrupt):
         train.main(flags + ['--out-dir', str(a)])
-    monkeypatch.setattr(trainer, 'lr_at', real_lr_at)
     name = 'heads.pt' if stage == 'heads' else 'dblast_K2.pt'
     assert load_checkpoint(str(a / name))['iter_num'] == 4
     train.main(flags + ['--out-dir', str(a), '--resume'])
