@@ -113,17 +113,21 @@ def stage_base(rt, args, ds, vocab, name='base', path=None, train=None, record=N
     path = path or os.path.join(args.out_dir, 'ckpt.pt')
     model_args = {k: getattr(args, k) for k in ('n_layer', 'n_head', 'n_embd', 'block_size', 'dropout', 'bias')}
     model_args['vocab_size'] = args.vocab_size
-    resume = resume_state(args, path, dict(model_args=model_args), weights='model')
+    if name == 'base':   # what the messages call this model, and the flags that shape it
+        what, named = 'the target', '--n-layer, ...'
+        shaped = f"--n-layer {args.n_layer}, --n-embd {args.n_embd}, ..."
+    else:                # the draft stage's own flags
+        what, named = 'the draft model', '--draft-layers, --draft-embd'
+        shaped = f"--draft-layers {args.n_layer}, --draft-embd {args.n_embd}"
+    resume = resume_state(args, path, dict(model_args=model_args), weights='model', model_flags=named)
     if resume is not None and resume['iter_num'] >= args.max_iters:
         rt.print(f"{name}: {path} already trained for {resume['iter_num']} steps; skipping")
         return target_from(resume, path, rt.device)
     check_replaceable(path)
     if resume is None:   # by arithmetic first: flags that make a model this machine cannot hold allocate nothing
-        flags = (f"--n-layer {args.n_layer}, --n-embd {args.n_embd}, ..." if name == 'base' else
-                 f"--draft-layers {args.n_layer}, --draft-embd {args.n_embd}")
         check_fits(16 * weight_count(GPTConfig(**model_args)), rt.device,
-                   f"training the {'target' if name == 'base' else name + ' model'} of these flags ({flags}: its "
-                   f"weights, gradients and AdamW's two moments in float32)")
+                   f"training {what} of these flags ({shaped}: its weights, gradients and AdamW's two moments in "
+                   f"float32)")
     model = GPT(GPTConfig(**model_args)) if resume is None else target_from(resume, path)
     model.to(rt.device).train()
     rt.print(f"{name}: {model.get_num_params() / 1e6:.2f}M parameters on {rt.device}, "

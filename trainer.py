@@ -315,13 +315,13 @@ class Mismatch(BadInput):
 RESUMABLE = ('optimizer', 'iter_num', 'rng')
 
 
-def resume_state(args, path, expect, weights='drafter'):
+def resume_state(args, path, expect, weights='drafter', model_flags='--n-layer, ...'):
     """The checkpoint to resume from (None: start fresh). `expect`: fields that must match; every
-    field a resume reads must be there (load_checkpoint has checked the types of those present)."""
+    field a resume reads must be there (load_checkpoint has checked the types of those present).
+    model_flags: the flags that make `model_args`, for the message when they differ."""
     if not args.resume or not os.path.exists(path):
         return None
     ckpt = load_checkpoint(path)
-    model_flags = '--draft-layers, --draft-embd' if os.path.basename(path).startswith('draft') else '--n-layer, ...'
     flags = dict(model_args=f'other model flags ({model_flags})', trained_from='another target',
                  base_fingerprint='another target', joint='another --joint/--frozen', loss='another --dblast-loss',
                  K='another --branches', k='another --k' if 'K' not in expect else 'another --dblast-k')
