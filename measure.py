@@ -281,11 +281,13 @@ def profiled(device):
     a CUDA build on a machine without a GPU, 'gpuGetDeviceCount failed') are silenced: they fell
     between the rows of bench's printed tables. KINETO_LOG_LEVEL 6 is past its highest level (5);
     a value the user set stays. On CUDA they stay too: they say when the GPU's kernels cannot be
-    read (CUPTI's permissions)."""
+    read (CUPTI's permissions). Each profiler here runs once, so acc_events (keep the events of
+    several runs) changes nothing but torch 2.11's warning, at every start without it, that they
+    are not kept."""
     cuda = torch.device(device).type == 'cuda'
     if not cuda:
         os.environ.setdefault('KINETO_LOG_LEVEL', '6')
-    return profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda)
+    return profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda, acc_events=True)
 
 
 def time_split(run, device):
