@@ -144,6 +144,14 @@ def test_distillation_data_is_made_once_for_the_same_prompts_and_again_for_other
     assert 'making them again' in capsys.readouterr().out
 
 
+def tiny_target_in(folder, corpus_file):
+    """train.py's base stage at tiny sizes (2 steps, a context of 48) into `folder`: the target the
+    drafter stages' tests train for. Returns the flags that name its data and folder (one thread)."""
+    out = ['--data', str(corpus_file), '--out-dir', str(folder), '--threads', '1']
+    train.main(TINY + out + ['--max-iters', '2', '--block-size', '48'])
+    return out
+
+
 def heads_world():
     """A float64 target (32 tokens of context), live k = 4 heads, and 3 sequences of 32 tokens whose
     first 5 carry no label."""
@@ -190,8 +198,7 @@ def test_frozen_heads_train_on_hidden_states_made_once(tmp_path, corpus_file, mo
     for offset in (None, torch.tensor(1)):
         assert torch.allclose(objective(None, labels, offset, h), objective(tokens, labels, offset), rtol=1e-12)
 
-    out = ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--threads', '1']
-    train.main(TINY + out + ['--max-iters', '2', '--block-size', '48'])
+    out = tiny_target_in(tmp_path, corpus_file)
     real, calls = GPT.hidden, []
     monkeypatch.setattr(GPT, 'hidden', lambda self, idx: calls.append(len(idx)) or real(self, idx))
     real_loss, labelled = BlockHeads.loss, []
@@ -213,8 +220,7 @@ def test_the_drafter_stages_train_and_judge_as_they_say(tmp_path, corpus_file, m
     offset draws every head (0 .. k-2) and no other; the frozen heads' hidden states are made at
     decoding's float32; DBlast's loss gets --temperature, --tau-threshold and --nll-weight, and the
     held-out evaluation scores sampled branches under mixture verification at --temperature."""
-    out = ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--threads', '1']
-    train.main(TINY + out + ['--max-iters', '2', '--block-size', '48'])
+    out = tiny_target_in(tmp_path, corpus_file)
     seen = dict(offsets=set(), precision=[], loss=[], evaluated=[])
     real_loss, real_hidden, real_dblast_loss = BlockHeads.loss, train.frozen_hidden, DBlastDrafter.loss
     monkeypatch.setattr(BlockHeads, 'loss', lambda self, h, lm_head, idx, offset=None: seen['offsets'].add(
@@ -236,8 +242,7 @@ def test_the_drafter_stages_train_and_judge_as_they_say(tmp_path, corpus_file, m
 def test_after_joint_heads_the_later_stages_train_for_the_fine_tuned_target(tmp_path, corpus_file):
     """--joint fine-tunes the target in the heads stage and saves it as ckpt_joint.pt; the stages
     after it in the same run (here dblast) train for that target, not for ckpt.pt."""
-    out = ['--data', str(corpus_file), '--out-dir', str(tmp_path), '--threads', '1']
-    train.main(TINY + out + ['--max-iters', '2', '--block-size', '48'])
+    out = tiny_target_in(tmp_path, corpus_file)
     train.main(['--stages', 'heads,dblast', '--device', 'cpu', '--no-demo', '--k', '4', '--heads-iters', '2',
                 '--distill-samples', '4', '--batch-size', '2', '--joint', '--dblast-iters', '2', '--dblast-samples',
                 '4', '--dblast-eval-samples', '2', '--branches', '2'] + out)
@@ -311,8 +316,7 @@ def test_a_drafter_stage_resumed_matches_an_uninterrupted_one(tmp_path, corpus_f
     optimizer moments of a run that was never interrupted: the heads trained jointly (the
     fine-tuned target resumed too), and DBlast's K = 2 drafter (its evaluation history too)."""
     a, b = tmp_path / 'interrupted', tmp_path / 'straight'
-    train.main(TINY + ['--data', str(corpus_file), '--out-dir', str(a), '--max-iters', '2', '--block-size', '48',
-                       '--threads', '1'])
+    tiny_target_in(a, corpus_file)
     shutil.copytree(a, b)
     flags = ['--stages', stage, '--device', 'cpu', '--no-demo', '--data', str(corpus_file), '--threads', '1',
              '--seed', '7', '--batch-size', '2', '--ckpt-interval', '2']
