@@ -18,8 +18,9 @@ student.py that crashes or hangs is a failed check with a reason, not a tracebac
   test, so replacing harness.run_check or a check function does not change what runs; and after
   loading it and after each check it compares the functions and values of the harness, the
   checks, the project's modules and classes, torch, Python's builtins and the standard modules
-  the checks compute with (math, statistics: a test's critical value) with what they were before:
-  anything replaced is put back, and the check (or, at import, every check) fails, naming it.
+  the checks compute with (math, statistics: a test's critical value; itertools, functools, copy)
+  with what they were before: anything replaced is put back, and the check (or, at import, every
+  check) fails, naming it.
 - Time: loading student.py and each check get LIMIT seconds; past that the worker is killed and
   the check fails, and the checks after it are not run (a loop there would most likely loop in
   them too). After a crash or an exit inside a check, a new worker runs the checks after it.
